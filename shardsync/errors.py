@@ -1,0 +1,111 @@
+"""The one exception hierarchy of shardsync.
+
+Errors are split by who is at fault, so callers can decide what to do
+without parsing messages::
+
+    ShardsyncError                  base of everything we raise on purpose
+    ├── ConfigError                 the user's configuration or arguments are wrong
+    ├── ManifestError               the origin's index/listing is malformed or hostile
+    │   └── UnsafeNameError         a file name that must never become a path or URL
+    ├── OriginError                 the origin answered, and the answer is final
+    │   ├── RepoNotFoundError       404 / X-Error-Code: RepoNotFound
+    │   ├── RevisionNotFoundError   X-Error-Code: RevisionNotFound
+    │   ├── EntryNotFoundError      X-Error-Code: EntryNotFound (a file is missing)
+    │   ├── AuthError               401/403, gated or private repo, bad token
+    │   └── ProtocolError           the server broke HTTP semantics (lying Content-Range, ...)
+    ├── TransferError               the network kept failing until the retry budget ran out
+    │   └── StalledError            a connection fell under the minimum-throughput watchdog
+    ├── IntegrityError              downloaded bytes did not match their sha256/size
+    ├── CacheError                  the local cache cannot be used
+    │   └── DiskFullError           ENOSPC/EDQUOT while writing; partial files are kept
+    └── OfflineError                offline mode and the cache cannot answer
+
+Errors of the layers below (aiohttp, OSError, json) are mapped at the module
+boundary with ``raise ... from exc`` so a user never sees a traceback from deep
+inside a library for a condition we anticipated.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AuthError",
+    "CacheError",
+    "ConfigError",
+    "DiskFullError",
+    "EntryNotFoundError",
+    "IntegrityError",
+    "ManifestError",
+    "OfflineError",
+    "OriginError",
+    "ProtocolError",
+    "RepoNotFoundError",
+    "RevisionNotFoundError",
+    "ShardsyncError",
+    "StalledError",
+    "TransferError",
+    "UnsafeNameError",
+]
+
+
+class ShardsyncError(Exception):
+    """Base class: every error shardsync raises on purpose derives from it."""
+
+
+class ConfigError(ShardsyncError):
+    """Invalid configuration, environment or command-line arguments."""
+
+
+class ManifestError(ShardsyncError):
+    """The origin's index or file listing is malformed or inconsistent."""
+
+
+class UnsafeNameError(ManifestError):
+    """A file name from the network that could escape the cache or change a URL."""
+
+
+class OriginError(ShardsyncError):
+    """The origin gave a definite answer that retrying will not change."""
+
+
+class RepoNotFoundError(OriginError):
+    """The repository does not exist (or is private and we have no access)."""
+
+
+class RevisionNotFoundError(OriginError):
+    """The branch, tag or commit does not exist in the repository."""
+
+
+class EntryNotFoundError(OriginError):
+    """A file named by the index or listing is missing at the origin."""
+
+
+class AuthError(OriginError):
+    """Authentication or authorization failed (401/403, gated repository)."""
+
+
+class ProtocolError(OriginError):
+    """The server's answer contradicts HTTP semantics or our request."""
+
+
+class TransferError(ShardsyncError):
+    """A transfer kept failing until its retry budget was exhausted."""
+
+
+class StalledError(TransferError):
+    """A connection delivered less than the minimum throughput for too long."""
+
+
+class IntegrityError(ShardsyncError):
+    """Bytes did not match the expected sha256 or size; nothing was published."""
+
+
+class CacheError(ShardsyncError):
+    """The local cache directory cannot be read or written."""
+
+
+class DiskFullError(CacheError):
+    """No space left while writing; the partial file is kept for the next run."""
+
+
+class OfflineError(ShardsyncError):
+    """Offline mode was requested and the cache holds no complete snapshot."""
