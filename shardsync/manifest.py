@@ -1,0 +1,555 @@
+"""Turn what an origin says into a frozen, validated, ordered fetch list.
+
+Pure: no I/O. Everything here reads bytes or values handed in by the caller,
+so hostile input (names that escape the cache, duplicate JSON keys, listings
+that disagree with the index) is rejected before any path or URL is built.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import posixpath
+import re
+import unicodedata
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Literal
+
+from shardsync.errors import ManifestError, UnsafeNameError
+
+__all__ = [
+    "DEFAULT_INCLUDE",
+    "MAX_JSON_BYTES",
+    "FileRole",
+    "IndexInfo",
+    "Listing",
+    "Manifest",
+    "ManifestEntry",
+    "RemoteFile",
+    "build_manifest",
+    "parse_hub_revision",
+    "parse_hub_tree",
+    "parse_index",
+    "select_weights",
+    "validate_name",
+]
+
+FileRole = Literal["index", "shard", "extra"]
+
+MAX_JSON_BYTES = 64 * 1024 * 1024
+"""Largest index or listing we parse; real ones are a few MiB at most."""
+
+MAX_NAME_BYTES = 1024
+MAX_COMPONENT_BYTES = 255
+
+DEFAULT_INCLUDE: tuple[str, ...] = (
+    "*.json",
+    "*.txt",
+    "*.model",
+    "*.tiktoken",
+    "*.jinja",
+    "*.bpe",
+    "*.vocab",
+    "*.py",
+    "*.md",
+    "*.yaml",
+    "*.yml",
+    "tokenizer*",
+    "LICENSE*",
+    "NOTICE*",
+)
+"""Small files a loader needs next to the weights (configs, tokenizers, chat
+templates, remote code, model card). Deliberately no weight formats: other
+``*.safetensors``, ``*.bin``, ``*.pt``, ``*.gguf``, ... are never fetched by default."""
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+SAFETENSORS_SINGLE = "model.safetensors"
+PICKLE_INDEX = "pytorch_model.bin.index.json"
+PICKLE_SINGLE = "pytorch_model.bin"
+
+_SAFETENSORS_INDEX_SUFFIX = ".safetensors.index.json"
+_PICKLE_INDEX_SUFFIX = ".bin.index.json"
+
+_HEX40 = re.compile(r"[0-9a-fA-F]{40}")
+_HEX64 = re.compile(r"[0-9a-fA-F]{64}")
+# A drive-like first segment: Windows joins ``base / "C:x"`` onto drive C:, so it is
+# refused in every component, not only the first.
+_DRIVE = re.compile(r"[A-Za-z]:")
+
+
+def _unsafe(name: object, reason: str) -> UnsafeNameError:
+    return UnsafeNameError(f"unsafe file name {name!r}: {reason}")
+
+
+def validate_name(name: str) -> str:
+    """Return ``name`` unchanged if it is a safe repo-relative posix path, else raise.
+
+    A name that passes can be joined under a directory on POSIX and Windows and
+    quoted into a URL path without escaping the directory or changing the URL's
+    meaning. Percent signs are refused outright so no layer can decode ``%2e%2e``.
+    """
+    if not isinstance(name, str):
+        raise _unsafe(name, "not a string")
+    if not name:
+        raise _unsafe(name, "empty")
+    try:
+        encoded = name.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise _unsafe(name, "not valid UTF-8") from exc
+    if len(encoded) > MAX_NAME_BYTES:
+        raise _unsafe(name, f"longer than {MAX_NAME_BYTES} bytes")
+    for char in name:
+        if ord(char) < 0x20 or ord(char) == 0x7F:
+            raise _unsafe(name, f"control character {char!r}")
+    for char, what in (("\\", "backslash"), ("%", "percent sign"), ("?", "'?'"), ("#", "'#'")):
+        if char in name:
+            raise _unsafe(name, f"contains a {what}")
+    if name.startswith("/"):
+        raise _unsafe(name, "absolute path")
+    if name.endswith("/"):
+        raise _unsafe(name, "trailing slash")
+    if unicodedata.normalize("NFC", name) != name:
+        raise _unsafe(name, "not in Unicode NFC form")
+    for component in name.split("/"):
+        if not component:
+            raise _unsafe(name, "empty path component")
+        if component in (".", ".."):
+            raise _unsafe(name, f"{component!r} component")
+        if component.casefold() == ".git":
+            raise _unsafe(name, "'.git' component")
+        if _DRIVE.match(component):
+            raise _unsafe(name, "drive letter")
+        if len(component.encode("utf-8")) > MAX_COMPONENT_BYTES:
+            raise _unsafe(name, f"component longer than {MAX_COMPONENT_BYTES} bytes")
+    return name
+
+
+def _check_size(value: object, where: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ManifestError(f"{where}: size must be a non-negative integer, got {value!r}")
+    return value
+
+
+def _check_sha256(value: object, where: str) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not _HEX64.fullmatch(value):
+        raise ManifestError(f"{where}: sha256 must be 64 hex digits, got {value!r}")
+    return value.lower()
+
+
+def _check_blob_id(value: object, where: str) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not _HEX40.fullmatch(value):
+        raise ManifestError(f"{where}: git blob id must be 40 hex digits, got {value!r}")
+    return value.lower()
+
+
+def _check_commit(value: object, where: str) -> str:
+    if not isinstance(value, str) or not _HEX40.fullmatch(value):
+        raise ManifestError(f"{where}: commit must be 40 hex digits, got {value!r}")
+    return value.lower()
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteFile:
+    """One entry of an origin's listing; validated and normalised on construction."""
+
+    path: str
+    size: int | None
+    sha256: str | None
+    blob_id: str | None = None
+
+    def __post_init__(self) -> None:
+        validate_name(self.path)
+        where = f"file {self.path!r}"
+        _check_size(self.size, where)
+        object.__setattr__(self, "sha256", _check_sha256(self.sha256, where))
+        object.__setattr__(self, "blob_id", _check_blob_id(self.blob_id, where))
+
+
+@dataclass(frozen=True, slots=True)
+class Listing:
+    """What an origin says it holds at one commit.
+
+    ``exhaustive=False`` is for a plain HTTP origin that cannot list: shards named
+    by the index are then accepted without a listing entry (size and sha256 unknown).
+    """
+
+    commit: str | None
+    files: tuple[RemoteFile, ...]
+    exhaustive: bool = True
+
+    def __post_init__(self) -> None:
+        if self.commit is not None:
+            object.__setattr__(self, "commit", _check_commit(self.commit, "listing"))
+        files = tuple(self.files)
+        seen: set[str] = set()
+        for remote in files:
+            if remote.path in seen:
+                raise ManifestError(f"listing names {remote.path!r} more than once")
+            seen.add(remote.path)
+        object.__setattr__(self, "files", files)
+
+
+@dataclass(frozen=True, slots=True)
+class IndexInfo:
+    """A parsed ``*.safetensors.index.json`` / ``*.bin.index.json``.
+
+    Shard paths are resolved against the index's directory, so ``weight_map``
+    values and ``shards`` are repo-relative like every other path here.
+    """
+
+    path: str
+    weight_map: Mapping[str, str] = field(hash=False)
+    shards: tuple[str, ...]
+    metadata: Mapping[str, object] = field(hash=False)
+    format: Literal["safetensors", "pickle"]
+
+
+@dataclass(frozen=True, slots=True)
+class ManifestEntry:
+    """One file to fetch, with what we know about it up front."""
+
+    path: str
+    size: int | None
+    sha256: str | None
+    blob_id: str | None
+    role: FileRole
+
+    def __post_init__(self) -> None:
+        validate_name(self.path)
+        where = f"file {self.path!r}"
+        _check_size(self.size, where)
+        object.__setattr__(self, "sha256", _check_sha256(self.sha256, where))
+        object.__setattr__(self, "blob_id", _check_blob_id(self.blob_id, where))
+        if self.role not in ("index", "shard", "extra"):
+            raise ManifestError(f"{where}: unknown role {self.role!r}")
+
+    @classmethod
+    def from_remote(cls, remote: RemoteFile, role: FileRole) -> ManifestEntry:
+        return cls(remote.path, remote.size, remote.sha256, remote.blob_id, role)
+
+
+_ROLE_ORDER: dict[str, int] = {"index": 0, "shard": 1, "extra": 2}
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    """The ordered fetch list of one snapshot.
+
+    Order is the fetch priority: the index (if any), the shards in index order
+    (or the single weights file), then extras sorted by path.
+    """
+
+    commit: str | None
+    entries: tuple[ManifestEntry, ...]
+    weight_map: Mapping[str, str] = field(hash=False)
+
+    def __post_init__(self) -> None:
+        if self.commit is not None:
+            object.__setattr__(self, "commit", _check_commit(self.commit, "manifest"))
+        entries = tuple(self.entries)
+        object.__setattr__(self, "entries", entries)
+        object.__setattr__(self, "weight_map", MappingProxyType(dict(self.weight_map)))
+        ranks = [_ROLE_ORDER[e.role] for e in entries]
+        if ranks != sorted(ranks) or ranks.count(0) > 1:
+            raise ManifestError("manifest entries must be: at most one index, shards, extras")
+        if not any(e.role == "shard" for e in entries):
+            raise ManifestError("manifest has no weights")
+        paths = [e.path for e in entries]
+        if len(set(paths)) != len(paths):
+            raise ManifestError("manifest names a file more than once")
+        # A file and a directory of the same name cannot coexist in a snapshot.
+        dirs = {posixpath.dirname(p) for p in paths}
+        parents = {d for p in dirs for d in _ancestors(p)}
+        clash = sorted(parents.intersection(paths))
+        if clash:
+            raise ManifestError(f"{clash[0]!r} is both a file and a directory in the listing")
+        shard_paths = {e.path for e in entries if e.role == "shard"}
+        for tensor, shard in self.weight_map.items():
+            if shard not in shard_paths:
+                raise ManifestError(f"weight_map maps {tensor!r} to {shard!r}, not a shard")
+
+    @property
+    def index(self) -> ManifestEntry | None:
+        """The index entry, or None for a single-file checkpoint."""
+        first = self.entries[0]
+        return first if first.role == "index" else None
+
+    @property
+    def shards(self) -> tuple[ManifestEntry, ...]:
+        """The weight files in load order (one for a single-file checkpoint)."""
+        return tuple(e for e in self.entries if e.role == "shard")
+
+    @property
+    def extras(self) -> tuple[ManifestEntry, ...]:
+        return tuple(e for e in self.entries if e.role == "extra")
+
+    @property
+    def total_size(self) -> int | None:
+        """Bytes to fetch in all, or None while any size is unknown."""
+        total = 0
+        for entry in self.entries:
+            if entry.size is None:
+                return None
+            total += entry.size
+        return total
+
+    def entry(self, path: str) -> ManifestEntry:
+        """The entry for ``path``; KeyError if the manifest does not name it."""
+        for candidate in self.entries:
+            if candidate.path == path:
+                return candidate
+        raise KeyError(path)
+
+
+def _ancestors(directory: str) -> list[str]:
+    parts = directory.split("/") if directory else []
+    return ["/".join(parts[: i + 1]) for i in range(len(parts))]
+
+
+def _load_json(data: bytes, what: str) -> object:
+    """Strict JSON: bounded size, UTF-8 only, no duplicate keys, no NaN/Infinity."""
+    if len(data) > MAX_JSON_BYTES:
+        raise ManifestError(f"{what}: {len(data)} bytes is over the {MAX_JSON_BYTES} byte limit")
+    try:
+        text = bytes(data).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ManifestError(f"{what}: not valid UTF-8 ({exc.reason} at byte {exc.start})") from exc
+
+    def pairs(items: list[tuple[str, object]]) -> dict[str, object]:
+        result: dict[str, object] = {}
+        for key, value in items:
+            if key in result:
+                raise ManifestError(f"{what}: duplicate JSON key {key!r}")
+            result[key] = value
+        return result
+
+    def constant(name: str) -> object:
+        raise ManifestError(f"{what}: {name} is not valid JSON")
+
+    try:
+        return json.loads(text, object_pairs_hook=pairs, parse_constant=constant)
+    except json.JSONDecodeError as exc:
+        raise ManifestError(f"{what}: invalid JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise ManifestError(f"{what}: JSON nested too deeply") from exc
+
+
+def _object(value: object, what: str) -> dict[str, object]:
+    if not isinstance(value, dict):
+        raise ManifestError(f"{what} must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _array(value: object, what: str) -> list[object]:
+    if not isinstance(value, list):
+        raise ManifestError(f"{what} must be a JSON array, got {type(value).__name__}")
+    return value
+
+
+def parse_index(data: bytes, *, path: str) -> IndexInfo:
+    """Parse a sharded checkpoint index fetched from ``path``."""
+    validate_name(path)
+    if path.endswith(_SAFETENSORS_INDEX_SUFFIX):
+        fmt: Literal["safetensors", "pickle"] = "safetensors"
+        shard_suffix = ".safetensors"
+    elif path.endswith(_PICKLE_INDEX_SUFFIX):
+        fmt = "pickle"
+        shard_suffix = ".bin"
+    else:
+        raise ManifestError(f"{path!r} is not a *.safetensors.index.json or *.bin.index.json")
+    top = _object(_load_json(data, path), path)
+    raw_map = _object(top.get("weight_map"), f"{path}: 'weight_map'")
+    if not raw_map:
+        raise ManifestError(f"{path}: 'weight_map' is empty")
+    raw_metadata = top.get("metadata", {})
+    metadata = _object({} if raw_metadata is None else raw_metadata, f"{path}: 'metadata'")
+    base = posixpath.dirname(path)
+    weight_map: dict[str, str] = {}
+    shards: dict[str, None] = {}
+    for tensor, shard in raw_map.items():
+        if not isinstance(shard, str):
+            raise ManifestError(
+                f"{path}: weight_map[{tensor!r}] must be a string, got {type(shard).__name__}"
+            )
+        validate_name(shard)
+        resolved = validate_name(f"{base}/{shard}" if base else shard)
+        if not resolved.endswith(shard_suffix):
+            raise ManifestError(
+                f"{path}: weight_map[{tensor!r}] = {shard!r} is not a {shard_suffix} file"
+            )
+        weight_map[tensor] = resolved
+        shards[resolved] = None
+    return IndexInfo(
+        path=path,
+        weight_map=MappingProxyType(weight_map),
+        shards=tuple(shards),
+        metadata=MappingProxyType(metadata),
+        format=fmt,
+    )
+
+
+def select_weights(listing: Listing, *, allow_pickle: bool = False) -> RemoteFile:
+    """Pick the checkpoint to fetch: safetensors always wins over pickle.
+
+    Order: ``model.safetensors.index.json``, ``model.safetensors``, then a lone
+    top-level ``*.safetensors.index.json``, then a lone top-level ``*.safetensors``;
+    pickle (``pytorch_model.bin.index.json``, ``pytorch_model.bin``) only with
+    ``allow_pickle``.
+    """
+    by_path = {f.path: f for f in listing.files}
+    for name in (SAFETENSORS_INDEX, SAFETENSORS_SINGLE):
+        if name in by_path:
+            return by_path[name]
+    top_level = sorted(p for p in by_path if "/" not in p)
+    for suffix in (_SAFETENSORS_INDEX_SUFFIX, ".safetensors"):
+        candidates = [p for p in top_level if p.endswith(suffix)]
+        if len(candidates) == 1:
+            return by_path[candidates[0]]
+        if len(candidates) > 1:
+            raise ManifestError(
+                f"ambiguous weights: several top-level *{suffix} files and no "
+                f"{SAFETENSORS_INDEX}: {', '.join(candidates)}"
+            )
+    pickles = [by_path[name] for name in (PICKLE_INDEX, PICKLE_SINGLE) if name in by_path]
+    if pickles:
+        if allow_pickle:
+            return pickles[0]
+        raise ManifestError(
+            f"the repository only has pickle weights ({pickles[0].path}); pickle can run "
+            "code when loaded, so it is refused unless you pass allow_pickle=True "
+            "(it is then loaded with torch.load(weights_only=True))"
+        )
+    raise ManifestError(
+        f"no weights found: expected {SAFETENSORS_INDEX}, {SAFETENSORS_SINGLE} or a "
+        "top-level *.safetensors file"
+    )
+
+
+def _matches(path: str, patterns: Sequence[str]) -> bool:
+    base = posixpath.basename(path)
+    return any(fnmatch.fnmatchcase(path, p) or fnmatch.fnmatchcase(base, p) for p in patterns)
+
+
+def build_manifest(
+    listing: Listing,
+    index: IndexInfo | None,
+    weights: RemoteFile,
+    *,
+    include: Sequence[str] | None = None,
+    exclude: Sequence[str] = (),
+) -> Manifest:
+    """Combine listing, parsed index and chosen weights into the fetch list.
+
+    The index and its shards are always fetched; ``include``/``exclude`` globs
+    (matched against the full path and the basename) only pick the extras.
+    """
+    if isinstance(include, str) or isinstance(exclude, str):
+        raise TypeError("include and exclude take a sequence of globs, not a string")
+    patterns = DEFAULT_INCLUDE if include is None else tuple(include)
+    listed = {f.path: f for f in listing.files}
+    if listing.exhaustive and weights.path not in listed:
+        raise ManifestError(f"{weights.path!r} is not in the origin's listing")
+    entries: list[ManifestEntry] = []
+    if index is None:
+        if weights.path.endswith(".index.json"):
+            raise ManifestError(f"{weights.path!r} is an index; parse it and pass it as index")
+        entries.append(ManifestEntry.from_remote(weights, "shard"))
+        weight_map: Mapping[str, str] = MappingProxyType({})
+    else:
+        if index.path != weights.path:
+            raise ManifestError(f"index {index.path!r} is not the chosen weights {weights.path!r}")
+        entries.append(ManifestEntry.from_remote(weights, "index"))
+        for shard in index.shards:
+            remote = listed.get(shard)
+            if remote is None:
+                if listing.exhaustive:
+                    raise ManifestError(
+                        f"{index.path} names shard {shard!r}, which is not in the listing"
+                    )
+                remote = RemoteFile(shard, None, None)
+            entries.append(ManifestEntry.from_remote(remote, "shard"))
+        weight_map = index.weight_map
+    chosen = {e.path for e in entries}
+    extras = sorted(
+        (
+            f
+            for f in listing.files
+            if f.path not in chosen and _matches(f.path, patterns) and not _matches(f.path, exclude)
+        ),
+        key=lambda f: f.path,
+    )
+    entries.extend(ManifestEntry.from_remote(f, "extra") for f in extras)
+    return Manifest(commit=listing.commit, entries=tuple(entries), weight_map=weight_map)
+
+
+def _hub_file(
+    item: dict[str, object], *, name_key: str, lfs_hash_keys: tuple[str, ...], blob_key: str
+) -> RemoteFile:
+    name = item.get(name_key)
+    if not isinstance(name, str):
+        raise ManifestError(f"listing entry without a string {name_key!r}: {item!r}")
+    validate_name(name)
+    where = f"listing entry {name!r}"
+    size = _check_size(item.get("size"), where)
+    sha256: object = None
+    raw_lfs = item.get("lfs")
+    if raw_lfs is not None:
+        lfs = _object(raw_lfs, f"{where}: 'lfs'")
+        sha256 = next((lfs[k] for k in lfs_hash_keys if lfs.get(k) is not None), None)
+        if sha256 is None:
+            raise ManifestError(f"{where}: 'lfs' has no {' or '.join(lfs_hash_keys)}")
+        lfs_size = _check_size(lfs.get("size"), f"{where} (lfs)")
+        if size is None:
+            size = lfs_size
+        elif lfs_size is not None and lfs_size != size:
+            raise ManifestError(f"{where}: size {size} disagrees with lfs size {lfs_size}")
+    blob_id = item.get(blob_key)
+    if blob_id is not None and not isinstance(blob_id, str):
+        raise ManifestError(f"{where}: {blob_key!r} must be a string, got {blob_id!r}")
+    sha_checked = _check_sha256(sha256, where)
+    return RemoteFile(name, size, sha_checked, _check_blob_id(blob_id, where))
+
+
+def parse_hub_revision(payload: bytes) -> Listing:
+    """Parse ``GET /api/models/{repo}/revision/{rev}?blobs=true``."""
+    what = "Hub revision info"
+    top = _object(_load_json(payload, what), what)
+    commit = _check_commit(top.get("sha"), f"{what} 'sha'")
+    siblings = _array(top.get("siblings"), f"{what}: 'siblings'")
+    files = tuple(
+        _hub_file(
+            _object(s, f"{what}: sibling"),
+            name_key="rfilename",
+            lfs_hash_keys=("sha256", "oid"),
+            blob_key="blobId",
+        )
+        for s in siblings
+    )
+    return Listing(commit=commit, files=files, exhaustive=True)
+
+
+def parse_hub_tree(payload: bytes) -> tuple[RemoteFile, ...]:
+    """Parse one page of ``GET /api/models/{repo}/tree/{rev}?recursive=true``.
+
+    Directory entries are skipped; any other non-file type is refused rather than
+    guessed at.
+    """
+    what = "Hub tree listing"
+    files: list[RemoteFile] = []
+    for raw in _array(_load_json(payload, what), what):
+        item = _object(raw, f"{what}: entry")
+        kind = item.get("type")
+        if kind == "directory":
+            continue
+        if kind != "file":
+            raise ManifestError(f"{what}: unknown entry type {kind!r} for {item.get('path')!r}")
+        files.append(_hub_file(item, name_key="path", lfs_hash_keys=("oid",), blob_key="oid"))
+    return tuple(files)
