@@ -1,0 +1,843 @@
+"""The content-addressed cache: the only module that writes under the cache root.
+
+Layout of a cache root ``R``::
+
+    R/VERSION, R/CACHEDIR.TAG
+    R/store/sha256/<aa>/<sha256>              immutable blobs (0o444), named by their content
+    R/hub/models--{org}--{name}/              Hugging Face hub layout (HF_HUB_CACHE=R/hub works)
+        blobs/<etag>                          hard link to the store blob: bytes are stored once
+        snapshots/<commit>/<path>             relative symlink to ../../blobs/<etag>
+        refs/<revision>                       the bare commit hash
+    R/other/{kind}--{slug}/                   same layout for plain-URL and local origins
+    R/state/snapshots/<repo>/<commit>.json    snapshot record, written last: it means "complete"
+    R/partial/<key>.part, <key>.json          in-progress downloads (the fetcher owns the format)
+    R/locks/<key>.lock                        flock(2) locks
+    R/tmp/                                    temp names for atomic replace
+
+Why it is shaped this way:
+
+* every entry appears through ``os.replace`` or ``os.link`` of a fully written temp file that
+  lives in ``R/tmp`` (never inside the hub view, where Hugging Face readers would see it), so a
+  crash leaves the old state or the new one, never a torn file;
+* directories below the root are opened one component at a time with ``O_NOFOLLOW`` and every
+  write goes through those directory descriptors, so a symlink planted inside the cache can
+  never redirect a write outside it;
+* locks are ``flock`` on an open file description: the kernel drops a dead holder's lock, so a
+  crashed process never blocks the next one, and correctness never depends on the locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import fcntl
+import hashlib
+import json
+import math
+import os
+import re
+import secrets
+import stat
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Literal, Self
+
+from shardsync.errors import CacheError, ConfigError, DiskFullError, UnsafeNameError
+from shardsync.manifest import validate_name
+
+__all__ = [
+    "LAYOUT_VERSION",
+    "BlobLock",
+    "CacheStore",
+    "FileRecord",
+    "RepoRef",
+    "SnapshotRecord",
+]
+
+LAYOUT_VERSION = 1
+"""The on-disk layout version written to ``R/VERSION``; another number is refused."""
+
+_CACHEDIR_TAG = (
+    b"Signature: 8a477f597d28d172789f06886806bc55\n"
+    b"# This file is a cache directory tag created by shardsync.\n"
+    b"# For information about cache directory tags see https://bford.info/cachedir/\n"
+)
+_LAYOUT_DIRS: tuple[tuple[str, ...], ...] = (
+    ("store", "sha256"),
+    ("hub",),
+    ("other",),
+    ("state", "snapshots"),
+    ("partial",),
+    ("locks",),
+    ("tmp",),
+)
+_DIR_MODE = 0o755
+_FILE_MODE = 0o644
+_BLOB_MODE = 0o444
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_RECORD_FORMAT = 1
+_MAX_SMALL_FILE = 64 * 1024 * 1024
+_MISSING_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EINVAL, errno.ELOOP})
+
+_COMMIT_RE = re.compile(r"[0-9a-f]{40}")
+_SHA256_RE = re.compile(r"[0-9a-f]{64}")
+_XXH3_128_RE = re.compile(r"[0-9a-f]{32}")
+_ETAG_RE = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
+_KEY_RE = re.compile(r"[a-z0-9_-]{1,128}")
+_HUB_SEGMENT_RE = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9._-]*[A-Za-z0-9_])?")
+_REF_SEGMENT_RE = re.compile(r"[A-Za-z0-9._+-]{1,255}")
+_SLUG_UNSAFE_RE = re.compile(r"[^A-Za-z0-9._]+")
+_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _check_commit(commit: str) -> str:
+    if not isinstance(commit, str) or not _COMMIT_RE.fullmatch(commit):
+        raise CacheError(f"not a 40-hex commit hash: {commit!r}")
+    return commit
+
+
+def _check_sha256(sha256: str) -> str:
+    if not isinstance(sha256, str) or not _SHA256_RE.fullmatch(sha256):
+        raise CacheError(f"not a lowercase 64-hex sha256: {sha256!r}")
+    return sha256
+
+
+def _check_etag(etag: str) -> str:
+    if not isinstance(etag, str) or not _ETAG_RE.fullmatch(etag):
+        raise CacheError(f"not a 40- or 64-hex etag: {etag!r}")
+    return etag
+
+
+def _check_key(key: str) -> str:
+    if not isinstance(key, str) or not _KEY_RE.fullmatch(key):
+        raise CacheError(f"invalid cache key {key!r}: expected [a-z0-9_-]{{1,128}}")
+    return key
+
+
+def _check_revision(revision: str) -> tuple[str, ...]:
+    """Split a branch/tag/commit name into path segments that are safe under ``refs/``."""
+    if not isinstance(revision, str) or not 0 < len(revision) <= 255:
+        raise ConfigError(f"invalid revision {revision!r}")
+    parts = tuple(revision.split("/"))
+    for part in parts:
+        if part in (".", "..") or not _REF_SEGMENT_RE.fullmatch(part) or part.endswith(".lock"):
+            raise ConfigError(f"invalid revision {revision!r}")
+    return parts
+
+
+def _check_relpath(relpath: str) -> tuple[str, ...]:
+    """Split a repository file name into path segments, after the manifest's own checks:
+    the name came from the network, and this is where it becomes a path."""
+    return tuple(validate_name(relpath).split("/"))
+
+
+def _check_hub_name(name: str) -> None:
+    """Hugging Face repo-id rules, so that ``dirname`` maps back to exactly this name."""
+    segments = name.split("/")
+    if (
+        not 0 < len(name) <= 96
+        or len(segments) > 2
+        or "--" in name
+        or ".." in name
+        or name.endswith(".git")
+        or not all(_HUB_SEGMENT_RE.fullmatch(segment) for segment in segments)
+    ):
+        raise ConfigError(f"invalid Hugging Face repo id {name!r}")
+
+
+def _blob_target(parts: Sequence[str], etag: str) -> str:
+    """The relative symlink text from ``snapshots/<commit>/<parts>`` to ``blobs/<etag>``."""
+    return "../" * (len(parts) + 1) + "blobs/" + etag
+
+
+def _os_error(exc: OSError, path: Path | str, action: str) -> CacheError:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return DiskFullError(
+            f"no space left on the device while trying to {action} {path}; "
+            "partial downloads were kept for the next run"
+        )
+    return CacheError(f"cannot {action} {path}: {exc.strerror or exc}")
+
+
+def _tmp_name(purpose: str) -> str:
+    return f"{purpose}.{os.getpid()}.{secrets.token_hex(8)}"
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+# --------------------------------------------------------------------------- values
+
+
+@dataclass(frozen=True, slots=True)
+class RepoRef:
+    """Where a snapshot comes from; its ``dirname`` names it inside the cache."""
+
+    kind: Literal["hub", "url", "local"]
+    name: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name or _CONTROL_RE.search(self.name):
+            raise ConfigError(f"invalid {self.kind} origin name {self.name!r}")
+        if self.kind == "hub":
+            _check_hub_name(self.name)
+        elif self.kind == "local":
+            if not os.path.isabs(self.name):
+                raise ConfigError(f"a local origin needs an absolute path, got {self.name!r}")
+        elif self.kind != "url":
+            raise ConfigError(f"unknown origin kind {self.kind!r}")
+
+    @property
+    def dirname(self) -> str:
+        """``models--org--name`` for the Hub; ``{kind}--{slug}-{12 hex}`` otherwise.
+
+        The hash suffix keeps two URLs that slug alike apart; the slug keeps it readable.
+        """
+        if self.kind == "hub":
+            return "models--" + self.name.replace("/", "--")
+        digest = hashlib.sha256(self.name.encode("utf-8", "surrogateescape")).hexdigest()[:12]
+        slug = _SLUG_UNSAFE_RE.sub("-", self.name).strip("-._")[:64].rstrip("-._")
+        return f"{self.kind}--{slug}-{digest}" if slug else f"{self.kind}--{digest}"
+
+
+Verification = Literal["sha256", "git-sha1", "tofu"]
+
+
+@dataclass(frozen=True, slots=True)
+class FileRecord:
+    """One verified file of a snapshot.
+
+    ``verified`` says what the bytes were checked against: the Hub's LFS sha256, the git
+    blob id of a small Hub file, or nothing (``"tofu"``: the origin gave no hash, so the one
+    we computed is trusted on first use and every later read is checked against it).
+    """
+
+    path: str
+    size: int
+    sha256: str
+    xxh3_128: str
+    etag: str
+    verified: Verification
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotRecord:
+    """Proof that every file of ``repo`` at ``commit`` is in the cache; written last."""
+
+    repo: RepoRef
+    revision: str
+    commit: str
+    files: tuple[FileRecord, ...]
+    completed_at: float
+
+    def to_json(self) -> bytes:
+        """Serialize, refusing a record that ``from_json`` would not read back."""
+        _check_record(self)
+        obj = {
+            "format": _RECORD_FORMAT,
+            "repo": {"kind": self.repo.kind, "name": self.repo.name},
+            "revision": self.revision,
+            "commit": self.commit,
+            "completed_at": self.completed_at,
+            "files": [
+                {
+                    "path": f.path,
+                    "size": f.size,
+                    "sha256": f.sha256,
+                    "xxh3_128": f.xxh3_128,
+                    "etag": f.etag,
+                    "verified": f.verified,
+                }
+                for f in self.files
+            ],
+        }
+        return json.dumps(obj, indent=1, sort_keys=True, ensure_ascii=True).encode("ascii") + b"\n"
+
+    @classmethod
+    def from_json(cls, data: bytes) -> SnapshotRecord:
+        """Parse and validate a record; anything unexpected raises ``CacheError``."""
+        try:
+            obj = json.loads(data, object_pairs_hook=_unique_keys)
+        except (ValueError, RecursionError) as exc:
+            raise CacheError(f"snapshot record is not valid JSON: {exc}") from exc
+        record = _record_from_obj(obj)
+        _check_record(record)
+        return record
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    result = dict(pairs)
+    if len(result) != len(pairs):
+        raise ValueError("duplicate key in JSON object")
+    return result
+
+
+def _obj(value: object, keys: frozenset[str], what: str) -> dict[str, object]:
+    if not isinstance(value, dict) or set(value) != keys:
+        raise CacheError(f"snapshot record: {what} must be an object with keys {sorted(keys)}")
+    return value
+
+
+def _str(obj: dict[str, object], key: str) -> str:
+    value = obj[key]
+    if not isinstance(value, str):
+        raise CacheError(f"snapshot record: {key!r} must be a string")
+    return value
+
+
+_RECORD_KEYS = frozenset({"format", "repo", "revision", "commit", "completed_at", "files"})
+_REPO_KEYS = frozenset({"kind", "name"})
+_FILE_KEYS = frozenset({"path", "size", "sha256", "xxh3_128", "etag", "verified"})
+_KINDS: dict[str, Literal["hub", "url", "local"]] = {"hub": "hub", "url": "url", "local": "local"}
+_VERIFICATIONS: dict[str, Verification] = {
+    "sha256": "sha256",
+    "git-sha1": "git-sha1",
+    "tofu": "tofu",
+}
+
+
+def _record_from_obj(value: object) -> SnapshotRecord:
+    top = _obj(value, _RECORD_KEYS, "the record")
+    if top["format"] != _RECORD_FORMAT or isinstance(top["format"], bool):
+        raise CacheError(f"snapshot record: unsupported format {top['format']!r}")
+    repo_obj = _obj(top["repo"], _REPO_KEYS, "'repo'")
+    kind = _KINDS.get(_str(repo_obj, "kind"))
+    if kind is None:
+        raise CacheError(f"snapshot record: unknown repo kind {repo_obj['kind']!r}")
+    try:
+        repo = RepoRef(kind, _str(repo_obj, "name"))
+    except ConfigError as exc:
+        raise CacheError(f"snapshot record: {exc}") from exc
+    completed_at = top["completed_at"]
+    if isinstance(completed_at, bool) or not isinstance(completed_at, int | float):
+        raise CacheError("snapshot record: 'completed_at' must be a number")
+    files_value = top["files"]
+    if not isinstance(files_value, list):
+        raise CacheError("snapshot record: 'files' must be a list")
+    files = []
+    for item in files_value:
+        entry = _obj(item, _FILE_KEYS, "a file entry")
+        size = entry["size"]
+        if isinstance(size, bool) or not isinstance(size, int):
+            raise CacheError("snapshot record: 'size' must be an integer")
+        verified = _VERIFICATIONS.get(_str(entry, "verified"))
+        if verified is None:
+            raise CacheError(f"snapshot record: unknown verification {entry['verified']!r}")
+        files.append(
+            FileRecord(
+                path=_str(entry, "path"),
+                size=size,
+                sha256=_str(entry, "sha256"),
+                xxh3_128=_str(entry, "xxh3_128"),
+                etag=_str(entry, "etag"),
+                verified=verified,
+            )
+        )
+    return SnapshotRecord(
+        repo=repo,
+        revision=_str(top, "revision"),
+        commit=_str(top, "commit"),
+        files=tuple(files),
+        completed_at=float(completed_at),
+    )
+
+
+def _check_record(record: SnapshotRecord) -> None:
+    try:
+        _check_revision(record.revision)
+        for f in record.files:
+            _check_relpath(f.path)
+    except (ConfigError, UnsafeNameError) as exc:
+        raise CacheError(f"snapshot record: {exc}") from exc
+    _check_commit(record.commit)
+    if not math.isfinite(record.completed_at) or record.completed_at < 0:
+        raise CacheError(f"snapshot record: bad completed_at {record.completed_at!r}")
+    seen: set[str] = set()
+    for f in record.files:
+        if f.path in seen:
+            raise CacheError(f"snapshot record: duplicate file {f.path!r}")
+        seen.add(f.path)
+        if isinstance(f.size, bool) or not isinstance(f.size, int) or f.size < 0:
+            raise CacheError(f"snapshot record: bad size {f.size!r} for {f.path!r}")
+        _check_sha256(f.sha256)
+        _check_etag(f.etag)
+        if not isinstance(f.xxh3_128, str) or not _XXH3_128_RE.fullmatch(f.xxh3_128):
+            raise CacheError(f"snapshot record: bad xxh3_128 {f.xxh3_128!r} for {f.path!r}")
+        if f.verified not in _VERIFICATIONS:
+            raise CacheError(f"snapshot record: unknown verification {f.verified!r}")
+
+
+# --------------------------------------------------------------------------- locks
+
+
+class BlobLock:
+    """A cross-process lock on one key: ``flock`` on its own open file description.
+
+    Two ``BlobLock`` objects exclude each other even inside one process. The kernel releases
+    the lock when its holder dies, so a crashed holder is taken over at once. Not reentrant:
+    acquiring a lock this object already holds returns at once, and one ``release`` frees it.
+    The lock file is never unlinked (unlinking would let two holders lock different inodes).
+    """
+
+    __slots__ = ("_fd", "_path")
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._fd: int | None = None
+
+    @property
+    def path(self) -> Path:
+        return self._path
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def try_acquire(self) -> bool:
+        """Take the lock if it is free; never blocks."""
+        if self._fd is not None:
+            return True
+        try:
+            fd = os.open(
+                self._path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, _FILE_MODE
+            )
+        except OSError as exc:
+            raise _os_error(exc, self._path, "open lock file") from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        except OSError as exc:
+            os.close(fd)
+            raise _os_error(exc, self._path, "lock") from exc
+        self._fd = fd
+        return True
+
+    async def acquire(
+        self,
+        *,
+        poll: float = 0.05,
+        timeout: float | None = None,  # noqa: ASYNC109 - the wait ends in CacheError
+    ) -> None:
+        """Poll ``try_acquire`` without blocking the event loop; ``CacheError`` on timeout.
+
+        Polling is the design: another process's ``flock`` release has no event to await.
+        """
+        try:
+            async with asyncio.timeout(timeout):
+                while not self.try_acquire():  # noqa: ASYNC110 - see the docstring
+                    await asyncio.sleep(poll)
+        except TimeoutError as exc:
+            raise CacheError(f"timed out after {timeout} s waiting for lock {self._path}") from exc
+
+    def release(self) -> None:
+        """Drop the lock (closing the descriptor releases it); a no-op when not held."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+    async def __aenter__(self) -> Self:
+        await self.acquire()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release()
+
+
+# --------------------------------------------------------------------------- the store
+
+
+class CacheStore:
+    """Reads and writes one cache root; see the module docstring for the layout."""
+
+    __slots__ = ("root",)
+
+    root: Path
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(os.path.abspath(root))
+        try:
+            os.makedirs(self.root, mode=_DIR_MODE, exist_ok=True)
+            has_version = self._check_version()
+            for parts in _LAYOUT_DIRS:
+                os.close(self._walk(parts))
+            if not has_version:
+                self._atomic_write((), "VERSION", f"{LAYOUT_VERSION}\n".encode("ascii"))
+            if not os.path.lexists(self.root / "CACHEDIR.TAG"):
+                self._atomic_write((), "CACHEDIR.TAG", _CACHEDIR_TAG)
+        except OSError as exc:
+            raise _os_error(exc, self.root, "initialize the cache at") from exc
+
+    # -- paths --------------------------------------------------------------------------
+
+    @property
+    def hub_dir(self) -> Path:
+        """The folder to hand Hugging Face tools as ``HF_HUB_CACHE``."""
+        return self.root / "hub"
+
+    def repo_dir(self, repo: RepoRef) -> Path:
+        return self.root.joinpath(*self._repo_parts(repo))
+
+    def snapshot_dir(self, repo: RepoRef, commit: str) -> Path:
+        return self.repo_dir(repo) / "snapshots" / _check_commit(commit)
+
+    def blob_path(self, sha256: str) -> Path:
+        return self.root.joinpath(*self._store_parts(sha256), sha256)
+
+    def partial_paths(self, key: str) -> tuple[Path, Path]:
+        """(data file, resume sidecar) of an in-progress download."""
+        _check_key(key)
+        return self.root / "partial" / f"{key}.part", self.root / "partial" / f"{key}.json"
+
+    def _repo_parts(self, repo: RepoRef) -> tuple[str, str]:
+        return ("hub" if repo.kind == "hub" else "other", repo.dirname)
+
+    def _store_parts(self, sha256: str) -> tuple[str, str, str]:
+        return ("store", "sha256", _check_sha256(sha256)[:2])
+
+    # -- blobs --------------------------------------------------------------------------
+
+    def has_blob(self, sha256: str, size: int | None = None) -> bool:
+        path = self.blob_path(sha256)
+        try:
+            st = os.lstat(path)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        except OSError as exc:
+            raise _os_error(exc, path, "stat") from exc
+        return stat.S_ISREG(st.st_mode) and (size is None or st.st_size == size)
+
+    def publish_blob(self, tmp: Path, sha256: str) -> Path:
+        """Move a verified temp file into the store under its sha256; idempotent.
+
+        The caller has checked size and hash. ``link`` (not ``rename``) makes the final name
+        appear only if it is absent, so an existing blob is never replaced, even in a race;
+        the temp file is removed either way.
+        """
+        final = self.blob_path(sha256)
+        try:
+            with self._dir(self._store_parts(sha256)) as store_fd:
+                fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                try:
+                    if not stat.S_ISREG(os.fstat(fd).st_mode):
+                        raise CacheError(f"cannot publish {tmp}: not a regular file")
+                    os.fsync(fd)
+                    os.fchmod(fd, _BLOB_MODE)
+                finally:
+                    os.close(fd)
+                try:
+                    os.link(tmp, sha256, dst_dir_fd=store_fd, follow_symlinks=False)
+                except FileExistsError:
+                    self._regular_file(store_fd, sha256, final)
+                except BaseException:
+                    with contextlib.suppress(OSError):
+                        os.chmod(tmp, _FILE_MODE)  # it stays a writable partial for a resume
+                    raise
+                else:
+                    os.fsync(store_fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        except OSError as exc:
+            raise _os_error(exc, final, "publish blob") from exc
+        return final
+
+    def link_file(
+        self, repo: RepoRef, commit: str, relpath: str, *, sha256: str, etag: str
+    ) -> Path:
+        """Expose a store blob as ``snapshots/<commit>/<relpath>`` of ``repo``.
+
+        ``blobs/<etag>`` becomes a hard link to the store blob, the snapshot entry a relative
+        symlink to it. Both appear by ``os.replace`` of a temp name; calling again is a no-op.
+        """
+        parts = _check_relpath(relpath)
+        _check_sha256(sha256)
+        _check_etag(etag)
+        repo_parts = self._repo_parts(repo)
+        snapshot = self.snapshot_dir(repo, commit).joinpath(*parts)
+        try:
+            with (
+                self._dir(("tmp",)) as tmp_fd,
+                self._dir((*repo_parts, "snapshots", commit, *parts[:-1])) as snap_fd,
+            ):
+                self._link_blob(tmp_fd, repo_parts, sha256, etag)
+                target = _blob_target(parts, etag)
+                try:
+                    if os.readlink(parts[-1], dir_fd=snap_fd) == target:
+                        return snapshot
+                except OSError as exc:
+                    if exc.errno not in (errno.ENOENT, errno.EINVAL):
+                        raise
+                tmp = _tmp_name("symlink")
+                os.symlink(target, tmp, dir_fd=tmp_fd)
+                self._replace(tmp_fd, tmp, snap_fd, parts[-1])
+        except OSError as exc:
+            raise _os_error(exc, snapshot, "link") from exc
+        return snapshot
+
+    def _link_blob(self, tmp_fd: int, repo_parts: Sequence[str], sha256: str, etag: str) -> None:
+        with (
+            self._dir(self._store_parts(sha256)) as store_fd,
+            self._dir((*repo_parts, "blobs")) as blobs_fd,
+        ):
+            try:
+                src = self._regular_file(store_fd, sha256, self.blob_path(sha256))
+            except FileNotFoundError as exc:
+                raise CacheError(f"blob {sha256} is not in the store; publish it first") from exc
+            try:
+                cur = os.stat(etag, dir_fd=blobs_fd, follow_symlinks=False)
+                if (cur.st_dev, cur.st_ino) == (src.st_dev, src.st_ino):
+                    return
+            except FileNotFoundError:
+                pass
+            tmp = _tmp_name("blob")
+            os.link(sha256, tmp, src_dir_fd=store_fd, dst_dir_fd=tmp_fd, follow_symlinks=False)
+            self._replace(tmp_fd, tmp, blobs_fd, etag)
+
+    # -- refs and records ---------------------------------------------------------------
+
+    def write_ref(self, repo: RepoRef, revision: str, commit: str) -> None:
+        """Point ``refs/<revision>`` at ``commit``; call it after the snapshot links exist.
+
+        Hugging Face readers resolve a branch through this file, and ``scan_cache_dir`` flags
+        a ref whose snapshot folder is missing, so an unlinked commit is refused.
+        """
+        parts = _check_revision(revision)
+        _check_commit(commit)
+        if revision == commit:
+            return
+        if _COMMIT_RE.fullmatch(revision):
+            raise ConfigError(f"revision {revision!r} is a commit hash other than {commit}")
+        snapshot = self.snapshot_dir(repo, commit)
+        if not os.path.isdir(snapshot):
+            raise CacheError(f"cannot write ref {revision!r}: {snapshot} does not exist yet")
+        repo_parts = self._repo_parts(repo)
+        path = self.repo_dir(repo).joinpath("refs", *parts)
+        try:
+            self._atomic_write((*repo_parts, "refs", *parts[:-1]), parts[-1], commit.encode())
+        except OSError as exc:
+            raise _os_error(exc, path, "write ref") from exc
+
+    def read_ref(self, repo: RepoRef, revision: str) -> str | None:
+        """The commit ``revision`` points to, or ``None`` when no ref is cached."""
+        path = self.repo_dir(repo).joinpath("refs", *_check_revision(revision))
+        data = self._read_small(path)
+        if data is None:
+            return None
+        commit = _parse_commit(data)
+        if commit is None:
+            raise CacheError(f"{path} does not hold a commit hash")
+        return commit
+
+    def write_snapshot_record(self, record: SnapshotRecord) -> None:
+        """Mark a snapshot complete: atomic, durable, and the last write of a download."""
+        data = record.to_json()
+        parts = ("state", "snapshots", record.repo.dirname)
+        name = f"{record.commit}.json"
+        try:
+            self._atomic_write(parts, name, data)
+        except OSError as exc:
+            raise _os_error(exc, self.root.joinpath(*parts, name), "write") from exc
+
+    def read_snapshot_record(self, repo: RepoRef, commit: str) -> SnapshotRecord | None:
+        path = self._record_path(repo, commit)
+        data = self._read_small(path)
+        if data is None:
+            return None
+        record = SnapshotRecord.from_json(data)
+        if record.repo != repo or record.commit != commit:
+            raise CacheError(f"{path} describes another snapshot")
+        return record
+
+    def find_complete(self, repo: RepoRef, revision: str) -> SnapshotRecord | None:
+        """The record of a complete snapshot for ``revision``, or ``None``.
+
+        Complete means: the record exists and parses, and every file's snapshot link points
+        at its blob, which is a regular file of the recorded size. Only ``stat`` calls, no
+        hashing. A corrupt ref or record counts as absent, so the next download rewrites it.
+        """
+        if _COMMIT_RE.fullmatch(revision):
+            commit: str | None = revision
+        else:
+            ref = self._read_small(self.repo_dir(repo).joinpath("refs", *_check_revision(revision)))
+            commit = None if ref is None else _parse_commit(ref)
+        if commit is None:
+            return None
+        data = self._read_small(self._record_path(repo, commit))
+        if data is None:
+            return None
+        try:
+            record = SnapshotRecord.from_json(data)
+        except CacheError:
+            return None
+        if record.repo != repo or record.commit != commit:
+            return None
+        snapshot = self.snapshot_dir(repo, commit)
+        for f in record.files:
+            parts = f.path.split("/")
+            link = snapshot.joinpath(*parts)
+            try:
+                if os.readlink(link) != _blob_target(parts, f.etag):
+                    return None
+                st = os.stat(link)
+            except OSError as exc:
+                if exc.errno in _MISSING_ERRNOS:
+                    return None
+                raise _os_error(exc, link, "stat") from exc
+            if not stat.S_ISREG(st.st_mode) or st.st_size != f.size:
+                return None
+        return record
+
+    def _record_path(self, repo: RepoRef, commit: str) -> Path:
+        return self.root / "state" / "snapshots" / repo.dirname / f"{_check_commit(commit)}.json"
+
+    # -- locks --------------------------------------------------------------------------
+
+    def lock(self, key: str) -> BlobLock:
+        """A lock on ``key`` shared by every process using this cache (not yet acquired)."""
+        _check_key(key)
+        try:
+            os.close(self._walk(("locks",)))
+        except OSError as exc:
+            raise _os_error(exc, self.root / "locks", "create") from exc
+        return BlobLock(self.root / "locks" / f"{key}.lock")
+
+    # -- low level ----------------------------------------------------------------------
+
+    def _check_version(self) -> bool:
+        """Whether ``VERSION`` exists; refuses a cache of another layout version."""
+        path = self.root / "VERSION"
+        data = self._read_small(path)
+        if data is None:
+            return False
+        text = data.decode("ascii", "replace").strip()
+        if not text.isdigit():
+            raise CacheError(f"{path} is corrupt: {text[:40]!r}")
+        if int(text) != LAYOUT_VERSION:
+            raise CacheError(
+                f"the cache at {self.root} has layout version {int(text)}; "
+                f"this shardsync reads version {LAYOUT_VERSION} only"
+            )
+        return True
+
+    def _read_small(self, path: Path) -> bytes | None:
+        """Read a small file without following a symlink at its name; None when absent."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError as exc:
+            raise _os_error(exc, path, "read") from exc
+        try:
+            with os.fdopen(fd, "rb") as f:
+                data = f.read(_MAX_SMALL_FILE + 1)
+        except OSError as exc:
+            raise _os_error(exc, path, "read") from exc
+        if len(data) > _MAX_SMALL_FILE:
+            raise CacheError(f"{path} is larger than {_MAX_SMALL_FILE} bytes")
+        return data
+
+    def _walk(self, parts: Sequence[str]) -> int:
+        """Open ``root/parts...`` as a directory fd, one component at a time and never through
+        a symlink, creating missing components (0o755) on the way."""
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            for depth in range(len(parts)):
+                child = self._open_child(fd, parts[: depth + 1])
+                os.close(fd)
+                fd = child
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _open_child(self, parent: int, rel: Sequence[str]) -> int:
+        try:
+            return self._open_dir_at(parent, rel)
+        except FileNotFoundError:
+            pass
+        try:
+            os.mkdir(rel[-1], _DIR_MODE, dir_fd=parent)
+        except FileExistsError:
+            return self._open_dir_at(parent, rel)
+        child = self._open_dir_at(parent, rel)
+        try:
+            os.fchmod(child, _DIR_MODE)  # the umask must not narrow a shared cache
+            os.fsync(parent)  # the new entry must survive a crash like the files inside it
+        except BaseException:
+            os.close(child)
+            raise
+        return child
+
+    def _open_dir_at(self, parent: int, rel: Sequence[str]) -> int:
+        try:
+            return os.open(rel[-1], _DIR_FLAGS, dir_fd=parent)
+        except OSError as exc:
+            if exc.errno in (errno.ENOTDIR, errno.ELOOP):
+                raise CacheError(
+                    f"refusing to use {self.root.joinpath(*rel)}: it is a symlink or not a "
+                    "directory, and the cache never writes through a symlink"
+                ) from exc
+            raise
+
+    @contextlib.contextmanager
+    def _dir(self, parts: Sequence[str]) -> Iterator[int]:
+        fd = self._walk(parts)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+
+    def _regular_file(self, dir_fd: int, name: str, path: Path) -> os.stat_result:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        if not stat.S_ISREG(st.st_mode):
+            raise CacheError(f"refusing to use {path}: not a regular file")
+        return st
+
+    @staticmethod
+    def _replace(src_fd: int, src: str, dst_fd: int, dst: str) -> None:
+        try:
+            os.replace(src, dst, src_dir_fd=src_fd, dst_dir_fd=dst_fd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(src, dir_fd=src_fd)
+            raise
+
+    def _atomic_write(self, parts: Sequence[str], name: str, data: bytes) -> None:
+        """Write ``root/parts/name`` via a fsynced temp file, ``os.replace`` and a dir fsync."""
+        with self._dir(("tmp",)) as tmp_fd, self._dir(parts) as dir_fd:
+            tmp = _tmp_name("write")
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            fd = os.open(tmp, flags, _FILE_MODE, dir_fd=tmp_fd)
+            try:
+                try:
+                    _write_all(fd, data)
+                    os.fchmod(fd, _FILE_MODE)
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp, dir_fd=tmp_fd)
+                raise
+            self._replace(tmp_fd, tmp, dir_fd, name)
+            os.fsync(dir_fd)
+
+
+def _parse_commit(data: bytes) -> str | None:
+    text = data.decode("ascii", "replace").strip()
+    return text if _COMMIT_RE.fullmatch(text) else None
