@@ -227,6 +227,7 @@ class FileRecord:
     xxh3_128: str
     etag: str
     verified: Verification
+    origin_etag: str | None = None  # what the origin called this version (URL/local origins)
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,6 +257,7 @@ class SnapshotRecord:
                     "xxh3_128": f.xxh3_128,
                     "etag": f.etag,
                     "verified": f.verified,
+                    "origin_etag": f.origin_etag,
                 }
                 for f in self.files
             ],
@@ -294,9 +296,16 @@ def _str(obj: dict[str, object], key: str) -> str:
     return value
 
 
+def _optional_str(obj: dict[str, object], key: str) -> str | None:
+    value = obj[key]
+    if value is not None and not isinstance(value, str):
+        raise CacheError(f"snapshot record: {key!r} must be a string or null")
+    return value
+
+
 _RECORD_KEYS = frozenset({"format", "repo", "revision", "commit", "completed_at", "files"})
 _REPO_KEYS = frozenset({"kind", "name"})
-_FILE_KEYS = frozenset({"path", "size", "sha256", "xxh3_128", "etag", "verified"})
+_FILE_KEYS = frozenset({"path", "size", "sha256", "xxh3_128", "etag", "verified", "origin_etag"})
 _KINDS: dict[str, Literal["hub", "url", "local"]] = {"hub": "hub", "url": "url", "local": "local"}
 _VERIFICATIONS: dict[str, Verification] = {
     "sha256": "sha256",
@@ -340,6 +349,7 @@ def _record_from_obj(value: object) -> SnapshotRecord:
                 xxh3_128=_str(entry, "xxh3_128"),
                 etag=_str(entry, "etag"),
                 verified=verified,
+                origin_etag=_optional_str(entry, "origin_etag"),
             )
         )
     return SnapshotRecord(

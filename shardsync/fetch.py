@@ -1,0 +1,885 @@
+"""The transfer engine: the only module that speaks HTTP.
+
+One pooled ``aiohttp`` session; per file, several Range requests pulling
+chunks in ascending order from a shared queue and ``pwrite``-ing them at their
+offsets into one temp file. A hasher follows the contiguous written prefix,
+so sha256 (and xxh3-128 for fast re-checks) is ready moments after the last
+byte without a second pass over the network. A JSON sidecar records which
+ranges are on disk so a later run resumes, but only with proof it is the same
+object (strong ETag + ``If-Range`` + a ``Content-Range`` that starts where we
+asked and has the total we expect); anything else restarts the file from zero.
+
+``sleep`` is injected so tests run retries without patching.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import hashlib
+import json
+import os
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+from urllib.parse import urljoin, urlsplit
+
+import aiohttp
+import xxhash
+
+from shardsync.errors import (
+    AuthError,
+    CacheError,
+    DiskFullError,
+    EntryNotFoundError,
+    IntegrityError,
+    OriginError,
+    ProtocolError,
+    RepoNotFoundError,
+    RevisionNotFoundError,
+    ShardsyncError,
+    StalledError,
+    TransferError,
+)
+from shardsync.retry import (
+    Backoff,
+    RangeSet,
+    RetryPolicy,
+    classify_status,
+    format_range,
+    is_retryable_exception,
+    is_strong_etag,
+    parse_content_range,
+    parse_retry_after,
+    parse_unsatisfied_range,
+    split_ranges,
+)
+
+__all__ = [
+    "BlobRequest",
+    "FetchConfig",
+    "FetchStatistics",
+    "FetchedBlob",
+    "Fetcher",
+    "Located",
+    "Sleep",
+]
+
+MiB = 1 << 20
+_REDIRECTS = frozenset({301, 302, 303, 307, 308})
+_MAX_REDIRECTS = 5
+_SIDECAR_VERSION = 1
+_CREDENTIAL_HEADERS = ("authorization", "cookie", "proxy-authorization")
+
+Sleep = Callable[[float], Awaitable[None]]
+ProgressFn = Callable[[int], None]
+
+
+@dataclass(frozen=True, slots=True)
+class FetchConfig:
+    """Transfer tuning. Defaults come from ``bench/download.py`` (see README)."""
+
+    connections_per_file: int = 8
+    chunk_size: int = 16 * MiB
+    read_size: int = 1 * MiB
+    write_size: int = 1 * MiB
+    connect_timeout: float = 10.0
+    read_timeout: float = 30.0
+    min_throughput: int = 32 * 1024  # bytes/s a connection must sustain ...
+    throughput_window: float = 30.0  # ... averaged over this many seconds
+    sidecar_interval: float = 1.0
+    max_verify_attempts: int = 3  # full re-downloads after a hash mismatch
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+
+
+@dataclass(frozen=True, slots=True)
+class Located:
+    """Where a file's bytes are, after following redirects from the origin URL."""
+
+    url: str
+    headers: Mapping[str, str]  # credentials only when ``url`` is on the origin host
+    size: int | None
+    etag: str | None  # the data URL's own ETag, as sent (quoted)
+    linked_etag: str | None  # X-Linked-Etag / ETag of the origin answer, unquoted
+    commit: str | None  # X-Repo-Commit
+
+
+@dataclass(frozen=True, slots=True)
+class BlobRequest:
+    """One file to fetch: its origin URL and what we already know about it."""
+
+    url: str
+    headers: Mapping[str, str]
+    label: str  # repo path, for messages and progress
+    size: int | None = None
+    sha256: str | None = None
+    git_blob_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class FetchedBlob:
+    """A fully downloaded, verified (or trust-on-first-use) temp file."""
+
+    path: Path
+    size: int
+    sha256: str
+    xxh3_128: str
+    etag: str | None
+    verified: Literal["sha256", "git-sha1", "tofu"]
+    downloaded: int  # bytes received over the network by this call
+    resumed: int  # bytes reused from an earlier partial
+
+
+@dataclass(frozen=True, slots=True)
+class FetchStatistics:
+    """A snapshot of the fetcher's counters (what ``shardsync status`` prints)."""
+
+    bytes_downloaded: int
+    files_fetched: int
+    active_connections: int
+    retries: Mapping[str, int]
+    verify_failures: int
+
+
+class _Restart(Exception):
+    """The object changed or Range support failed: discard the partial and start over."""
+
+    def __init__(self, reason: str, *, etag: str | None, single_stream: bool) -> None:
+        super().__init__(reason)
+        self.etag = etag
+        self.single_stream = single_stream
+
+
+class _Relocate(Exception):
+    """The data URL stopped working (expired signature): ask the origin again."""
+
+
+@dataclass(slots=True)
+class _FileState:
+    """Mutable per-file transfer state shared by its connections."""
+
+    fd: int
+    size: int
+    etag: str | None
+    done: RangeSet
+    single_stream: bool
+    downloaded: int = 0
+    progressed: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class Fetcher:
+    """Downloads files with a shared session; one instance per process or daemon."""
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        config: FetchConfig | None = None,
+        *,
+        sleep: Sleep = asyncio.sleep,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._session = session
+        self.config = config or FetchConfig()
+        self._sleep = sleep
+        self._clock = clock
+        self._bytes = 0
+        self._files = 0
+        self._active = 0
+        self._retries: Counter[str] = Counter()
+        self._verify_failures = 0
+
+    @staticmethod
+    def default_timeout(config: FetchConfig) -> aiohttp.ClientTimeout:
+        """Explicit timeouts; no total cap (aiohttp's 300 s default would cut big files)."""
+        return aiohttp.ClientTimeout(
+            total=None,
+            connect=config.connect_timeout,
+            sock_connect=config.connect_timeout,
+            sock_read=config.read_timeout,
+        )
+
+    def statistics(self) -> FetchStatistics:
+        return FetchStatistics(
+            bytes_downloaded=self._bytes,
+            files_fetched=self._files,
+            active_connections=self._active,
+            retries=dict(self._retries),
+            verify_failures=self._verify_failures,
+        )
+
+    # ------------------------------------------------------------------ small requests
+
+    async def get_bytes(
+        self, url: str, headers: Mapping[str, str], *, max_size: int, label: str
+    ) -> bytes:
+        """GET a small document (API answer, listing) with the same retry policy."""
+        backoff = Backoff(self.config.retry)
+        while True:
+            try:
+                async with self._request("GET", url, headers) as resp:
+                    if resp.status == 200:
+                        declared = resp.content_length
+                        if declared is not None and declared > max_size:
+                            raise ProtocolError(f"{label}: {declared} bytes exceeds {max_size}")
+                        body = bytearray()
+                        async for piece in resp.content.iter_chunked(64 * 1024):
+                            body += piece
+                            if len(body) > max_size:
+                                raise ProtocolError(f"{label}: body exceeds {max_size} bytes")
+                        return bytes(body)
+                    await self._raise_for_status(resp, label)
+            except _RetryLater as later:
+                await self._backoff_or_raise(later, label, backoff, later.after)
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                await self._backoff_or_raise(exc, label, backoff, None)
+
+    async def locate(self, request: BlobRequest) -> Located:
+        """HEAD the origin URL, following redirects by hand so credentials stay home."""
+        backoff = Backoff(self.config.retry)
+        while True:
+            try:
+                return await self._locate_once(request)
+            except _RetryLater as later:
+                await self._backoff_or_raise(later, request.label, backoff, later.after)
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                await self._backoff_or_raise(exc, request.label, backoff, None)
+
+    async def _locate_once(self, request: BlobRequest) -> Located:
+        url, headers = request.url, dict(request.headers)
+        commit = linked = None
+        linked_size: int | None = None
+        for _ in range(_MAX_REDIRECTS + 1):
+            async with self._session.head(
+                url, headers=_with_defaults(headers), allow_redirects=False
+            ) as resp:
+                commit = commit or resp.headers.get("X-Repo-Commit")
+                linked = linked or _unquote_etag(
+                    resp.headers.get("X-Linked-Etag") or resp.headers.get("ETag")
+                )
+                if linked_size is None:
+                    linked_size = _int_or_none(resp.headers.get("X-Linked-Size"))
+                if resp.status in _REDIRECTS:
+                    url, headers = _follow(url, headers, resp.headers.get("Location"))
+                    continue
+                if resp.status != 200:
+                    await self._raise_for_status(resp, request.label)
+                size = linked_size if linked_size is not None else resp.content_length
+                return Located(
+                    url=url,
+                    headers=headers,
+                    size=request.size if request.size is not None else size,
+                    etag=resp.headers.get("ETag"),
+                    linked_etag=linked,
+                    commit=commit,
+                )
+        raise ProtocolError(f"{request.label}: more than {_MAX_REDIRECTS} redirects")
+
+    # ------------------------------------------------------------------ big downloads
+
+    async def fetch(
+        self,
+        request: BlobRequest,
+        data_path: Path,
+        sidecar_path: Path,
+        on_progress: ProgressFn = lambda n: None,
+    ) -> FetchedBlob:
+        """Download ``request`` into ``data_path``, resuming from a validated partial.
+
+        Returns only when every byte is on disk and the hash matched (or was
+        recorded, for origins that publish none). The temp file is left in
+        place on error so the next run can resume.
+        """
+        verify_failures = 0
+        single_stream = False
+        setbacks = Backoff(self.config.retry)  # restarts and relocations, bounded too
+        shown = 0
+
+        def progress(n: int) -> None:
+            nonlocal shown
+            shown += n
+            on_progress(n)
+
+        while True:
+            located = await self.locate(request)
+            try:
+                result = await self._download(
+                    request, located, data_path, sidecar_path, progress, single_stream
+                )
+            except (_Restart, _Relocate) as exc:
+                cause = "restart" if isinstance(exc, _Restart) else "relocate"
+                if isinstance(exc, _Restart):
+                    single_stream = single_stream or exc.single_stream
+                    _discard(data_path, sidecar_path)
+                    progress(-shown)
+                delay = setbacks.next_delay()
+                if delay is None:
+                    raise TransferError(
+                        f"{request.label}: gave up after repeated {cause}s: {exc}"
+                    ) from None
+                self._retries[cause] += 1
+                await self._sleep(delay)
+                continue
+            if result is not None:
+                self._files += 1
+                return result
+            verify_failures += 1
+            self._verify_failures += 1
+            _discard(data_path, sidecar_path)
+            progress(-shown)
+            if verify_failures >= self.config.max_verify_attempts:
+                raise IntegrityError(
+                    f"{request.label}: hash mismatch after {verify_failures} downloads; "
+                    "the origin serves different bytes than it advertises"
+                )
+
+    async def _download(
+        self,
+        request: BlobRequest,
+        located: Located,
+        data_path: Path,
+        sidecar_path: Path,
+        on_progress: ProgressFn,
+        single_stream: bool,
+    ) -> FetchedBlob | None:
+        size = located.size
+        if size is None:
+            size = await self._probe_size(located, request.label)
+        if request.size is not None and size != request.size:
+            raise ProtocolError(
+                f"{request.label}: origin reports {size} bytes, manifest says {request.size}"
+            )
+        etag = located.etag if is_strong_etag(located.etag) else None
+        done = _load_sidecar(sidecar_path, data_path, request, size, etag)
+        resumed = done.total()
+        fd = _open_partial(data_path, size, fresh=resumed == 0)
+        state = _FileState(fd=fd, size=size, etag=etag, done=done, single_stream=single_stream)
+        on_progress(resumed)
+        try:
+            async with asyncio.TaskGroup() as tg:
+                hasher = tg.create_task(self._hash(data_path, state, request))
+                saver = tg.create_task(
+                    self._save_sidecar_periodically(sidecar_path, request, state)
+                )
+                await self._run_connections(request, located, state, on_progress)
+                saver.cancel()
+            digest, xxh, git_sha1 = hasher.result()
+        except BaseExceptionGroup as group:
+            _raise_first(group)
+            raise  # unreachable: _raise_first always raises
+        finally:
+            _save_sidecar(sidecar_path, request, state)
+            os.close(fd)
+        verified: Literal["sha256", "git-sha1", "tofu"] = "tofu"
+        if request.sha256 is not None:
+            if digest != request.sha256:
+                return None
+            verified = "sha256"
+        elif request.git_blob_id is not None:
+            if git_sha1 != request.git_blob_id:
+                return None
+            verified = "git-sha1"
+        return FetchedBlob(
+            path=data_path,
+            size=size,
+            sha256=digest,
+            xxh3_128=xxh,
+            etag=state.etag,
+            verified=verified,
+            downloaded=state.downloaded,
+            resumed=resumed,
+        )
+
+    async def _probe_size(self, located: Located, label: str) -> int:
+        """Origins that omit Content-Length on HEAD: ask for one byte and read the total."""
+        headers = {**located.headers, "Range": format_range(0, 0)}
+        async with self._request("GET", located.url, headers) as resp:
+            if resp.status == 206:
+                cr = parse_content_range(resp.headers.get("Content-Range", ""))
+                if cr is not None and cr.total is not None:
+                    return cr.total
+            if resp.status == 200 and resp.content_length is not None:
+                return resp.content_length
+        raise ProtocolError(f"{label}: the origin does not say how large the file is")
+
+    async def _run_connections(
+        self, request: BlobRequest, located: Located, state: _FileState, on_progress: ProgressFn
+    ) -> None:
+        chunk = state.size if state.single_stream else self.config.chunk_size
+        queue: asyncio.Queue[tuple[int, int]] = asyncio.Queue()
+        for start, end in state.done.missing(state.size):
+            for piece in split_ranges(end - start, max(chunk, 1)):
+                queue.put_nowait((start + piece[0], start + piece[1]))
+        n = 1 if state.single_stream else self.config.connections_per_file
+        async with asyncio.TaskGroup() as tg:
+            for _ in range(min(n, max(queue.qsize(), 1))):
+                tg.create_task(self._connection(request, located, state, queue, on_progress))
+        if state.done.total() != state.size:
+            raise ProtocolError(f"{request.label}: transfer ended with bytes missing")
+
+    async def _connection(
+        self,
+        request: BlobRequest,
+        located: Located,
+        state: _FileState,
+        queue: asyncio.Queue[tuple[int, int]],
+        on_progress: ProgressFn,
+    ) -> None:
+        backoff = Backoff(self.config.retry)
+        while not queue.empty():
+            start, end = queue.get_nowait()
+            while start < end:
+                try:
+                    written = await self._get_range(
+                        request, located, state, start, end, on_progress
+                    )
+                except (aiohttp.ClientError, TimeoutError, StalledError, ProtocolError) as exc:
+                    covered = _covered_until(state.done, start)
+                    if covered > start:
+                        start = covered
+                        backoff.reset()
+                    await self._backoff_or_raise(exc, request.label, backoff, None)
+                    continue
+                except _RetryLater as later:
+                    await self._backoff_or_raise(later, request.label, backoff, later.after)
+                    continue
+                if written == 0:
+                    await self._backoff_or_raise(
+                        ProtocolError(f"empty body for bytes {start}-{end - 1}"),
+                        request.label,
+                        backoff,
+                        None,
+                    )
+                    continue
+                start += written
+                backoff.reset()
+
+    async def _get_range(
+        self,
+        request: BlobRequest,
+        located: Located,
+        state: _FileState,
+        start: int,
+        end: int,
+        on_progress: ProgressFn,
+    ) -> int:
+        """One Range request for [start, end); returns the bytes written (may be short)."""
+        headers = dict(located.headers)
+        whole = state.single_stream and start == 0 and end == state.size
+        if not whole:
+            headers["Range"] = format_range(start, end - 1)
+            if state.etag is not None:
+                headers["If-Range"] = state.etag
+        async with self._request("GET", located.url, headers) as resp:
+            if resp.status == 206 and not whole:
+                self._check_partial(resp, request.label, state, start, end)
+            elif resp.status == 200:
+                new_etag = resp.headers.get("ETag")
+                if not whole:
+                    # Range ignored (same object: fall back to one stream) or If-Range
+                    # failed (a new object: start over with ranges).
+                    raise _Restart(
+                        "200 to a Range request",
+                        etag=new_etag,
+                        single_stream=state.etag is None or new_etag == state.etag,
+                    )
+                if resp.content_length is not None and resp.content_length != state.size:
+                    raise ProtocolError(
+                        f"{request.label}: full body of {resp.content_length} bytes, "
+                        f"expected {state.size}"
+                    )
+            elif resp.status == 416:
+                total = parse_unsatisfied_range(resp.headers.get("Content-Range", ""))
+                raise _Restart(
+                    f"416: object is now {total} bytes, expected {state.size}",
+                    etag=None,
+                    single_stream=False,
+                )
+            else:
+                await self._raise_for_status(resp, request.label, relocatable=True)
+            encoding = resp.headers.get("Content-Encoding", "identity").lower()
+            if encoding not in ("identity", ""):
+                raise ProtocolError(f"{request.label}: server applied Content-Encoding {encoding}")
+            return await self._stream_body(resp, state, start, end, on_progress)
+
+    def _check_partial(
+        self, resp: aiohttp.ClientResponse, label: str, state: _FileState, start: int, end: int
+    ) -> None:
+        cr = parse_content_range(resp.headers.get("Content-Range", ""))
+        if cr is None or cr.start != start or cr.end >= end or cr.total != state.size:
+            raise ProtocolError(
+                f"{label}: asked for bytes {start}-{end - 1}/{state.size}, "
+                f"got Content-Range {resp.headers.get('Content-Range')!r}"
+            )
+        etag = resp.headers.get("ETag")
+        if state.etag is not None and etag is not None and etag != state.etag:
+            raise _Restart("ETag changed", etag=etag, single_stream=False)
+        if state.etag is None and is_strong_etag(etag):
+            state.etag = etag
+
+    async def _stream_body(
+        self,
+        resp: aiohttp.ClientResponse,
+        state: _FileState,
+        start: int,
+        end: int,
+        on_progress: ProgressFn,
+    ) -> int:
+        cfg = self.config
+        offset = start
+        buf = bytearray()
+        window_start, window_bytes = self._clock(), 0
+        loop = asyncio.get_running_loop()
+
+        async def flush() -> None:
+            nonlocal offset
+            if not buf:
+                return
+            data = bytes(buf)
+            buf.clear()
+            try:
+                await loop.run_in_executor(None, _pwrite_all, state.fd, data, offset)
+            except OSError as exc:
+                raise _disk_error(exc, "writing the partial file") from exc
+            state.done.add(offset, offset + len(data))
+            offset += len(data)
+            state.progressed.set()
+
+        try:
+            while offset + len(buf) < end:
+                want = min(cfg.read_size, end - offset - len(buf))
+                piece = await resp.content.read(want)
+                if not piece:
+                    break
+                buf += piece
+                n = len(piece)
+                state.downloaded += n
+                self._bytes += n
+                window_bytes += n
+                on_progress(n)
+                if len(buf) >= cfg.write_size:
+                    await flush()
+                now = self._clock()
+                if now - window_start >= cfg.throughput_window:
+                    rate = window_bytes / (now - window_start)
+                    if rate < cfg.min_throughput:
+                        raise StalledError(
+                            f"{rate:.0f} B/s is under the {cfg.min_throughput} B/s minimum"
+                        )
+                    window_start, window_bytes = now, 0
+        finally:
+            await flush()
+        return offset - start
+
+    # ------------------------------------------------------------------ hashing
+
+    async def _hash(
+        self, data_path: Path, state: _FileState, request: BlobRequest
+    ) -> tuple[str, str, str | None]:
+        """Follow the contiguous prefix on disk: the digest is ready right after the last byte."""
+        sha = hashlib.sha256()
+        xxh = xxhash.xxh3_128()
+        git = None
+        if request.git_blob_id is not None:
+            git = hashlib.sha1(usedforsecurity=False)
+            git.update(b"blob %d\0" % state.size)
+        hashed = 0
+        loop = asyncio.get_running_loop()
+        fd = os.open(data_path, os.O_RDONLY)
+        try:
+            while hashed < state.size:
+                frontier = state.done.contiguous_prefix()
+                if frontier <= hashed:
+                    state.progressed.clear()
+                    await state.progressed.wait()
+                    continue
+                hashed = await loop.run_in_executor(
+                    None, _hash_range, fd, hashed, frontier, (sha, xxh, git)
+                )
+        finally:
+            os.close(fd)
+        return sha.hexdigest(), xxh.hexdigest(), git.hexdigest() if git else None
+
+    # ------------------------------------------------------------------ sidecar
+
+    async def _save_sidecar_periodically(
+        self, path: Path, request: BlobRequest, state: _FileState
+    ) -> None:
+        """Bound what a ``kill -9`` loses to one interval of progress (cancelled at the end)."""
+        while True:
+            await asyncio.sleep(self.config.sidecar_interval)  # wall time, not the retry clock
+            _save_sidecar(path, request, state)
+
+    # ------------------------------------------------------------------ HTTP plumbing
+
+    @contextlib.asynccontextmanager
+    async def _request(
+        self, method: str, url: str, headers: Mapping[str, str]
+    ) -> AsyncIterator[aiohttp.ClientResponse]:
+        """A request with redirects followed by hand (credentials never leave the origin)."""
+        hdrs = dict(headers)
+        for _ in range(_MAX_REDIRECTS + 1):
+            self._active += 1
+            try:
+                async with self._session.request(
+                    method, url, headers=_with_defaults(hdrs), allow_redirects=False
+                ) as resp:
+                    if resp.status not in _REDIRECTS:
+                        yield resp
+                        return
+                    location = resp.headers.get("Location")
+            finally:
+                self._active -= 1
+            url, hdrs = _follow(url, hdrs, location)
+        raise ProtocolError(f"more than {_MAX_REDIRECTS} redirects for {url}")
+
+    async def _raise_for_status(
+        self, resp: aiohttp.ClientResponse, label: str, *, relocatable: bool = False
+    ) -> None:
+        """Turn a non-success answer into an exception (retryable ones as ``_RetryLater``)."""
+        status = resp.status
+        code = resp.headers.get("X-Error-Code", "")
+        message = await _error_message(resp)
+        detail = (
+            f"{label}: HTTP {status}{' ' + code if code else ''}{': ' + message if message else ''}"
+        )
+        if code == "RepoNotFound":
+            raise RepoNotFoundError(detail)
+        if code == "RevisionNotFound":
+            raise RevisionNotFoundError(detail)
+        if code == "EntryNotFound":
+            raise EntryNotFoundError(detail)
+        if code == "GatedRepo":
+            raise AuthError(detail)
+        verdict = classify_status(status)
+        if verdict == "retry":
+            after = parse_retry_after(resp.headers.get("Retry-After"), now=time.time())
+            raise _RetryLater(detail, after=after, status=status)
+        if verdict == "restart" and relocatable:
+            raise _Restart(detail, etag=None, single_stream=False)
+        if verdict == "relocate":
+            if relocatable:
+                raise _Relocate(detail)
+            raise AuthError(detail)
+        if status == 404:
+            raise EntryNotFoundError(detail)
+        raise OriginError(detail)
+
+    async def _backoff_or_raise(
+        self, exc: BaseException, label: str, backoff: Backoff, retry_after: float | None
+    ) -> None:
+        cause = _cause(exc)
+        retryable = isinstance(exc, (_RetryLater, StalledError, ProtocolError)) or (
+            is_retryable_exception(exc)
+        )
+        if not retryable:
+            raise TransferError(f"{label}: {exc}") from exc
+        delay = backoff.next_delay(retry_after)
+        if delay is None:
+            if isinstance(exc, ShardsyncError) and not isinstance(exc, _RetryLater):
+                raise exc
+            raise TransferError(
+                f"{label}: giving up after {backoff.attempts} attempts, last error: {exc}"
+            ) from exc
+        self._retries[cause] += 1
+        await self._sleep(delay)
+
+
+class _RetryLater(TransferError):
+    """A retryable HTTP status, with the server's Retry-After when it sent one."""
+
+    def __init__(self, message: str, *, after: float | None, status: int) -> None:
+        super().__init__(message)
+        self.after = after
+        self.status = status
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _with_defaults(headers: Mapping[str, str]) -> dict[str, str]:
+    merged = {"Accept-Encoding": "identity", "User-Agent": "shardsync/0.1"}
+    merged.update(headers)
+    return merged
+
+
+def _origin_of(url: str) -> tuple[str, str, int | None]:
+    parts = urlsplit(url)
+    port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
+    return parts.scheme, (parts.hostname or "").lower(), port
+
+
+def _follow(url: str, headers: dict[str, str], location: str | None) -> tuple[str, dict[str, str]]:
+    """Resolve a redirect; drop credentials when it leaves the origin; refuse https->http."""
+    if not location:
+        raise ProtocolError(f"redirect without Location from {url}")
+    target = urljoin(url, location)
+    old, new = _origin_of(url), _origin_of(target)
+    if new[0] not in ("http", "https"):
+        raise ProtocolError(f"refusing redirect to {new[0]!r} URL")
+    if old[0] == "https" and new[0] == "http":
+        raise ProtocolError(f"refusing https -> http redirect to {target}")
+    if old != new:
+        headers = {k: v for k, v in headers.items() if k.lower() not in _CREDENTIAL_HEADERS}
+    return target, headers
+
+
+def _unquote_etag(value: str | None) -> str | None:
+    if not value:
+        return None
+    value = value.removeprefix("W/")
+    return value.strip('"') or None
+
+
+def _int_or_none(value: str | None) -> int | None:
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+async def _error_message(resp: aiohttp.ClientResponse) -> str:
+    with contextlib.suppress(Exception):
+        body = await resp.content.read(4096)
+        with contextlib.suppress(ValueError, UnicodeDecodeError):
+            parsed = json.loads(body)
+            if isinstance(parsed, dict) and isinstance(parsed.get("error"), str):
+                return str(parsed["error"])[:300]
+        text = body.decode("utf-8", "replace").strip()
+        if text and not text.lstrip().startswith("<"):
+            return text[:300]
+    return ""
+
+
+def _cause(exc: BaseException) -> str:
+    if isinstance(exc, _RetryLater):
+        return f"http_{exc.status}"
+    if isinstance(exc, StalledError):
+        return "stalled"
+    if isinstance(exc, ProtocolError):
+        return "protocol"
+    if isinstance(exc, TimeoutError):
+        return "timeout"
+    return "connection"
+
+
+def _disk_error(exc: OSError, doing: str) -> CacheError:
+    """Map a local file error; a full disk gets its own, actionable message."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return DiskFullError(
+            f"no space left on device while {doing} ({exc.filename or 'cache'}); "
+            "the partial download is kept and resumes on the next run"
+        )
+    return CacheError(f"{doing}: {exc}")
+
+
+def _covered_until(done: RangeSet, start: int) -> int:
+    """End of the downloaded interval that contains ``start`` (``start`` if none)."""
+    for lo, hi in done.to_list():
+        if lo <= start < hi:
+            return hi
+    return start
+
+
+def _raise_first(group: BaseExceptionGroup[BaseException]) -> None:
+    """Surface the most meaningful error of a task group, not the group itself."""
+    leaves: list[BaseException] = []
+
+    def walk(g: BaseExceptionGroup[BaseException]) -> None:
+        for e in g.exceptions:
+            if isinstance(e, BaseExceptionGroup):
+                walk(e)
+            else:
+                leaves.append(e)
+
+    walk(group)
+    for kind in (_Restart, _Relocate, ShardsyncError):
+        for e in leaves:
+            if isinstance(e, kind):
+                raise e
+    raise leaves[0]
+
+
+def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view = view[n:]
+        offset += n
+
+
+def _hash_range(fd: int, start: int, end: int, hashers: tuple[object, ...]) -> int:
+    step = 8 * MiB
+    pos = start
+    while pos < end:
+        data = os.pread(fd, min(step, end - pos), pos)
+        if not data:
+            raise ProtocolError("partial file shrank while hashing")
+        for h in hashers:
+            if h is not None:
+                h.update(data)  # type: ignore[attr-defined]
+        pos += len(data)
+    return pos
+
+
+def _open_partial(path: Path, size: int, *, fresh: bool) -> int:
+    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags | (os.O_TRUNC if fresh else 0), 0o644)
+    except OSError as exc:
+        raise _disk_error(exc, f"opening {path}") from exc
+    try:
+        os.ftruncate(fd, size)
+    except OSError as exc:
+        os.close(fd)
+        raise _disk_error(exc, f"sizing {path}") from exc
+    return fd
+
+
+def _discard(data_path: Path, sidecar_path: Path) -> None:
+    for p in (sidecar_path, data_path):
+        with contextlib.suppress(FileNotFoundError):
+            p.unlink()
+
+
+def _load_sidecar(
+    sidecar: Path, data: Path, request: BlobRequest, size: int, etag: str | None
+) -> RangeSet:
+    """Trust a partial only if it names this exact object (URL, size, strong ETag, hash)."""
+    try:
+        raw = json.loads(sidecar.read_bytes())
+        ok = (
+            isinstance(raw, dict)
+            and raw.get("version") == _SIDECAR_VERSION
+            and raw.get("url") == request.url
+            and raw.get("size") == size
+            and raw.get("sha256") == request.sha256
+            and etag is not None
+            and raw.get("etag") == etag
+            and data.stat().st_size == size
+        )
+        if ok:
+            return RangeSet.from_list(raw["done"], size)
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return RangeSet()
+
+
+def _save_sidecar(path: Path, request: BlobRequest, state: _FileState) -> None:
+    if state.etag is None:
+        return  # without a strong validator a partial can never be resumed safely
+    payload = {
+        "version": _SIDECAR_VERSION,
+        "url": request.url,
+        "etag": state.etag,
+        "size": state.size,
+        "sha256": request.sha256,
+        "done": state.done.to_list(),
+    }
+    tmp = path.with_name(path.name + ".tmp")
+    with contextlib.suppress(OSError):
+        tmp.write_text(json.dumps(payload))
+        os.replace(tmp, path)
