@@ -1,0 +1,39 @@
+"""Origins: how to list and name files at the place a checkpoint comes from.
+
+An origin never downloads shard bytes itself (the fetcher does); it turns a
+repo path into a URL plus the credentials for that URL's host only.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from shardsync.errors import ConfigError
+from shardsync.origins.http import UrlOrigin
+from shardsync.origins.hub import HubOrigin
+from shardsync.origins.local import LocalOrigin
+
+__all__ = ["HubOrigin", "LocalOrigin", "Origin", "UrlOrigin", "parse_source"]
+
+Origin = HubOrigin | UrlOrigin | LocalOrigin
+
+
+def parse_source(
+    source: str,
+    *,
+    endpoint: str | None = None,
+    token: str | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Origin:
+    """Pick the origin a user means: an http(s) URL, an existing directory, or a Hub repo id."""
+    env = os.environ if environ is None else environ
+    if source.startswith(("http://", "https://")):
+        return UrlOrigin.from_url(source, token=token)
+    if source.startswith(("/", "./", "../", "~")) or os.path.isdir(source):
+        return LocalOrigin.from_path(source)
+    if "://" in source:
+        raise ConfigError(
+            f"unsupported source {source!r}: use ORG/NAME, an http(s) URL or a directory"
+        )
+    return HubOrigin.create(source, endpoint=endpoint or env.get("HF_ENDPOINT"), token=token)

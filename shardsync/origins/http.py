@@ -1,0 +1,86 @@
+"""A plain HTTP(S) base URL holding a checkpoint (nginx, S3 website, an artifact server)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from dataclasses import dataclass
+from urllib.parse import quote, urlsplit
+
+from shardsync.cache import RepoRef
+from shardsync.errors import ConfigError, EntryNotFoundError, ManifestError
+from shardsync.fetch import BlobRequest, Fetcher
+from shardsync.manifest import Listing, ManifestEntry, RemoteFile, validate_name
+
+__all__ = ["PROBED_FILES", "UrlOrigin"]
+
+# Such a server cannot list a directory, so we ask for the files a checkpoint usually has.
+PROBED_FILES = (
+    "model.safetensors.index.json",
+    "model.safetensors",
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class UrlOrigin:
+    """Files under ``base``; no commit, so snapshots are named by their content."""
+
+    base: str
+    token: str | None
+    default_revision: str = "main"
+
+    @classmethod
+    def from_url(cls, url: str, *, token: str | None = None) -> UrlOrigin:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ConfigError(f"not an http(s) URL: {url!r}")
+        if parts.query or parts.fragment:
+            raise ConfigError(f"base URL must not have a query or fragment: {url!r}")
+        base = url if url.endswith("/") else url + "/"
+        return cls(base=base, token=token)
+
+    @property
+    def repo(self) -> RepoRef:
+        return RepoRef(kind="url", name=self.base)
+
+    @property
+    def auth_headers(self) -> Mapping[str, str]:
+        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
+
+    def url_for(self, path: str) -> str:
+        return self.base + quote(validate_name(path))
+
+    async def list_files(self, fetcher: Fetcher, revision: str) -> Listing:
+        """HEAD the usual file names; the index (fetched later) names the shards."""
+        if revision != self.default_revision:
+            raise ConfigError("a plain URL origin has no revisions")
+
+        async def probe(path: str) -> RemoteFile | None:
+            request = BlobRequest(url=self.url_for(path), headers=self.auth_headers, label=path)
+            try:
+                located = await fetcher.locate(request)
+            except EntryNotFoundError:
+                return None
+            return RemoteFile(path=path, size=located.size, sha256=None)
+
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(probe(p)) for p in PROBED_FILES]
+        files = tuple(f for t in tasks if (f := t.result()) is not None)
+        if not any(f.path.endswith(".safetensors") or f.path.endswith(".json") for f in files):
+            raise ManifestError(f"no model.safetensors[.index.json] under {self.base}")
+        return Listing(commit=None, files=files, exhaustive=False)
+
+    def request_for(self, commit: str | None, entry: ManifestEntry | RemoteFile) -> BlobRequest:
+        return BlobRequest(
+            url=self.url_for(entry.path),
+            headers=self.auth_headers,
+            label=entry.path,
+            size=entry.size,
+            sha256=entry.sha256,
+        )

@@ -1,0 +1,447 @@
+"""The in-process engine: origin -> manifest -> fetcher -> cache, for one snapshot.
+
+This is what ``shardsync prefetch`` runs (and what the daemon will schedule):
+list the origin, fetch the index, plan the files, download them with bounded
+concurrency under per-blob cross-process locks, publish each verified blob,
+and mark the snapshot complete last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import hashlib
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Protocol
+
+import aiohttp
+import xxhash
+
+from shardsync.cache import CacheStore, FileRecord, RepoRef, SnapshotRecord
+from shardsync.config import Config
+from shardsync.errors import CacheError, DiskFullError, OfflineError
+from shardsync.fetch import Fetcher, FetchStatistics, Sleep
+from shardsync.manifest import (
+    Listing,
+    Manifest,
+    ManifestEntry,
+    build_manifest,
+    parse_index,
+    select_weights,
+)
+from shardsync.origins import LocalOrigin, Origin, UrlOrigin, parse_source
+from shardsync.origins.local import Copied
+from shardsync.retry import is_strong_etag
+
+__all__ = [
+    "FileOutcome",
+    "PrefetchResult",
+    "ProgressSink",
+    "prefetch",
+]
+
+Source = Literal["network", "cache", "local"]
+
+
+@dataclass(frozen=True, slots=True)
+class FileOutcome:
+    """How one file got into the snapshot."""
+
+    path: str
+    size: int
+    sha256: str
+    verified: Literal["sha256", "git-sha1", "tofu"]
+    source: Source
+    downloaded: int  # bytes received over the network for it in this run
+    resumed: int  # bytes reused from an earlier partial
+
+
+@dataclass(frozen=True, slots=True)
+class PrefetchResult:
+    """A complete snapshot: every file verified (or recorded, for tofu origins)."""
+
+    repo: RepoRef
+    revision: str
+    commit: str
+    snapshot_path: Path
+    files: tuple[FileOutcome, ...]
+    bytes_downloaded: int
+    elapsed: float
+    fetch: FetchStatistics | None
+
+    @property
+    def total_size(self) -> int:
+        return sum(f.size for f in self.files)
+
+
+class ProgressSink(Protocol):
+    """Receives progress; the CLI draws bars from it, the daemon turns it into events."""
+
+    def add_file(self, path: str, size: int | None) -> None: ...
+
+    def advance(self, path: str, nbytes: int) -> None: ...
+
+    def file_done(self, outcome: FileOutcome) -> None: ...
+
+
+class _NoProgress:
+    def add_file(self, path: str, size: int | None) -> None:
+        return None
+
+    def advance(self, path: str, nbytes: int) -> None:
+        return None
+
+    def file_done(self, outcome: FileOutcome) -> None:
+        return None
+
+
+_MAX_INDEX = 64 << 20
+
+
+async def prefetch(
+    source: str,
+    config: Config,
+    *,
+    revision: str | None = None,
+    include: Sequence[str] | None = None,
+    exclude: Sequence[str] = (),
+    offline: bool = False,
+    allow_pickle: bool = False,
+    token: str | None = None,
+    progress: ProgressSink | None = None,
+    environ: Mapping[str, str] | None = None,
+    sleep: Sleep = asyncio.sleep,
+) -> PrefetchResult:
+    """Make one snapshot of ``source`` complete in the cache and return where it is.
+
+    ``sleep`` is what retries wait with; tests pass a recorder to run them instantly.
+    """
+    started = time.monotonic()
+    origin = parse_source(source, endpoint=config.endpoint, token=token, environ=environ)
+    cache = CacheStore(config.cache_dir)
+    rev = revision or origin.default_revision
+    if offline:
+        return _from_cache(cache, origin.repo, rev, started)
+    sink = progress or _NoProgress()
+    connector = aiohttp.TCPConnector(
+        limit=config.max_files * config.fetch.connections_per_file + 4, limit_per_host=0
+    )
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=Fetcher.default_timeout(config.fetch)
+    ) as session:
+        fetcher = Fetcher(session, config.fetch, sleep=sleep)
+        job = _Job(origin, cache, fetcher, config, rev, sink, allow_pickle)
+        files = await job.run(include, exclude)
+        stats = fetcher.statistics()
+    return PrefetchResult(
+        repo=origin.repo,
+        revision=rev,
+        commit=job.commit,
+        snapshot_path=cache.snapshot_dir(origin.repo, job.commit),
+        files=files,
+        bytes_downloaded=sum(f.downloaded for f in files),
+        elapsed=time.monotonic() - started,
+        fetch=stats,
+    )
+
+
+def _from_cache(cache: CacheStore, repo: RepoRef, revision: str, started: float) -> PrefetchResult:
+    """Offline: answer from the cache alone, without a single request."""
+    record = cache.find_complete(repo, revision)
+    if record is None:
+        raise OfflineError(
+            f"{repo.name}@{revision} is not complete in {cache.root}; run prefetch online first"
+        )
+    files = tuple(
+        FileOutcome(f.path, f.size, f.sha256, f.verified, "cache", 0, 0) for f in record.files
+    )
+    return PrefetchResult(
+        repo=repo,
+        revision=revision,
+        commit=record.commit,
+        snapshot_path=cache.snapshot_dir(repo, record.commit),
+        files=files,
+        bytes_downloaded=0,
+        elapsed=time.monotonic() - started,
+        fetch=None,
+    )
+
+
+class _Job:
+    """One (origin, revision) snapshot being made complete."""
+
+    def __init__(
+        self,
+        origin: Origin,
+        cache: CacheStore,
+        fetcher: Fetcher,
+        config: Config,
+        revision: str,
+        sink: ProgressSink,
+        allow_pickle: bool,
+    ) -> None:
+        self.origin = origin
+        self.cache = cache
+        self.fetcher = fetcher
+        self.config = config
+        self.revision = revision
+        self.sink = sink
+        self.allow_pickle = allow_pickle
+        self.commit = ""
+        self._hints: dict[str, FileRecord] = {}
+
+    async def run(
+        self, include: Sequence[str] | None, exclude: Sequence[str]
+    ) -> tuple[FileOutcome, ...]:
+        listing = await self._list()
+        self.commit = listing.commit or ""
+        self._load_hints()
+        weights = select_weights(listing, allow_pickle=self.allow_pickle)
+        records: dict[str, FileRecord] = {}
+        outcomes: dict[str, FileOutcome] = {}
+        index = None
+        if weights.path.endswith(".index.json"):
+            entry = ManifestEntry(
+                path=weights.path,
+                size=weights.size,
+                sha256=weights.sha256,
+                blob_id=weights.blob_id,
+                role="index",
+            )
+            self.sink.add_file(entry.path, entry.size)
+            records[entry.path], outcomes[entry.path] = await self._obtain(entry)
+            blob = self.cache.blob_path(records[entry.path].sha256)
+            index = parse_index(_read_capped(blob, _MAX_INDEX), path=entry.path)
+        manifest = build_manifest(listing, index, weights, include=include, exclude=exclude)
+        pending = [e for e in manifest.entries if e.path not in records]
+        for entry in pending:
+            self.sink.add_file(entry.path, entry.size)
+        await self._obtain_all(pending, records, outcomes)
+        self._complete(manifest, records)
+        return tuple(outcomes[e.path] for e in manifest.entries)
+
+    async def _list(self) -> Listing:
+        if isinstance(self.origin, LocalOrigin):
+            return await asyncio.to_thread(self.origin.list_files, self.revision)
+        return await self.origin.list_files(self.fetcher, self.revision)
+
+    def _load_hints(self) -> None:
+        """Records of this commit and of the revision's last snapshot: known xxh3 and etags."""
+        for commit in (self.commit, self.cache.read_ref(self.origin.repo, self.revision)):
+            if not commit:
+                continue
+            record = self.cache.read_snapshot_record(self.origin.repo, commit)
+            if record is not None:
+                for f in record.files:
+                    self._hints.setdefault(f.path, f)
+
+    async def _obtain_all(
+        self,
+        entries: Sequence[ManifestEntry],
+        records: dict[str, FileRecord],
+        outcomes: dict[str, FileOutcome],
+    ) -> None:
+        queue: asyncio.Queue[ManifestEntry] = asyncio.Queue()
+        for entry in entries:
+            queue.put_nowait(entry)
+
+        async def worker() -> None:
+            while not queue.empty():
+                entry = queue.get_nowait()
+                records[entry.path], outcomes[entry.path] = await self._obtain(entry)
+
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for _ in range(min(self.config.max_files, len(entries))):
+                    tg.create_task(worker())
+        except BaseExceptionGroup as group:
+            raise _first_error(group) from None
+
+    async def _obtain(self, entry: ManifestEntry) -> tuple[FileRecord, FileOutcome]:
+        """Reuse a cached blob or download one, under the blob's cross-process lock."""
+        hit = await self._cached(entry)
+        if hit is not None:
+            return hit
+        key = self._blob_key(entry)
+        lock = self.cache.lock(key)
+        await lock.acquire()
+        try:
+            hit = await self._cached(entry)  # another process may have finished it meanwhile
+            if hit is not None:
+                return hit
+            record, outcome = await self._download(entry, key)
+        finally:
+            lock.release()
+        self._link(record)
+        self.sink.file_done(outcome)
+        return record, outcome
+
+    async def _cached(self, entry: ManifestEntry) -> tuple[FileRecord, FileOutcome] | None:
+        hint = self._hints.get(entry.path)
+        sha = entry.sha256
+        if sha is None and hint is not None and await self._hint_matches(entry, hint):
+            sha = hint.sha256
+        if sha is None or not self.cache.has_blob(sha, entry.size):
+            return None
+        if hint is not None and hint.sha256 == sha:
+            record = hint
+        else:
+            xxh, size = await asyncio.to_thread(_xxh3_file, self.cache.blob_path(sha))
+            record = FileRecord(
+                path=entry.path,
+                size=size,
+                sha256=sha,
+                xxh3_128=xxh,
+                etag=self._hf_etag(entry, sha),
+                verified="sha256",
+            )
+        outcome = FileOutcome(entry.path, record.size, sha, record.verified, "cache", 0, 0)
+        self._link(record)
+        self.sink.advance(entry.path, record.size)
+        self.sink.file_done(outcome)
+        return record, outcome
+
+    async def _hint_matches(self, entry: ManifestEntry, hint: FileRecord) -> bool:
+        """A file without a known sha256 is the same only if the origin's identity matches."""
+        if entry.size is not None and hint.size != entry.size:
+            return False
+        if entry.blob_id is not None:
+            return hint.etag == entry.blob_id
+        if hint.origin_etag is None:
+            return False
+        return await self._origin_etag(entry) == hint.origin_etag
+
+    async def _origin_etag(self, entry: ManifestEntry) -> str | None:
+        """How the origin names this version of a file: a strong ETag, or stat for a local file."""
+        if isinstance(self.origin, LocalOrigin):
+            st = await asyncio.to_thread(self.origin.source(entry.path).stat)
+            return f"{st.st_ino}-{st.st_size}-{st.st_mtime_ns}"
+        if isinstance(self.origin, UrlOrigin):
+            located = await self.fetcher.locate(self.origin.request_for(None, entry))
+            return located.etag if is_strong_etag(located.etag) else None
+        return None
+
+    def _blob_key(self, entry: ManifestEntry) -> str:
+        if entry.sha256 is not None:
+            return entry.sha256
+        ident = f"{self.origin.repo.kind}\0{self.origin.repo.name}\0{self.commit}\0{entry.path}"
+        return "p-" + hashlib.sha256(ident.encode()).hexdigest()[:40]
+
+    def _hf_etag(self, entry: ManifestEntry, sha256: str) -> str:
+        return entry.blob_id if entry.sha256 is None and entry.blob_id else sha256
+
+    async def _download(self, entry: ManifestEntry, key: str) -> tuple[FileRecord, FileOutcome]:
+        data, sidecar = self.cache.partial_paths(key)
+        if isinstance(self.origin, LocalOrigin):
+            origin_etag = await self._origin_etag(entry)
+            copied = await asyncio.to_thread(_local_copy, self.origin, entry.path, data)
+            await asyncio.to_thread(self.cache.publish_blob, data, copied.sha256)
+            self.sink.advance(entry.path, copied.size)
+            record = FileRecord(
+                path=entry.path,
+                size=copied.size,
+                sha256=copied.sha256,
+                xxh3_128=copied.xxh3_128,
+                etag=copied.sha256,
+                verified="tofu",
+                origin_etag=origin_etag,
+            )
+            return record, FileOutcome(
+                entry.path, copied.size, copied.sha256, "tofu", "local", 0, 0
+            )
+        request = self.origin.request_for(self.commit or None, entry)
+        fetched = await self.fetcher.fetch(
+            request, data, sidecar, lambda n: self.sink.advance(entry.path, n)
+        )
+        await asyncio.to_thread(self.cache.publish_blob, data, fetched.sha256)
+        sidecar.unlink(missing_ok=True)
+        record = FileRecord(
+            path=entry.path,
+            size=fetched.size,
+            sha256=fetched.sha256,
+            xxh3_128=fetched.xxh3_128,
+            etag=self._hf_etag(entry, fetched.sha256),
+            verified=fetched.verified,
+            origin_etag=fetched.etag if isinstance(self.origin, UrlOrigin) else None,
+        )
+        outcome = FileOutcome(
+            entry.path,
+            fetched.size,
+            fetched.sha256,
+            fetched.verified,
+            "network",
+            fetched.downloaded,
+            fetched.resumed,
+        )
+        return record, outcome
+
+    def _link(self, record: FileRecord) -> None:
+        """Hub snapshots gain each file as it lands; content-named ones wait for the end."""
+        if self.commit:
+            self.cache.link_file(
+                self.origin.repo, self.commit, record.path, sha256=record.sha256, etag=record.etag
+            )
+
+    def _complete(self, manifest: Manifest, records: Mapping[str, FileRecord]) -> None:
+        files = tuple(records[e.path] for e in manifest.entries)
+        if not self.commit:
+            self.commit = _content_id(self.origin, files)
+            for record in files:
+                self._link(record)
+        self.cache.write_snapshot_record(
+            SnapshotRecord(
+                repo=self.origin.repo,
+                revision=self.revision,
+                commit=self.commit,
+                files=files,
+                completed_at=time.time(),
+            )
+        )
+        self.cache.write_ref(self.origin.repo, self.revision, self.commit)
+
+
+def _content_id(origin: Origin, files: Sequence[FileRecord]) -> str:
+    """Origins without commits get a snapshot id derived from what the snapshot holds."""
+    h = hashlib.sha1(usedforsecurity=False)
+    h.update(f"{origin.repo.kind}\0{origin.repo.name}\0".encode())
+    for f in sorted(files, key=lambda f: f.path):
+        h.update(f"{f.path}\0{f.sha256}\0".encode())
+    return h.hexdigest()
+
+
+def _local_copy(origin: LocalOrigin, path: str, dest: Path) -> Copied:
+    try:
+        return origin.copy(path, dest)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise DiskFullError(f"no space left copying {path} into the cache") from exc
+        raise CacheError(f"copying {path}: {exc}") from exc
+
+
+def _read_capped(path: Path, cap: int) -> bytes:
+    with path.open("rb") as f:
+        data = f.read(cap + 1)
+    if len(data) > cap:
+        raise CacheError(f"{path} is larger than {cap} bytes")
+    return data
+
+
+def _xxh3_file(path: Path) -> tuple[str, int]:
+    h = xxhash.xxh3_128()
+    size = 0
+    with path.open("rb") as f:
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+            size += len(chunk)
+    return h.hexdigest(), size
+
+
+def _first_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            return _first_error(exc)
+        return exc
+    return group
