@@ -1,0 +1,64 @@
+"""Shared assertions for engine tests: byte-identical snapshots, nothing unverified published."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+from pathlib import Path
+
+from shardsync.config import Config
+from shardsync.fetch import FetchConfig
+from shardsync.retry import RetryPolicy
+from shardsync.testing import Checkpoint
+
+
+def fast_config(cache_dir: Path, endpoint: str | None = None, **fetch: object) -> Config:
+    """Small chunks (several Range requests per shard) and near-instant retries."""
+    base = FetchConfig(
+        connections_per_file=4,
+        chunk_size=256 * 1024,
+        read_size=64 * 1024,
+        write_size=128 * 1024,
+        read_timeout=5.0,
+        retry=RetryPolicy(max_attempts=6, base_delay=0.001, max_delay=0.01),
+    )
+    return Config(cache_dir=cache_dir, endpoint=endpoint, max_files=4, fetch=replace(base, **fetch))
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def assert_snapshot_matches(snapshot: Path, checkpoint: Checkpoint) -> None:
+    """Every file of the checkpoint is in the snapshot with identical bytes."""
+    for rel in checkpoint.files:
+        got = snapshot / rel
+        assert got.is_file(), f"{rel} missing from {snapshot}"
+        assert got.read_bytes() == checkpoint.path(rel).read_bytes(), f"{rel} differs"
+
+
+def assert_store_verified(cache_dir: Path) -> None:
+    """Promise 1: every blob under its final name hashes to that name."""
+    store = cache_dir / "store" / "sha256"
+    for blob in store.glob("*/*"):
+        assert sha256_file(blob) == blob.name, f"published blob {blob} has the wrong content"
+
+
+class SleepRecorder:
+    """An injected ``sleep`` that records delays and returns at once."""
+
+    def __init__(self) -> None:
+        self.delays: list[float] = []
+
+    async def __call__(self, delay: float) -> None:
+        self.delays.append(delay)
+        await asyncio.sleep(0)
+
+
+Sleep = Callable[[float], Awaitable[None]]

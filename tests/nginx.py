@@ -1,0 +1,81 @@
+"""A real nginx serving a directory on loopback, for the plain-HTTP origin tests."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+NGINX = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def serve_directory(root: Path, work: Path) -> Iterator[str]:
+    """Run nginx in the foreground on a free loopback port; yields the base URL."""
+    if NGINX is None:
+        pytest.skip("nginx is not installed (apt-get install nginx)")
+    port = _free_port()
+    work.mkdir(parents=True, exist_ok=True)
+    user = "user root;\n" if os.geteuid() == 0 else ""
+    conf = work / "nginx.conf"
+    conf.write_text(
+        f"""{user}daemon off;
+worker_processes 1;
+pid {work}/nginx.pid;
+error_log {work}/error.log;
+events {{ worker_connections 256; }}
+http {{
+    access_log {work}/access.log;
+    client_body_temp_path {work}/body;
+    proxy_temp_path {work}/proxy;
+    fastcgi_temp_path {work}/fastcgi;
+    uwsgi_temp_path {work}/uwsgi;
+    scgi_temp_path {work}/scgi;
+    types {{ application/json json; }}
+    default_type application/octet-stream;
+    server {{
+        listen 127.0.0.1:{port};
+        root {root};
+    }}
+}}
+"""
+    )
+    proc = subprocess.Popen(
+        [NGINX, "-c", str(conf), "-p", str(work)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    err = proc.stderr.read().decode() if proc.stderr else ""
+                    pytest.fail(f"nginx did not start: {err}")
+                time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}/"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        if proc.stderr:
+            proc.stderr.close()
+
+
+def access_log(work: Path) -> list[str]:
+    return (work / "access.log").read_text().splitlines()

@@ -1,0 +1,244 @@
+"""``shardsync prefetch`` as users run it: real processes, kill -9, concurrency, full disks."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from helpers import assert_snapshot_matches, assert_store_verified
+from nginx import access_log, serve_directory
+
+from shardsync.testing import Bandwidth, Checkpoint, FakeHub, build_checkpoint, serve_in_thread
+
+REPO = "acme/cli"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
+    return build_checkpoint(
+        tmp_path_factory.mktemp("ckpt"), total_bytes=40 << 20, n_shards=4, seed=2
+    )
+
+
+@pytest.fixture
+def hub(checkpoint: Checkpoint) -> Iterator[FakeHub]:
+    fake = FakeHub()
+    fake.add_checkpoint(REPO, checkpoint)
+    with serve_in_thread(fake) as running:
+        yield running
+
+
+def _config(tmp_path: Path) -> Path:
+    """Small write buffers and frequent resume records: a kill -9 loses little."""
+    path = tmp_path / "shardsync.toml"
+    path.write_text(
+        '[download]\nconnections_per_file = 2\nchunk_size = "1MiB"\nwrite_size = "128KiB"\n'
+        'read_size = "64KiB"\nsidecar_interval = 0.1\n'
+        "[retry]\nbase_delay = 0.01\nmax_delay = 0.1\n"
+    )
+    return path
+
+
+def _cmd(tmp_path: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "shardsync.cli", "--config", str(_config(tmp_path)), *args]
+
+
+def _run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(_cmd(tmp_path, *args), capture_output=True, text=True, timeout=120)
+
+
+def _shard_bytes(checkpoint: Checkpoint) -> int:
+    return sum(checkpoint.path(s).stat().st_size for s in checkpoint.shards)
+
+
+def test_prefetch_prints_the_snapshot_path(
+    hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    cache = tmp_path / "cache"
+    out = _run(tmp_path, "prefetch", REPO, "--endpoint", hub.endpoint, "--cache-dir", str(cache))
+    assert out.returncode == 0, out.stderr
+    snapshot = Path(out.stdout.strip())
+    assert snapshot.parent == cache / "hub" / "models--acme--cli" / "snapshots"
+    assert_snapshot_matches(snapshot, checkpoint)
+    # not a TTY: plain log lines, one per file
+    assert out.stderr.count("verified=sha256") == len(checkpoint.shards)
+
+
+def test_json_and_offline(hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    common = ("--endpoint", hub.endpoint, "--cache-dir", str(cache), "--json")
+    first = json.loads(_run(tmp_path, "prefetch", REPO, *common).stdout)
+    assert first["bytes_downloaded"] == first["total_size"] > 0
+    assert {f["source"] for f in first["files"]} == {"network"}
+    hub.reset_log()
+    offline = _run(tmp_path, "prefetch", REPO, *common, "--offline")
+    assert offline.returncode == 0, offline.stderr
+    assert json.loads(offline.stdout)["snapshot_path"] == first["snapshot_path"]
+    assert hub.log == []
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "needle"),
+    [
+        (("acme/missing",), 3, "RepoNotFound"),
+        ((REPO, "--revision", "nope"), 3, "RevisionNotFound"),
+        (("not a repo!",), 2, "invalid repo id"),
+        ((REPO, "--offline"), 10, "not complete"),
+    ],
+)
+def test_errors_are_one_clear_line(
+    hub: FakeHub, tmp_path: Path, args: tuple[str, ...], code: int, needle: str
+) -> None:
+    out = _run(
+        tmp_path, "prefetch", *args, "--endpoint", hub.endpoint, "--cache-dir", str(tmp_path / "c")
+    )
+    assert out.returncode == code
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("shardsync: error:"), out.stderr
+    assert needle in lines[0]
+
+
+def test_kill_9_then_rerun_refetches_little(
+    hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    total = _shard_bytes(checkpoint)
+    cache = tmp_path / "cache"
+    rule = hub.faults.add(Bandwidth(1_500_000))  # 8 connections: ~12 MB/s, ~3.5 s in all
+    proc = subprocess.Popen(
+        _cmd(
+            tmp_path,
+            "prefetch",
+            REPO,
+            "--endpoint",
+            hub.endpoint,
+            "--cache-dir",
+            str(cache),
+            "--quiet",
+        ),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 60
+    while hub.bytes_served("*.safetensors") < total * 0.5:
+        assert proc.poll() is None, "prefetch finished before it could be killed"
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (cache / "hub" / "models--acme--cli" / "refs" / "main").exists()
+    assert_store_verified(cache)
+    hub.faults.remove(rule)
+    out = _run(
+        tmp_path, "prefetch", REPO, "--endpoint", hub.endpoint, "--cache-dir", str(cache), "--json"
+    )
+    assert out.returncode == 0, out.stderr
+    # Bytes served twice over both runs: what the kill cost (unwritten buffers, the last
+    # resume-record interval), not a restart from zero.
+    refetched = hub.bytes_served("*.safetensors") - total
+    assert refetched < 0.10 * total, f"re-fetched {refetched} of {total} bytes"
+    result = json.loads(out.stdout)
+    assert sum(f["resumed"] for f in result["files"]) > 0
+    assert_snapshot_matches(Path(result["snapshot_path"]), checkpoint)
+    assert not list((cache / "partial").iterdir())  # no orphan temp files after a clean run
+
+
+def test_two_concurrent_prefetches_download_each_byte_once(
+    hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    cache = tmp_path / "cache"
+    hub.faults.add(Bandwidth(2_000_000))
+    cmd = _cmd(
+        tmp_path, "prefetch", REPO, "--endpoint", hub.endpoint, "--cache-dir", str(cache), "--quiet"
+    )
+    procs = [
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[1] for o in outs]
+    assert outs[0][0] == outs[1][0]
+    served = hub.bytes_served("*.safetensors")
+    assert served < 1.1 * _shard_bytes(checkpoint), served
+    assert_snapshot_matches(Path(outs[0][0].strip()), checkpoint)
+
+
+@contextlib.contextmanager
+def _tmpfs(path: Path, size: str) -> Iterator[None]:
+    path.mkdir(parents=True)
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+        capture_output=True,
+        check=False,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def test_disk_full_is_a_clear_error_and_keeps_the_partial(
+    hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    cache = tmp_path / "small"
+    with _tmpfs(cache, "10m"):
+        out = _run(
+            tmp_path, "prefetch", REPO, "--endpoint", hub.endpoint, "--cache-dir", str(cache)
+        )
+        assert out.returncode == 8, out.stderr
+        last = out.stderr.strip().splitlines()[-1]
+        assert last.startswith("shardsync: error: no space left on device"), out.stderr
+        assert "partial download is kept" in last
+        partials = [p for p in (cache / "partial").iterdir() if p.suffix == ".part"]
+        assert partials and any(p.stat().st_blocks > 0 for p in partials)
+        assert_store_verified(cache)
+        assert not (cache / "hub" / "models--acme--cli" / "refs" / "main").exists()
+
+
+def test_plain_http_origin_with_nginx(checkpoint: Checkpoint, tmp_path: Path) -> None:
+    work = tmp_path / "nginx"
+    cache = tmp_path / "cache"
+    with serve_directory(checkpoint.directory, work) as base:
+        out = _run(tmp_path, "prefetch", base, "--cache-dir", str(cache), "--json")
+        assert out.returncode == 0, out.stderr
+        result = json.loads(out.stdout)
+        assert {f["verified"] for f in result["files"]} == {"tofu"}
+        weights = [f["path"] for f in result["files"] if f["path"].endswith(".safetensors")]
+        assert weights == list(checkpoint.shards)
+        snapshot = Path(result["snapshot_path"])
+        for rel in ("model.safetensors.index.json", *checkpoint.shards, "config.json"):
+            assert (snapshot / rel).read_bytes() == checkpoint.path(rel).read_bytes()
+        ranged = [line for line in access_log(work) if '" 206 ' in line]
+        assert len(ranged) >= len(checkpoint.shards) * 2
+        before = len(access_log(work))
+        again = _run(tmp_path, "prefetch", base, "--cache-dir", str(cache), "--json")
+        assert again.returncode == 0, again.stderr
+        assert json.loads(again.stdout)["snapshot_path"] == result["snapshot_path"]
+        new = access_log(work)[before:]
+        assert not any(line.split('"')[1].startswith("GET") for line in new), new
+
+
+def test_local_directory_origin(checkpoint: Checkpoint, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    out = _run(tmp_path, "prefetch", str(checkpoint.directory), "--cache-dir", str(cache), "--json")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert_snapshot_matches(Path(result["snapshot_path"]), checkpoint)
+    assert {f["source"] for f in result["files"]} == {"local"}
+    again = json.loads(
+        _run(
+            tmp_path, "prefetch", str(checkpoint.directory), "--cache-dir", str(cache), "--json"
+        ).stdout
+    )
+    assert {f["source"] for f in again["files"]} == {"cache"}

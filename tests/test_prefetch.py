@@ -1,0 +1,280 @@
+"""The engine end to end against the fake hub: clean runs, faults, hostile input, HF interop."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from helpers import (
+    SleepRecorder,
+    assert_snapshot_matches,
+    assert_store_verified,
+    fast_config,
+)
+
+from shardsync.errors import (
+    AuthError,
+    IntegrityError,
+    OfflineError,
+    RepoNotFoundError,
+    RevisionNotFoundError,
+    UnsafeNameError,
+)
+from shardsync.prefetch import prefetch
+from shardsync.testing import (
+    ChangeEtag,
+    Checkpoint,
+    CutBody,
+    FakeHub,
+    Fault,
+    FlipByte,
+    IgnoreRange,
+    SlowDrip,
+    Stall,
+    Status,
+    WrongContentRange,
+    build_checkpoint,
+)
+
+REPO = "acme/tiny"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
+    return build_checkpoint(
+        tmp_path_factory.mktemp("ckpt"), total_bytes=6 << 20, n_shards=3, seed=1
+    )
+
+
+@pytest.fixture
+async def hub(checkpoint: Checkpoint) -> AsyncIterator[FakeHub]:
+    async with FakeHub() as hub:
+        hub.add_checkpoint(REPO, checkpoint)
+        yield hub
+
+
+async def test_clean_prefetch_is_byte_identical(
+    hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    result = await prefetch(REPO, fast_config(tmp_path, hub.endpoint))
+    assert_snapshot_matches(result.snapshot_path, checkpoint)
+    assert_store_verified(tmp_path)
+    shards = [f for f in result.files if f.path.endswith(".safetensors")]
+    assert [f.path for f in shards] == list(checkpoint.shards)  # index order
+    assert {f.verified for f in shards} == {"sha256"}
+    assert {f.verified for f in result.files if not f.path.endswith(".safetensors")} == {"git-sha1"}
+    # several Range requests per shard, all from the CDN host
+    ranged = [r for r in hub.log if r.server == "cdn" and r.range]
+    assert len(ranged) >= 3 * 4
+
+
+async def test_second_run_downloads_no_shard(hub: FakeHub, tmp_path: Path) -> None:
+    config = fast_config(tmp_path, hub.endpoint)
+    first = await prefetch(REPO, config)
+    hub.reset_log()
+    second = await prefetch(REPO, config)
+    assert second.snapshot_path == first.snapshot_path
+    assert hub.bytes_served() == 0
+    assert {f.source for f in second.files} == {"cache"}
+    assert [r.server for r in hub.log] == ["hub"]  # one API call, nothing else
+
+
+async def test_offline_makes_no_request(hub: FakeHub, tmp_path: Path) -> None:
+    config = fast_config(tmp_path, hub.endpoint)
+    with pytest.raises(OfflineError, match="not complete"):
+        await prefetch(REPO, config, offline=True)
+    online = await prefetch(REPO, config)
+    hub.reset_log()
+    offline = await prefetch(REPO, config, offline=True)
+    assert offline.snapshot_path == online.snapshot_path
+    assert hub.log == []
+
+
+async def test_identical_bytes_are_stored_once(
+    hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    hub.add_checkpoint("acme/tiny-copy", checkpoint)
+    config = fast_config(tmp_path, hub.endpoint)
+    await prefetch(REPO, config)
+    hub.reset_log()
+    copy = await prefetch("acme/tiny-copy", config)
+    assert hub.bytes_served("*.safetensors") == 0
+    shard = copy.snapshot_path / checkpoint.shards[0]
+    assert shard.stat().st_nlink == 3  # store + two repos' blobs/
+
+
+FAULTS: list[tuple[str, list[Fault]]] = [
+    ("cut-body", [CutBody(times=6)]),
+    ("503-storm", [Status(503, times=12)]),
+    ("429-retry-after", [Status(429, retry_after="2", times=3)]),
+    ("range-ignored", [IgnoreRange(times=2)]),
+    ("wrong-content-range", [WrongContentRange(times=3)]),
+    ("stalled", [Stall(30, times=2)]),
+    ("etag-changed", [CutBody(times=1, path="model-00002*"), ChangeEtag(path="model-00002*")]),
+]
+
+
+@pytest.mark.parametrize(("name", "faults"), FAULTS, ids=[n for n, _ in FAULTS])
+async def test_faults_end_byte_identical(
+    hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path, name: str, faults: list[Fault]
+) -> None:
+    for fault in faults:
+        hub.faults.add(fault)
+    sleep = SleepRecorder()
+    config = fast_config(tmp_path, hub.endpoint, read_timeout=0.5)
+    result = await prefetch(REPO, config, sleep=sleep)
+    assert_snapshot_matches(result.snapshot_path, checkpoint)
+    assert_store_verified(tmp_path)
+    assert all(rule.exhausted for rule in hub.faults.rules if rule.fault.times is not None)
+    if name == "429-retry-after":
+        assert max(sleep.delays) >= 2.0  # the server's Retry-After was honoured
+    if name != "range-ignored":
+        # partial progress was kept: far less than one extra copy was transferred
+        assert hub.bytes_served("*.safetensors") < 1.5 * _shard_bytes(checkpoint)
+
+
+async def test_slow_drip_trips_the_watchdog(
+    hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    hub.faults.add(SlowDrip(2000, times=1))
+    config = fast_config(tmp_path, hub.endpoint, min_throughput=50_000, throughput_window=0.3)
+    result = await prefetch(REPO, config, sleep=SleepRecorder())
+    assert_snapshot_matches(result.snapshot_path, checkpoint)
+    assert result.fetch is not None and result.fetch.retries.get("stalled", 0) >= 1
+
+
+async def test_flipped_byte_refetches_only_that_file(
+    hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    bad = checkpoint.shards[1]
+    hub.faults.add(FlipByte(times=1, path=bad))
+    result = await prefetch(REPO, fast_config(tmp_path, hub.endpoint))
+    assert_snapshot_matches(result.snapshot_path, checkpoint)
+    assert_store_verified(tmp_path)
+    size = checkpoint.path(bad).stat().st_size
+    assert hub.bytes_served(bad) == 2 * size
+    for other in checkpoint.shards:
+        if other != bad:
+            assert hub.bytes_served(other) == checkpoint.path(other).stat().st_size
+    assert result.fetch is not None and result.fetch.verify_failures == 1
+
+
+async def test_persistent_corruption_is_a_clear_error(
+    hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    bad = checkpoint.shards[0]
+    hub.faults.add(FlipByte(path=bad, times=None))
+    with pytest.raises(IntegrityError, match=f"{bad}: hash mismatch after 3 downloads"):
+        await prefetch(REPO, fast_config(tmp_path, hub.endpoint))
+    assert_store_verified(tmp_path)
+    assert not (tmp_path / "hub" / "models--acme--tiny" / "refs" / "main").exists()
+
+
+async def test_token_goes_to_the_hub_never_to_the_cdn(
+    checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    async with FakeHub() as hub:
+        hub.add_checkpoint("acme/private", checkpoint, gated=True, token="hf_secret")
+        config = fast_config(tmp_path, hub.endpoint)
+        with pytest.raises(AuthError):
+            await prefetch("acme/private", config, token="hf_wrong")
+        hub.reset_log()
+        result = await prefetch("acme/private", config, token="hf_secret")
+        assert_snapshot_matches(result.snapshot_path, checkpoint)
+        hub_requests = [r for r in hub.log if r.server == "hub"]
+        cdn_requests = [r for r in hub.log if r.server == "cdn"]
+        assert hub_requests and cdn_requests
+        assert all(r.headers.get("Authorization") == "Bearer hf_secret" for r in hub_requests)
+        assert not any("Authorization" in r.headers for r in cdn_requests)
+
+
+async def test_missing_repo_and_revision(hub: FakeHub, tmp_path: Path) -> None:
+    config = fast_config(tmp_path, hub.endpoint)
+    with pytest.raises(RepoNotFoundError):
+        await prefetch("acme/nope", config)
+    with pytest.raises(RevisionNotFoundError):
+        await prefetch(REPO, config, revision="v9")
+
+
+async def test_pr_revision(hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path) -> None:
+    commit = hub.add_checkpoint(REPO, checkpoint, revision="refs/pr/1")
+    result = await prefetch(REPO, fast_config(tmp_path, hub.endpoint), revision="refs/pr/1")
+    assert result.commit == commit
+    ref = tmp_path / "hub" / "models--acme--tiny" / "refs" / "refs" / "pr" / "1"
+    assert ref.read_text() == commit
+
+
+@pytest.mark.parametrize(
+    "evil",
+    [
+        "../evil.safetensors",
+        "/etc/evil.safetensors",
+        "%2e%2e/evil.safetensors",
+        "a/../../evil.safetensors",
+    ],
+)
+async def test_hostile_weight_map_refused_before_any_request(
+    checkpoint: Checkpoint, tmp_path: Path, evil: str
+) -> None:
+    index = {
+        "metadata": {},
+        "weight_map": {"a.weight": "model-00001-of-00001.safetensors", "b.weight": evil},
+    }
+    files = {
+        "model.safetensors.index.json": json.dumps(index).encode(),
+        "model-00001-of-00001.safetensors": checkpoint.path(checkpoint.shards[0]).read_bytes(),
+    }
+    async with FakeHub() as hub:
+        hub.add_repo("acme/hostile", files)
+        with pytest.raises(UnsafeNameError):
+            await prefetch("acme/hostile", fast_config(tmp_path, hub.endpoint))
+        assert not any(r.server == "cdn" for r in hub.log)
+        assert not any("evil.safetensors" in r.path for r in hub.log)
+        # only the API call and the index: nothing else was asked for
+        assert {r.file for r in hub.log} <= {None, "model.safetensors.index.json"}
+
+
+async def test_hf_reads_our_cache_offline(hub: FakeHub, tmp_path: Path) -> None:
+    result = await prefetch(REPO, fast_config(tmp_path, hub.endpoint))
+    script = f"""
+import json, warnings
+warnings.simplefilter("error")
+from huggingface_hub import scan_cache_dir, snapshot_download, hf_hub_download
+info = scan_cache_dir()
+assert not info.warnings, info.warnings
+path = snapshot_download({REPO!r})
+index = hf_hub_download({REPO!r}, "model.safetensors.index.json")
+from safetensors.torch import load_file
+shards = sorted(set(json.load(open(index))["weight_map"].values()))
+n = sum(len(load_file(path + "/" + s)) for s in shards)
+print(json.dumps({{"path": path, "repos": [r.repo_id for r in info.repos], "tensors": n}}))
+"""
+    env = {
+        **os.environ,
+        "HF_HUB_CACHE": str(tmp_path / "hub"),
+        "HF_HUB_OFFLINE": "1",
+        "HF_ENDPOINT": "http://127.0.0.1:9",  # would fail loudly if anything went online
+    }
+    out = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-c", script],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    answer = json.loads(out.stdout)
+    assert answer["path"] == str(result.snapshot_path)
+    assert answer["repos"] == [REPO]
+    assert answer["tensors"] > 0
+
+
+def _shard_bytes(checkpoint: Checkpoint) -> int:
+    return sum(checkpoint.path(s).stat().st_size for s in checkpoint.shards)
