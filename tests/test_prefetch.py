@@ -278,3 +278,33 @@ print(json.dumps({{"path": path, "repos": [r.repo_id for r in info.repos], "tens
 
 def _shard_bytes(checkpoint: Checkpoint) -> int:
     return sum(checkpoint.path(s).stat().st_size for s in checkpoint.shards)
+
+
+async def test_single_file_checkpoint(tmp_path: Path) -> None:
+    single = build_checkpoint(tmp_path / "single", total_bytes=2 << 20, n_shards=1, seed=3)
+    assert "model.safetensors" in single.files
+    async with FakeHub() as hub:
+        hub.add_checkpoint("acme/single", single)
+        result = await prefetch("acme/single", fast_config(tmp_path / "cache", hub.endpoint))
+    assert_snapshot_matches(result.snapshot_path, single)
+    assert result.files[0].path == "model.safetensors"
+
+
+async def test_include_and_exclude(hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path) -> None:
+    config = fast_config(tmp_path, hub.endpoint)
+    result = await prefetch(
+        REPO, config, include=["config.json", "tokenizer*"], exclude=["tokenizer_config.json"]
+    )
+    got = {f.path for f in result.files}
+    assert got == {
+        "model.safetensors.index.json",
+        *checkpoint.shards,
+        "config.json",
+        "tokenizer.json",
+    }
+    assert not (result.snapshot_path / "README.md").exists()
+    # a later run asking for more files reuses every shard
+    hub.reset_log()
+    more = await prefetch(REPO, config)
+    assert hub.bytes_served("*.safetensors") == 0
+    assert_snapshot_matches(more.snapshot_path, checkpoint)
