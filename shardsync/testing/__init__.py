@@ -1,0 +1,49 @@
+"""Test helpers for shardsync and for its users' own tests.
+
+- `FakeHub`: a Hugging Face Hub and its CDN on loopback, speaking enough of the protocol for
+  huggingface_hub itself, with a request log and injectable faults (`shardsync.testing.faults`).
+- `build_checkpoint`: real sharded safetensors checkpoints with seeded random weights.
+
+Run ``python -m shardsync.testing --help`` to serve or build checkpoints from a shell.
+"""
+
+from __future__ import annotations
+
+from shardsync.testing.checkpoints import Checkpoint, build_checkpoint
+from shardsync.testing.fakehub import FakeHub, RequestRecord, serve_in_thread
+from shardsync.testing.faults import (
+    Bandwidth,
+    ChangeEtag,
+    CutBody,
+    Fault,
+    FaultPlan,
+    FlipByte,
+    IgnoreRange,
+    Latency,
+    Rule,
+    SlowDrip,
+    Stall,
+    Status,
+    WrongContentRange,
+)
+
+__all__ = [
+    "Bandwidth",
+    "ChangeEtag",
+    "Checkpoint",
+    "CutBody",
+    "FakeHub",
+    "Fault",
+    "FaultPlan",
+    "FlipByte",
+    "IgnoreRange",
+    "Latency",
+    "RequestRecord",
+    "Rule",
+    "SlowDrip",
+    "Stall",
+    "Status",
+    "WrongContentRange",
+    "build_checkpoint",
+    "serve_in_thread",
+]

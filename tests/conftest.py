@@ -1,0 +1,44 @@
+"""Shared fixtures: a fake hub on loopback and a small real checkpoint."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from shardsync.testing import Checkpoint, FakeHub, build_checkpoint
+
+# huggingface_hub reads its environment once, at import: settle it before any test imports it.
+# No test may reach huggingface.co or send a developer's own token anywhere.
+os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
+os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+os.environ["HF_HUB_DISABLE_IMPLICIT_TOKEN"] = "1"
+os.environ["HF_HUB_DISABLE_XET"] = "1"
+for _name in ("HF_HUB_ENABLE_HF_TRANSFER", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
+    os.environ.pop(_name, None)
+os.environ.pop("HF_OIDC_RESOURCE", None)
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
+    """A 3-shard safetensors checkpoint of ~384 KiB with config and tokenizer files."""
+    return build_checkpoint(
+        tmp_path_factory.mktemp("checkpoint"), total_bytes=384 * 1024, n_shards=3
+    )
+
+
+@pytest.fixture
+async def fake_hub() -> AsyncIterator[FakeHub]:
+    """A started `FakeHub` on the test's event loop."""
+    async with FakeHub() as hub:
+        yield hub
+
+
+@pytest.fixture
+def hf_cache(tmp_path: Path) -> Path:
+    """An empty huggingface_hub cache directory."""
+    path = tmp_path / "hf-cache"
+    path.mkdir()
+    return path
