@@ -25,7 +25,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, TypeVar
 from urllib.parse import urljoin, urlsplit
 
 import aiohttp
@@ -75,6 +75,7 @@ _MAX_REDIRECTS = 5
 _SIDECAR_VERSION = 1
 _CREDENTIAL_HEADERS = ("authorization", "cookie", "proxy-authorization")
 
+_T = TypeVar("_T")
 Sleep = Callable[[float], Awaitable[None]]
 ProgressFn = Callable[[int], None]
 
@@ -169,6 +170,23 @@ class _FileState:
     single_stream: bool
     downloaded: int = 0
     progressed: asyncio.Event = field(default_factory=asyncio.Event)
+    in_flight: set[asyncio.Future[Any]] = field(default_factory=set)
+
+    async def in_thread(self, fn: Callable[..., _T], *args: object) -> _T:
+        """Run blocking file I/O on ``fd`` in a thread, tracked so ``fd`` outlives it.
+
+        A cancelled coroutine does not stop its thread; closing ``fd`` under a running
+        ``pwrite`` could write into whatever file reuses the descriptor number.
+        """
+        future = asyncio.get_running_loop().run_in_executor(None, fn, *args)
+        self.in_flight.add(future)
+        future.add_done_callback(self.in_flight.discard)
+        return await asyncio.shield(future)
+
+    async def drain(self) -> None:
+        """Wait for every thread still using ``fd`` (even after a cancellation)."""
+        while self.in_flight:
+            await asyncio.wait(set(self.in_flight))
 
 
 class Fetcher:
@@ -360,7 +378,7 @@ class Fetcher:
         on_progress(resumed)
         try:
             async with asyncio.TaskGroup() as tg:
-                hasher = tg.create_task(self._hash(data_path, state, request))
+                hasher = tg.create_task(self._hash(state, request))
                 saver = tg.create_task(
                     self._save_sidecar_periodically(sidecar_path, request, state)
                 )
@@ -371,6 +389,7 @@ class Fetcher:
             _raise_first(group)
             raise  # unreachable: _raise_first always raises
         finally:
+            await state.drain()
             _save_sidecar(sidecar_path, request, state)
             os.close(fd)
         verified: Literal["sha256", "git-sha1", "tofu"] = "tofu"
@@ -532,7 +551,6 @@ class Fetcher:
         offset = start
         buf = bytearray()
         window_start, window_bytes = self._clock(), 0
-        loop = asyncio.get_running_loop()
 
         async def flush() -> None:
             nonlocal offset
@@ -541,7 +559,7 @@ class Fetcher:
             data = bytes(buf)
             buf.clear()
             try:
-                await loop.run_in_executor(None, _pwrite_all, state.fd, data, offset)
+                await state.in_thread(_pwrite_all, state.fd, data, offset)
             except OSError as exc:
                 raise _disk_error(exc, "writing the partial file") from exc
             state.done.add(offset, offset + len(data))
@@ -576,9 +594,7 @@ class Fetcher:
 
     # ------------------------------------------------------------------ hashing
 
-    async def _hash(
-        self, data_path: Path, state: _FileState, request: BlobRequest
-    ) -> tuple[str, str, str | None]:
+    async def _hash(self, state: _FileState, request: BlobRequest) -> tuple[str, str, str | None]:
         """Follow the contiguous prefix on disk: the digest is ready right after the last byte."""
         sha = hashlib.sha256()
         xxh = xxhash.xxh3_128()
@@ -587,20 +603,13 @@ class Fetcher:
             git = hashlib.sha1(usedforsecurity=False)
             git.update(b"blob %d\0" % state.size)
         hashed = 0
-        loop = asyncio.get_running_loop()
-        fd = os.open(data_path, os.O_RDONLY)
-        try:
-            while hashed < state.size:
-                frontier = state.done.contiguous_prefix()
-                if frontier <= hashed:
-                    state.progressed.clear()
-                    await state.progressed.wait()
-                    continue
-                hashed = await loop.run_in_executor(
-                    None, _hash_range, fd, hashed, frontier, (sha, xxh, git)
-                )
-        finally:
-            os.close(fd)
+        while hashed < state.size:
+            frontier = state.done.contiguous_prefix()
+            if frontier <= hashed:
+                state.progressed.clear()
+                await state.progressed.wait()
+                continue
+            hashed = await state.in_thread(_hash_range, state.fd, hashed, frontier, (sha, xxh, git))
         return sha.hexdigest(), xxh.hexdigest(), git.hexdigest() if git else None
 
     # ------------------------------------------------------------------ sidecar
