@@ -1,0 +1,62 @@
+"""Fetcher details that the end-to-end tests do not isolate."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from helpers import fast_config
+
+from shardsync.errors import ProtocolError
+from shardsync.fetch import _follow
+from shardsync.prefetch import prefetch
+from shardsync.testing import FakeHub
+
+
+@pytest.mark.parametrize(
+    ("url", "location", "target", "keeps_token"),
+    [
+        ("https://hub.example/a", "/b", "https://hub.example/b", True),
+        ("https://hub.example/a", "https://hub.example:443/b", "https://hub.example:443/b", True),
+        ("https://hub.example/a", "https://cdn.example/b", "https://cdn.example/b", False),
+        (
+            "https://hub.example/a",
+            "https://hub.example:8443/b",
+            "https://hub.example:8443/b",
+            False,
+        ),
+        ("http://127.0.0.1:1/a", "http://127.0.0.2:1/b", "http://127.0.0.2:1/b", False),
+        ("http://hub.example/a", "https://hub.example/b", "https://hub.example/b", False),
+    ],
+)
+def test_redirects_keep_credentials_home(
+    url: str, location: str, target: str, keeps_token: bool
+) -> None:
+    headers = {"Authorization": "Bearer t", "Cookie": "c", "Range": "bytes=0-1"}
+    new_url, new_headers = _follow(url, headers, location)
+    assert new_url == target
+    assert ("Authorization" in new_headers) is keeps_token
+    assert ("Cookie" in new_headers) is keeps_token
+    assert new_headers["Range"] == "bytes=0-1"
+
+
+@pytest.mark.parametrize(
+    ("url", "location", "message"),
+    [
+        ("https://hub.example/a", "http://hub.example/b", "https -> http"),
+        ("https://hub.example/a", "file:///etc/passwd", "'file'"),
+        ("https://hub.example/a", None, "without Location"),
+    ],
+)
+def test_dangerous_redirects_are_refused(url: str, location: str | None, message: str) -> None:
+    with pytest.raises(ProtocolError, match=message):
+        _follow(url, {}, location)
+
+
+async def test_empty_file(tmp_path: Path) -> None:
+    async with FakeHub() as hub:
+        files = {"model.safetensors": b"\x02\x00\x00\x00\x00\x00\x00\x00{}", "empty.txt": b""}
+        hub.add_repo("acme/empty", files)
+        result = await prefetch("acme/empty", fast_config(tmp_path, hub.endpoint))
+    assert (result.snapshot_path / "empty.txt").read_bytes() == b""
+    assert (result.snapshot_path / "model.safetensors").read_bytes() == files["model.safetensors"]
