@@ -37,7 +37,9 @@ from shardsync.origins.local import Copied
 from shardsync.retry import is_strong_etag
 
 __all__ = [
+    "Engine",
     "FileOutcome",
+    "Job",
     "PrefetchResult",
     "ProgressSink",
     "prefetch",
@@ -101,6 +103,72 @@ class _NoProgress:
 _MAX_INDEX = 64 << 20
 
 
+class Engine:
+    """The HTTP session, fetcher and cache of one process (a CLI run, a loader, the daemon).
+
+    Jobs made by one engine share its connection pool and its limits.
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        sleep: Sleep = asyncio.sleep,
+        environ: Mapping[str, str] | None = None,
+    ) -> None:
+        self.config = config
+        self.cache = CacheStore(config.cache_dir)
+        self._sleep = sleep
+        self._environ = environ
+        self._session: aiohttp.ClientSession | None = None
+        self._fetcher: Fetcher | None = None
+
+    async def __aenter__(self) -> Engine:
+        connector = aiohttp.TCPConnector(
+            limit=self.config.max_files * self.config.fetch.connections_per_file + 4,
+            limit_per_host=0,
+        )
+        self._session = aiohttp.ClientSession(
+            connector=connector, timeout=Fetcher.default_timeout(self.config.fetch)
+        )
+        self._fetcher = Fetcher(self._session, self.config.fetch, sleep=self._sleep)
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self._session is not None:
+            await self._session.close()
+        self._session = self._fetcher = None
+
+    @property
+    def fetcher(self) -> Fetcher:
+        if self._fetcher is None:
+            raise RuntimeError("use the engine as 'async with Engine(config) as engine'")
+        return self._fetcher
+
+    def origin(self, source: str, *, token: str | None = None) -> Origin:
+        return parse_source(
+            source, endpoint=self.config.endpoint, token=token, environ=self._environ
+        )
+
+    def job(
+        self,
+        origin: Origin,
+        *,
+        revision: str | None = None,
+        allow_pickle: bool = False,
+        sink: ProgressSink | None = None,
+    ) -> Job:
+        return Job(
+            origin,
+            self.cache,
+            self.fetcher,
+            max_files=self.config.max_files,
+            revision=revision or origin.default_revision,
+            sink=sink or _NoProgress(),
+            allow_pickle=allow_pickle,
+        )
+
+
 async def prefetch(
     source: str,
     config: Config,
@@ -120,27 +188,20 @@ async def prefetch(
     ``sleep`` is what retries wait with; tests pass a recorder to run them instantly.
     """
     started = time.monotonic()
-    origin = parse_source(source, endpoint=config.endpoint, token=token, environ=environ)
-    cache = CacheStore(config.cache_dir)
-    rev = revision or origin.default_revision
+    engine = Engine(config, sleep=sleep, environ=environ)
+    origin = engine.origin(source, token=token)
     if offline:
-        return _from_cache(cache, origin.repo, rev, started)
-    sink = progress or _NoProgress()
-    connector = aiohttp.TCPConnector(
-        limit=config.max_files * config.fetch.connections_per_file + 4, limit_per_host=0
-    )
-    async with aiohttp.ClientSession(
-        connector=connector, timeout=Fetcher.default_timeout(config.fetch)
-    ) as session:
-        fetcher = Fetcher(session, config.fetch, sleep=sleep)
-        job = _Job(origin, cache, fetcher, config, rev, sink, allow_pickle)
-        files = await job.run(include, exclude)
-        stats = fetcher.statistics()
+        return _from_cache(engine.cache, origin.repo, revision or origin.default_revision, started)
+    async with engine:
+        job = engine.job(origin, revision=revision, allow_pickle=allow_pickle, sink=progress)
+        await job.prepare(include, exclude)
+        files = await job.download()
+        stats = engine.fetcher.statistics()
     return PrefetchResult(
         repo=origin.repo,
-        revision=rev,
+        revision=job.revision,
         commit=job.commit,
-        snapshot_path=cache.snapshot_dir(origin.repo, job.commit),
+        snapshot_path=job.snapshot_path,
         files=files,
         bytes_downloaded=sum(f.downloaded for f in files),
         elapsed=time.monotonic() - started,
@@ -170,15 +231,16 @@ def _from_cache(cache: CacheStore, repo: RepoRef, revision: str, started: float)
     )
 
 
-class _Job:
-    """One (origin, revision) snapshot being made complete."""
+class Job:
+    """One (origin, revision) snapshot being made complete: ``prepare`` then ``download``."""
 
     def __init__(
         self,
         origin: Origin,
         cache: CacheStore,
         fetcher: Fetcher,
-        config: Config,
+        *,
+        max_files: int,
         revision: str,
         sink: ProgressSink,
         allow_pickle: bool,
@@ -186,22 +248,37 @@ class _Job:
         self.origin = origin
         self.cache = cache
         self.fetcher = fetcher
-        self.config = config
+        self.max_files = max_files
         self.revision = revision
         self.sink = sink
         self.allow_pickle = allow_pickle
         self.commit = ""
+        self._manifest: Manifest | None = None
         self._hints: dict[str, FileRecord] = {}
+        self._records: dict[str, FileRecord] = {}
+        self._outcomes: dict[str, FileOutcome] = {}
 
-    async def run(
-        self, include: Sequence[str] | None, exclude: Sequence[str]
-    ) -> tuple[FileOutcome, ...]:
+    @property
+    def manifest(self) -> Manifest:
+        if self._manifest is None:
+            raise RuntimeError("call prepare() first")
+        return self._manifest
+
+    @property
+    def snapshot_path(self) -> Path:
+        """Where the snapshot is (complete once ``download`` returned)."""
+        if not self.commit:
+            raise RuntimeError("the snapshot id is known after download()")
+        return self.cache.snapshot_dir(self.origin.repo, self.commit)
+
+    async def prepare(
+        self, include: Sequence[str] | None = None, exclude: Sequence[str] = ()
+    ) -> Manifest:
+        """List the origin, get the index, and decide every file to fetch, in order."""
         listing = await self._list()
         self.commit = listing.commit or ""
         self._load_hints()
         weights = select_weights(listing, allow_pickle=self.allow_pickle)
-        records: dict[str, FileRecord] = {}
-        outcomes: dict[str, FileOutcome] = {}
         index = None
         if weights.path.endswith(".index.json"):
             entry = ManifestEntry(
@@ -212,16 +289,22 @@ class _Job:
                 role="index",
             )
             self.sink.add_file(entry.path, entry.size)
-            records[entry.path], outcomes[entry.path] = await self._obtain(entry)
-            blob = self.cache.blob_path(records[entry.path].sha256)
+            record, self._outcomes[entry.path] = await self._obtain(entry)
+            self._records[entry.path] = record
+            blob = self.cache.blob_path(record.sha256)
             index = parse_index(_read_capped(blob, _MAX_INDEX), path=entry.path)
-        manifest = build_manifest(listing, index, weights, include=include, exclude=exclude)
-        pending = [e for e in manifest.entries if e.path not in records]
+        self._manifest = build_manifest(listing, index, weights, include=include, exclude=exclude)
+        return self._manifest
+
+    async def download(self) -> tuple[FileOutcome, ...]:
+        """Fetch (or reuse) every file; the snapshot is complete when this returns."""
+        manifest = self.manifest
+        pending = [e for e in manifest.entries if e.path not in self._records]
         for entry in pending:
             self.sink.add_file(entry.path, entry.size)
-        await self._obtain_all(pending, records, outcomes)
-        self._complete(manifest, records)
-        return tuple(outcomes[e.path] for e in manifest.entries)
+        await self._obtain_all(pending)
+        self._complete(manifest, self._records)
+        return tuple(self._outcomes[e.path] for e in manifest.entries)
 
     async def _list(self) -> Listing:
         if isinstance(self.origin, LocalOrigin):
@@ -238,12 +321,7 @@ class _Job:
                 for f in record.files:
                     self._hints.setdefault(f.path, f)
 
-    async def _obtain_all(
-        self,
-        entries: Sequence[ManifestEntry],
-        records: dict[str, FileRecord],
-        outcomes: dict[str, FileOutcome],
-    ) -> None:
+    async def _obtain_all(self, entries: Sequence[ManifestEntry]) -> None:
         queue: asyncio.Queue[ManifestEntry] = asyncio.Queue()
         for entry in entries:
             queue.put_nowait(entry)
@@ -251,11 +329,12 @@ class _Job:
         async def worker() -> None:
             while not queue.empty():
                 entry = queue.get_nowait()
-                records[entry.path], outcomes[entry.path] = await self._obtain(entry)
+                record, outcome = await self._obtain(entry)
+                self._records[entry.path], self._outcomes[entry.path] = record, outcome
 
         try:
             async with asyncio.TaskGroup() as tg:
-                for _ in range(min(self.config.max_files, len(entries))):
+                for _ in range(min(self.max_files, len(entries))):
                     tg.create_task(worker())
         except BaseExceptionGroup as group:
             raise _first_error(group) from None
