@@ -6,7 +6,8 @@ without parsing messages::
     ShardsyncError                  base of everything we raise on purpose
     ├── ConfigError                 the user's configuration or arguments are wrong
     ├── ManifestError               the origin's index/listing is malformed or hostile
-    │   └── UnsafeNameError         a file name that must never become a path or URL
+    │   ├── UnsafeNameError         a file name that must never become a path or URL
+    │   └── HeaderError             a safetensors header is malformed or disagrees with the index
     ├── OriginError                 the origin answered, and the answer is final
     │   ├── RepoNotFoundError       404 / X-Error-Code: RepoNotFound
     │   ├── RevisionNotFoundError   X-Error-Code: RevisionNotFound
@@ -18,7 +19,8 @@ without parsing messages::
     ├── IntegrityError              downloaded bytes did not match their sha256/size
     ├── CacheError                  the local cache cannot be used
     │   └── DiskFullError           ENOSPC/EDQUOT while writing; partial files are kept
-    └── OfflineError                offline mode and the cache cannot answer
+    ├── OfflineError                offline mode and the cache cannot answer
+    └── LoadError                   the checkpoint does not fit the model, or loading stopped
 
 Errors of the layers below (aiohttp, OSError, json) are mapped at the module
 boundary with ``raise ... from exc`` so a user never sees a traceback from deep
@@ -33,7 +35,9 @@ __all__ = [
     "ConfigError",
     "DiskFullError",
     "EntryNotFoundError",
+    "HeaderError",
     "IntegrityError",
+    "LoadError",
     "ManifestError",
     "OfflineError",
     "OriginError",
@@ -44,6 +48,7 @@ __all__ = [
     "StalledError",
     "TransferError",
     "UnsafeNameError",
+    "first_error",
 ]
 
 
@@ -61,6 +66,10 @@ class ManifestError(ShardsyncError):
 
 class UnsafeNameError(ManifestError):
     """A file name from the network that could escape the cache or change a URL."""
+
+
+class HeaderError(ManifestError):
+    """A safetensors header is malformed, hostile or disagrees with the index."""
 
 
 class OriginError(ShardsyncError):
@@ -109,3 +118,27 @@ class DiskFullError(CacheError):
 
 class OfflineError(ShardsyncError):
     """Offline mode was requested and the cache holds no complete snapshot."""
+
+
+class LoadError(ShardsyncError):
+    """The checkpoint does not fit the model (keys, shapes), or loading was cancelled."""
+
+
+def first_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The error to report from a task group: our own first, else the first leaf.
+
+    Task groups wrap failures in ``ExceptionGroup``; users should see the one clear
+    error that stopped the work, not the group.
+    """
+    leaves: list[BaseException] = []
+    pending: list[BaseException] = [group]
+    while pending:
+        exc = pending.pop(0)
+        if isinstance(exc, BaseExceptionGroup):
+            pending[:0] = exc.exceptions
+        else:
+            leaves.append(exc)
+    for exc in leaves:
+        if isinstance(exc, ShardsyncError):
+            return exc
+    return leaves[0] if leaves else group

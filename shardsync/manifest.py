@@ -340,6 +340,8 @@ def _load_json(data: bytes, what: str) -> object:
         raise ManifestError(f"{what}: invalid JSON: {exc}") from exc
     except RecursionError as exc:
         raise ManifestError(f"{what}: JSON nested too deeply") from exc
+    except ValueError as exc:  # e.g. an integer literal over Python's digit limit
+        raise ManifestError(f"{what}: invalid JSON: {exc}") from exc
 
 
 def _object(value: object, what: str) -> dict[str, object]:

@@ -22,7 +22,7 @@ import xxhash
 
 from shardsync.cache import CacheStore, FileRecord, RepoRef, SnapshotRecord
 from shardsync.config import Config
-from shardsync.errors import CacheError, DiskFullError, OfflineError
+from shardsync.errors import CacheError, DiskFullError, OfflineError, first_error
 from shardsync.fetch import Fetcher, FetchStatistics, Sleep
 from shardsync.manifest import (
     Listing,
@@ -337,7 +337,7 @@ class Job:
                 for _ in range(min(self.max_files, len(entries))):
                     tg.create_task(worker())
         except BaseExceptionGroup as group:
-            raise _first_error(group) from None
+            raise first_error(group) from None
 
     async def _obtain(self, entry: ManifestEntry) -> tuple[FileRecord, FileOutcome]:
         """Reuse a cached blob or download one, under the blob's cross-process lock."""
@@ -516,11 +516,3 @@ def _xxh3_file(path: Path) -> tuple[str, int]:
             h.update(chunk)
             size += len(chunk)
     return h.hexdigest(), size
-
-
-def _first_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
-    for exc in group.exceptions:
-        if isinstance(exc, BaseExceptionGroup):
-            return _first_error(exc)
-        return exc
-    return group

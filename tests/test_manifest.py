@@ -967,3 +967,11 @@ def test_hub_listing_to_manifest_end_to_end() -> None:
         ("model-00001-of-00002.safetensors", SHA_A),
     ]
     assert manifest.total_size == 135
+
+
+def test_huge_integer_literal_is_a_manifest_error() -> None:
+    payload = (
+        b'{"metadata": {"total_size": ' + b"9" * 5000 + b'}, "weight_map": {"a": "m.safetensors"}}'
+    )
+    with pytest.raises(ManifestError, match="invalid JSON"):
+        parse_index(payload, path="model.safetensors.index.json")

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from urllib.parse import quote, urlsplit
 
 from shardsync.cache import RepoRef
-from shardsync.errors import ConfigError, EntryNotFoundError, ManifestError
+from shardsync.errors import ConfigError, EntryNotFoundError, ManifestError, first_error
 from shardsync.fetch import BlobRequest, Fetcher
 from shardsync.manifest import Listing, ManifestEntry, RemoteFile, validate_name
 
@@ -69,8 +69,11 @@ class UrlOrigin:
                 return None
             return RemoteFile(path=path, size=located.size, sha256=None)
 
-        async with asyncio.TaskGroup() as tg:
-            tasks = [tg.create_task(probe(p)) for p in PROBED_FILES]
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tasks = [tg.create_task(probe(p)) for p in PROBED_FILES]
+        except BaseExceptionGroup as group:
+            raise first_error(group) from None
         files = tuple(f for t in tasks if (f := t.result()) is not None)
         if not any(f.path.endswith(".safetensors") or f.path.endswith(".json") for f in files):
             raise ManifestError(f"no model.safetensors[.index.json] under {self.base}")
