@@ -255,6 +255,37 @@ class Fetcher:
             except (aiohttp.ClientError, TimeoutError) as exc:
                 await self._backoff_or_raise(exc, label, backoff, None)
 
+    async def read_range(self, request: BlobRequest, start: int, end: int) -> bytes:
+        """Bytes [start, end) of a file (e.g. a safetensors header), retried like the rest.
+
+        Only a 206 for exactly the asked range is accepted, or a 200 whose body we cut
+        to the range (a server that ignores Range); a short file gives what it has.
+        """
+        backoff = Backoff(self.config.retry)
+        while True:
+            try:
+                located = await self.locate(request)
+                headers = {**located.headers, "Range": format_range(start, end - 1)}
+                async with self._request("GET", located.url, headers) as resp:
+                    if resp.status == 206:
+                        cr = parse_content_range(resp.headers.get("Content-Range", ""))
+                        if cr is None or cr.start != start:
+                            raise ProtocolError(
+                                f"{request.label}: asked for bytes {start}-{end - 1}, got "
+                                f"Content-Range {resp.headers.get('Content-Range')!r}"
+                            )
+                        return await _read_at_most(resp, min(end, cr.end + 1) - start)
+                    if resp.status == 200:
+                        await _read_at_most(resp, start)  # skip what precedes the range
+                        return await _read_at_most(resp, end - start)
+                    if resp.status == 416:
+                        return b""
+                    await self._raise_for_status(resp, request.label)
+            except _RetryLater as later:
+                await self._backoff_or_raise(later, request.label, backoff, later.after)
+            except (aiohttp.ClientError, TimeoutError, ProtocolError) as exc:
+                await self._backoff_or_raise(exc, request.label, backoff, None)
+
     async def locate(self, request: BlobRequest) -> Located:
         """HEAD the origin URL, following redirects by hand so credentials stay home."""
         backoff = Backoff(self.config.retry)
@@ -748,6 +779,16 @@ def _int_or_none(value: str | None) -> int | None:
         return int(value) if value is not None else None
     except ValueError:
         return None
+
+
+async def _read_at_most(resp: aiohttp.ClientResponse, n: int) -> bytes:
+    body = bytearray()
+    while len(body) < n:
+        piece = await resp.content.read(n - len(body))
+        if not piece:
+            break
+        body += piece
+    return bytes(body)
 
 
 async def _error_message(resp: aiohttp.ClientResponse) -> str:

@@ -1,0 +1,605 @@
+"""Streaming loader: tensors onto their devices as each shard arrives.
+
+The only module that imports torch (lazily, so the CLI and daemon start fast).
+A background thread runs the engine's event loop: it lists the origin, reads
+every shard's safetensors header with Range requests *before* any shard body
+lands, plans the device map, then downloads shards in index order. The
+caller's thread takes each shard the moment it is verified, in index order,
+and places its tensors:
+
+- CPU (and ``"disk"``): tensors are views of the memory-mapped cache blob, no
+  copy unless a dtype cast is asked, so host RAM stays bounded by what is used.
+- CUDA: bytes go through a small ring of pinned staging buffers and are copied
+  with ``non_blocking=True`` on a side stream; a tensor is handed out only
+  after its copy finished. Never a whole-shard copy in pageable RAM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import queue
+import resource
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from shardsync.config import Config, load_config
+from shardsync.devicemap import DevicePlan, TensorSize, parse_memory, plan_device_map
+from shardsync.errors import ConfigError, HeaderError, LoadError, first_error
+from shardsync.manifest import Manifest, ManifestEntry
+from shardsync.origins import LocalOrigin
+from shardsync.prefetch import Engine, FileOutcome, Job
+from shardsync.safetensors_header import (
+    Header,
+    TensorInfo,
+    check_index,
+    header_length,
+    parse_header,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["LoadResult", "LoadStatistics", "TensorStream", "load", "stream"]
+
+DeviceMap = str | int | Mapping[str, str | int]
+
+_HEADER_PROBE = 64 * 1024  # one request usually covers the length prefix and the header
+_TORCH_DTYPES = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U64": "uint64",
+    "U32": "uint32",
+    "U16": "uint16",
+    "U8": "uint8",
+    "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+}
+_CUDA_RESERVE = 1 << 30  # left free on each GPU for activations, CUDA context, allocator slack
+
+
+@dataclass(frozen=True, slots=True)
+class LoadStatistics:
+    """Timings of one load (seconds since it started) and its peak host RSS."""
+
+    started_at: float  # time.monotonic() at the start
+    plan_ready: float
+    first_tensor: float | None
+    shards_verified: tuple[float, ...]  # in index order
+    finished: float | None
+    tensors: int
+    bytes: int
+    bytes_downloaded: int
+    peak_rss: int  # bytes, of this process
+
+    @property
+    def throughput(self) -> float:
+        """Checkpoint bytes on their devices per second of wall time."""
+        return self.bytes / self.finished if self.finished else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class LoadResult:
+    """What ``load(model=...)`` reports, like ``nn.Module.load_state_dict``."""
+
+    missing_keys: tuple[str, ...]
+    unexpected_keys: tuple[str, ...]
+    plan: DevicePlan
+    statistics: LoadStatistics
+
+
+@dataclass(slots=True)
+class _Shared:
+    """Producer -> consumer messages and a cancel flag (the producer runs in its own thread)."""
+
+    events: queue.Queue[tuple[str, Any]] = field(default_factory=queue.Queue)
+    loop: asyncio.AbstractEventLoop | None = None
+    task: asyncio.Task[None] | None = None
+    go: asyncio.Event | None = None  # set by the consumer: the plan is accepted, download
+
+
+class _ShardSink:
+    """Engine progress sink that forwards each verified file to the consumer thread."""
+
+    def __init__(self, shared: _Shared) -> None:
+        self._shared = shared
+
+    def add_file(self, path: str, size: int | None) -> None:
+        return None
+
+    def advance(self, path: str, nbytes: int) -> None:
+        return None
+
+    def file_done(self, outcome: FileOutcome) -> None:
+        self._shared.events.put(("verified", outcome))
+
+
+class TensorStream:
+    """An iterator of ``(name, tensor)`` in shard order; each shard as soon as it is verified.
+
+    Creating it reads the headers and plans the devices (``plan``, ``headers``);
+    shard bodies are downloaded once iteration starts. Use it as a context manager
+    (or exhaust it) so the background download stops when you stop early.
+    """
+
+    def __init__(
+        self,
+        source: str,
+        *,
+        config: Config,
+        revision: str | None,
+        device_map: DeviceMap,
+        max_memory: Mapping[str | int, int | str] | None,
+        dtype: torch.dtype | None,
+        token: str | None,
+        no_split: Sequence[str] | None,
+    ) -> None:
+        import torch
+
+        self._dtype = dtype
+        self._started = time.monotonic()
+        self._shared = _Shared()
+        self._devices = tuple(f"cuda:{i}" for i in range(torch.cuda.device_count()))
+        budgets = _default_budgets(self._devices) if max_memory is None else max_memory
+        self._thread = threading.Thread(
+            target=self._produce_in_thread,
+            args=(source, config, revision, device_map, budgets, token, no_split),
+            name="shardsync-loader",
+            daemon=True,
+        )
+        self._verified: dict[str, FileOutcome] = {}
+        self._done = False
+        self._plan: tuple[Manifest, Mapping[str, Header], DevicePlan] | None = None
+        self._shard_times: list[float] = []
+        self._first_tensor: float | None = None
+        self._finished: float | None = None
+        self._tensors: int = 0
+        self._bytes: int = 0
+        self._placers: dict[str, _CudaPlacer] = {}
+        self._iterator: Iterator[tuple[str, torch.Tensor]] = self._iterate()
+        self._thread.start()
+        while self._plan is None:
+            self._pump()
+        self.manifest: Manifest = self._plan[0]
+        self.headers: Mapping[str, Header] = self._plan[1]
+        self.plan: DevicePlan = self._plan[2]
+        self._plan_ready: float = time.monotonic() - self._started
+
+    # -------------------------------------------------------------- consumer side
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self
+
+    def __next__(self) -> tuple[str, torch.Tensor]:
+        return next(self._iterator)
+
+    def __enter__(self) -> TensorStream:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the background download (partial files stay for the next run)."""
+        shared = self._shared
+        if shared.loop is not None and shared.task is not None and self._thread.is_alive():
+            with contextlib.suppress(RuntimeError):
+                shared.loop.call_soon_threadsafe(shared.task.cancel)
+        self._thread.join(timeout=30)
+
+    def statistics(self) -> LoadStatistics:
+        return LoadStatistics(
+            started_at=self._started,
+            plan_ready=self._plan_ready,
+            first_tensor=self._first_tensor,
+            shards_verified=tuple(self._shard_times),
+            finished=self._finished,
+            tensors=self._tensors,
+            bytes=self._bytes,
+            bytes_downloaded=sum(o.downloaded for o in self._verified.values()),
+            peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        )
+
+    def _iterate(self) -> Iterator[tuple[str, torch.Tensor]]:
+        shared = self._shared
+        if shared.loop is not None and shared.go is not None:
+            shared.loop.call_soon_threadsafe(shared.go.set)
+        try:
+            for entry in self.manifest.shards:
+                outcome = self._wait_verified(entry.path)
+                yield from self._place_shard(entry, outcome)
+            self._wait_done()
+            self._finished = time.monotonic() - self._started
+        finally:
+            self.close()
+
+    def _wait_verified(self, path: str) -> FileOutcome:
+        while path not in self._verified:
+            self._pump()
+        return self._verified[path]
+
+    def _wait_done(self) -> None:
+        """Drain events until the snapshot is complete (extra files, the record)."""
+        while not self._done:
+            self._pump()
+
+    def _pump(self) -> None:
+        """Take one message from the producer thread (errors are raised here)."""
+        kind, payload = self._shared.events.get()
+        if kind == "error":
+            raise payload
+        if kind == "verified":
+            self._verified[payload.path] = payload
+        elif kind == "plan":
+            self._plan = payload
+        elif kind == "done":
+            self._done = True
+
+    def _place_shard(
+        self, entry: ManifestEntry, outcome: FileOutcome
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        self._shard_times.append(time.monotonic() - self._started)
+        header = self.headers[entry.path]
+        path = self._blob_path(outcome)
+        base = _map_file(path, header.file_size)
+        pending: deque[tuple[str, torch.Tensor, Any, int]] = deque()
+        for info in header.tensors:
+            device = self.plan.device_of(info.name)
+            view = _tensor_view(base, info)
+            if device.startswith("cuda"):
+                placer = self._placers.get(device)
+                if placer is None:
+                    placer = self._placers[device] = _CudaPlacer(device)
+                tensor, event = placer.place(view, self._dtype)
+                pending.append((info.name, tensor, event, info.nbytes))
+                # hand out finished copies while later ones are in flight
+                while pending and (len(pending) > 2 or pending[0][2].query()):
+                    yield self._hand_out(*pending.popleft())
+                continue
+            if self._dtype is not None and view.dtype != self._dtype and view.is_floating_point():
+                view = view.to(self._dtype)
+            yield self._hand_out(info.name, view, None, info.nbytes)
+        while pending:
+            yield self._hand_out(*pending.popleft())
+
+    def _hand_out(
+        self, name: str, tensor: torch.Tensor, event: Any, nbytes: int
+    ) -> tuple[str, torch.Tensor]:
+        if event is not None:
+            event.synchronize()
+        if self._first_tensor is None:
+            self._first_tensor = time.monotonic() - self._started
+        self._tensors += 1
+        self._bytes += nbytes
+        return name, tensor
+
+    def _blob_path(self, outcome: FileOutcome) -> Path:
+        return self._blob_root / outcome.sha256[:2] / outcome.sha256
+
+    # -------------------------------------------------------------- producer side
+
+    def _produce_in_thread(
+        self,
+        source: str,
+        config: Config,
+        revision: str | None,
+        device_map: DeviceMap,
+        budgets: Mapping[str | int, int | str],
+        token: str | None,
+        no_split: Sequence[str] | None,
+    ) -> None:
+        loop = asyncio.new_event_loop()
+        self._shared.loop = loop
+        try:
+            task = loop.create_task(
+                self._produce(source, config, revision, device_map, budgets, token, no_split)
+            )
+            self._shared.task = task
+            loop.run_until_complete(task)
+        except asyncio.CancelledError:
+            self._shared.events.put(("error", LoadError("loading was cancelled")))
+        except BaseException as exc:  # handed to the consumer thread, which raises it
+            self._shared.events.put(("error", exc))
+        finally:
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
+
+    async def _produce(
+        self,
+        source: str,
+        config: Config,
+        revision: str | None,
+        device_map: DeviceMap,
+        budgets: Mapping[str | int, int | str],
+        token: str | None,
+        no_split: Sequence[str] | None,
+    ) -> None:
+        async with Engine(config) as engine:
+            self._blob_root = engine.cache.root / "store" / "sha256"
+            origin = engine.origin(source, token=token)
+            job = engine.job(origin, revision=revision, sink=_ShardSink(self._shared))
+            manifest = await job.prepare(include=())
+            headers = await _read_headers(engine, job, manifest)
+            if manifest.weight_map:
+                check_index(manifest.weight_map, headers)
+            sizes = [
+                TensorSize(t.name, t.nbytes)
+                for entry in manifest.shards
+                for t in headers[entry.path].tensors
+            ]
+            plan = plan_device_map(
+                sizes,
+                device_map,
+                devices=self._devices,
+                max_memory=budgets or None,
+                no_split=no_split,
+            )
+            self._shared.go = asyncio.Event()
+            self._shared.events.put(("plan", (manifest, headers, plan)))
+            await self._shared.go.wait()  # nothing is downloaded until someone iterates
+            await job.download()
+        self._shared.events.put(("done", None))
+
+
+async def _read_headers(engine: Engine, job: Job, manifest: Manifest) -> dict[str, Header]:
+    """Every shard's header, from the cache when the blob is there, else by Range requests."""
+
+    async def one(entry: ManifestEntry) -> tuple[str, Header]:
+        if not entry.path.endswith(".safetensors"):
+            raise ConfigError(
+                f"{entry.path}: only safetensors checkpoints can be streamed onto devices"
+            )
+        if entry.sha256 is not None and engine.cache.has_blob(entry.sha256, entry.size):
+            blob = engine.cache.blob_path(entry.sha256)
+            return entry.path, await asyncio.to_thread(_header_from_file, blob, entry.path)
+        if isinstance(job.origin, LocalOrigin):
+            source = job.origin.source(entry.path)
+            return entry.path, await asyncio.to_thread(_header_from_file, source, entry.path)
+        request = job.origin.request_for(job.commit or None, entry)
+        prefix = await engine.fetcher.read_range(request, 0, _HEADER_PROBE)
+        n = header_length(prefix, shard=entry.path, file_size=entry.size)
+        if len(prefix) < 8 + n:
+            prefix += await engine.fetcher.read_range(request, len(prefix), 8 + n)
+        if len(prefix) < 8 + n:
+            raise HeaderError(f"{entry.path}: file ends inside its header")
+        return entry.path, parse_header(prefix[8 : 8 + n], shard=entry.path, file_size=entry.size)
+
+    try:
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(one(e)) for e in manifest.shards]
+    except BaseExceptionGroup as group:
+        raise first_error(group) from None
+    return dict(t.result() for t in tasks)
+
+
+def _header_from_file(path: Path, shard: str) -> Header:
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        n = header_length(f.read(8), shard=shard, file_size=size)
+        return parse_header(f.read(n), shard=shard, file_size=size)
+
+
+def _default_budgets(devices: Sequence[str]) -> dict[str | int, int | str]:
+    """Free memory of each GPU now, minus a reserve; the CPU is unbounded (tensors are mmapped)."""
+    import torch
+
+    budgets: dict[str | int, int | str] = {}
+    for device in devices:
+        free, _total = torch.cuda.mem_get_info(torch.device(device))
+        budgets[device] = max(int(free) - max(_CUDA_RESERVE, int(free) // 10), 0)
+    return budgets
+
+
+def _map_file(path: Path, size: int) -> torch.Tensor:
+    """The whole blob as a uint8 tensor over a private read-only mapping (no bytes read yet)."""
+    import torch
+
+    storage: Any = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=size)
+    return torch.empty(0, dtype=torch.uint8).set_(storage)
+
+
+def _tensor_view(base: torch.Tensor, info: TensorInfo) -> torch.Tensor:
+    import torch
+
+    dtype = getattr(torch, _TORCH_DTYPES.get(info.dtype, ""), None)
+    if dtype is None:
+        raise HeaderError(
+            f"{info.shard}: {info.name}: dtype {info.dtype} is not supported by torch"
+        )
+    raw = base[info.start : info.end]
+    try:
+        flat = raw.view(dtype)
+    except RuntimeError:  # offset not aligned for the dtype: one copy of this tensor only
+        flat = raw.clone().view(dtype)
+    return flat.reshape(info.shape)
+
+
+class _CudaPlacer:
+    """Pinned staging ring + side stream for one GPU: host->device copies overlap CPU memcpy."""
+
+    def __init__(self, device: str, *, buffers: int = 4, size: int = 64 << 20) -> None:
+        import torch
+
+        self._cuda: Any = torch.cuda  # Stream/Event are untyped in torch's stubs
+        self._device = torch.device(device)
+        self._stream = self._cuda.Stream(device=self._device)
+        self._ring = [torch.empty(size, dtype=torch.uint8).pin_memory() for _ in range(buffers)]
+        self._ready: list[Any] = [None] * buffers
+        self._next = 0
+
+    def place(self, view: torch.Tensor, dtype: torch.dtype | None) -> tuple[torch.Tensor, Any]:
+        import torch
+
+        out = torch.empty(view.shape, dtype=view.dtype, device=self._device)
+        src = view.reshape(-1).view(torch.uint8)
+        dst = out.reshape(-1).view(torch.uint8)
+        size = self._ring[0].numel()
+        event = None
+        for start in range(0, src.numel(), size):
+            n = min(size, src.numel() - start)
+            slot = self._next
+            self._next = (slot + 1) % len(self._ring)
+            if self._ready[slot] is not None:
+                self._ready[slot].synchronize()  # the DMA that used this buffer is done
+            staging = self._ring[slot][:n]
+            staging.copy_(src[start : start + n])
+            with torch.cuda.stream(self._stream):
+                dst[start : start + n].copy_(staging, non_blocking=True)
+                event = self._cuda.Event()
+                event.record(self._stream)
+            self._ready[slot] = event
+        out.record_stream(self._stream)  # the allocator must not reuse it under the copy
+        if dtype is not None and out.dtype != dtype and out.is_floating_point():
+            current = self._cuda.current_stream(self._device)
+            if event is not None:
+                current.wait_event(event)
+            out = out.to(dtype)  # cast on the device, allocated on the consumer's stream
+            event = self._cuda.Event()
+            event.record(current)
+        return out, event
+
+
+def _loader_config(config: Config) -> Config:
+    """Fewer files at once, more connections each: shards finish one after another in
+    index order, so loading the first overlaps downloading the rest."""
+    total = config.max_files * config.fetch.connections_per_file
+    files = min(2, config.max_files)
+    return replace(
+        config,
+        max_files=files,
+        fetch=replace(config.fetch, connections_per_file=max(1, total // files)),
+    )
+
+
+def stream(
+    source: str,
+    *,
+    revision: str | None = None,
+    device_map: DeviceMap = "auto",
+    max_memory: Mapping[str | int, int | str] | None = None,
+    dtype: torch.dtype | None = None,
+    endpoint: str | None = None,
+    cache_dir: str | Path | None = None,
+    token: str | None = None,
+    no_split: Sequence[str] | None = None,
+    config: Config | None = None,
+) -> TensorStream:
+    """Stream ``(name, tensor)`` pairs in shard order, each shard as soon as it is verified.
+
+    >>> with shardsync.stream("org/model", device_map="cuda:0") as tensors:
+    ...     for name, tensor in tensors:
+    ...         consume(name, tensor)
+    """
+    cfg = config or load_config(cache_dir=Path(cache_dir) if cache_dir else None)
+    if endpoint:
+        cfg = replace(cfg, endpoint=endpoint)
+    if max_memory is not None:
+        max_memory = {k: parse_memory(v) for k, v in max_memory.items()}
+    return TensorStream(
+        source,
+        config=_loader_config(cfg),
+        revision=revision,
+        device_map=device_map,
+        max_memory=max_memory,
+        dtype=dtype,
+        token=token,
+        no_split=no_split,
+    )
+
+
+def load(
+    source: str,
+    *,
+    revision: str | None = None,
+    device_map: DeviceMap = "auto",
+    max_memory: Mapping[str | int, int | str] | None = None,
+    dtype: torch.dtype | None = None,
+    model: torch.nn.Module | None = None,
+    strict: bool = True,
+    endpoint: str | None = None,
+    cache_dir: str | Path | None = None,
+    token: str | None = None,
+    no_split: Sequence[str] | None = None,
+    config: Config | None = None,
+) -> dict[str, torch.Tensor] | LoadResult:
+    """Load a checkpoint onto devices while it downloads.
+
+    Without ``model``: a ``dict`` of tensors placed per ``device_map``. With ``model``
+    (possibly built on the ``meta`` device): fills it in place (``assign=True``) and
+    returns the missing/unexpected keys; ``strict`` raises ``LoadError`` on either,
+    before a single shard is downloaded.
+    """
+    tensors = stream(
+        source,
+        revision=revision,
+        device_map=device_map,
+        max_memory=max_memory,
+        dtype=dtype,
+        endpoint=endpoint,
+        cache_dir=cache_dir,
+        token=token,
+        no_split=no_split,
+        config=config,
+    )
+    with tensors:
+        if model is None:
+            return dict(tensors)
+        return _fill_model(model, tensors, strict=strict)
+
+
+def _fill_model(model: torch.nn.Module, tensors: TensorStream, *, strict: bool) -> LoadResult:
+    expected = set(model.state_dict().keys())
+    names = {t.name for h in tensors.headers.values() for t in h.tensors}
+    missing = tuple(sorted(expected - names))
+    unexpected = tuple(sorted(names - expected))
+    if strict and (missing or unexpected):
+        raise LoadError(
+            f"checkpoint does not match the model: missing {_few(missing)}, "
+            f"unexpected {_few(unexpected)}"
+        )
+    batch: dict[str, torch.Tensor] = {}
+    shard_of = tensors.manifest.weight_map
+    current: str | None = None
+    for name, tensor in tensors:
+        shard = shard_of.get(name, "")
+        if batch and shard != current:
+            _assign(model, batch)
+            batch = {}
+        current = shard
+        if name in expected:
+            batch[name] = tensor
+    if batch:
+        _assign(model, batch)
+    return LoadResult(missing, unexpected, tensors.plan, tensors.statistics())
+
+
+def _assign(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> None:
+    try:
+        model.load_state_dict(batch, strict=False, assign=True)
+    except RuntimeError as exc:
+        raise LoadError(f"checkpoint does not fit the model: {exc}") from exc
+
+
+def _few(names: Sequence[str], n: int = 5) -> str:
+    if not names:
+        return "none"
+    more = f" and {len(names) - n} more" if len(names) > n else ""
+    return ", ".join(names[:n]) + more

@@ -1,0 +1,223 @@
+"""The streaming loader against the fake hub: bit-exact tensors, a real module, overlap."""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import fast_config
+from huggingface_hub import save_torch_state_dict
+from safetensors.torch import load_file
+
+import shardsync
+from shardsync.errors import HeaderError, LoadError
+from shardsync.loader import LoadResult
+from shardsync.testing import Bandwidth, Checkpoint, FakeHub, build_checkpoint, serve_in_thread
+
+REPO = "acme/loader"
+
+
+class TinyTransformer(torch.nn.Module):
+    """A two-block decoder, enough to prove the weights land where the model expects them."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, blocks: int = 2) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.layers = torch.nn.ModuleList(
+            torch.nn.TransformerEncoderLayer(dim, nhead=4, dim_feedforward=64, batch_first=True)
+            for _ in range(blocks)
+        )
+        self.norm = torch.nn.LayerNorm(dim)
+        self.head = torch.nn.Linear(dim, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
+    return build_checkpoint(tmp_path_factory.mktemp("ckpt"), total_bytes=6 << 20, n_shards=3)
+
+
+@pytest.fixture
+def hub(checkpoint: Checkpoint) -> Iterator[FakeHub]:
+    fake = FakeHub()
+    fake.add_checkpoint(REPO, checkpoint)
+    with serve_in_thread(fake) as running:
+        yield running
+
+
+def _originals(checkpoint: Checkpoint) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in checkpoint.shards:
+        tensors.update(load_file(checkpoint.path(shard)))
+    return tensors
+
+
+def _assert_bit_exact(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, name
+        assert torch.equal(got[name].view(torch.uint8), tensor.view(torch.uint8)), name
+
+
+def test_stream_is_bit_exact_and_in_shard_order(
+    hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    config = fast_config(tmp_path, hub.endpoint)
+    with shardsync.stream(REPO, device_map="cpu", config=config) as tensors:
+        pairs = list(tensors)
+        stats = tensors.statistics()
+        order = [tensors.manifest.weight_map[name] for name, _ in pairs]
+    _assert_bit_exact(dict(pairs), _originals(checkpoint))
+    assert order == sorted(order)  # every tensor of shard 1, then shard 2, ...
+    assert stats.tensors == len(pairs) and stats.finished is not None
+    assert len(stats.shards_verified) == len(checkpoint.shards)
+    # headers were read with small Range requests before any shard body was sent
+    first_body = next(i for i, r in enumerate(hub.log) if r.bytes_sent > 64 * 1024)
+    header_reads = [r for r in hub.log[:first_body] if r.range == "bytes=0-65535"]
+    assert len(header_reads) == len(checkpoint.shards)
+
+
+def test_load_single_file_and_from_cache(tmp_path: Path) -> None:
+    single = build_checkpoint(tmp_path / "single", total_bytes=1 << 20, n_shards=1, seed=4)
+    fake = FakeHub()
+    fake.add_checkpoint("acme/single", single)
+    with serve_in_thread(fake) as hub:
+        config = fast_config(tmp_path / "cache", hub.endpoint)
+        first = shardsync.load("acme/single", device_map="cpu", config=config)
+        hub.reset_log()
+        again = shardsync.load("acme/single", device_map="cpu", config=config)
+        assert hub.bytes_served() == 0  # headers and bodies came from the cache
+    assert isinstance(first, dict) and isinstance(again, dict)
+    want = load_file(single.path("model.safetensors"))
+    _assert_bit_exact(first, want)
+    _assert_bit_exact(again, want)
+
+
+def test_dtype_cast(hub: FakeHub, tmp_path: Path) -> None:
+    got = shardsync.load(
+        REPO, device_map="cpu", dtype=torch.float32, config=fast_config(tmp_path, hub.endpoint)
+    )
+    assert isinstance(got, dict)
+    assert {t.dtype for t in got.values()} == {torch.float32}
+
+
+def test_fill_a_meta_model_and_match_forward(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    original = TinyTransformer().eval()
+    (tmp_path / "tiny").mkdir()
+    save_torch_state_dict(original.state_dict(), tmp_path / "tiny", max_shard_size=20_000)
+    shards = list((tmp_path / "tiny").glob("*.safetensors"))
+    assert len(shards) >= 3
+    files = {p.name: p for p in (tmp_path / "tiny").iterdir()}
+    fake = FakeHub()
+    fake.add_repo("acme/tiny-model", files)
+    with torch.device("meta"):
+        model = TinyTransformer()
+    with serve_in_thread(fake) as hub:
+        result = shardsync.load(
+            "acme/tiny-model",
+            model=model,
+            device_map="cpu",
+            config=fast_config(tmp_path / "cache", hub.endpoint),
+        )
+    assert isinstance(result, LoadResult)
+    assert result.missing_keys == () and result.unexpected_keys == ()
+    model.eval()
+    ids = torch.randint(0, 64, (2, 7))
+    with torch.no_grad():
+        assert torch.equal(model(ids), original(ids))
+
+
+def test_strict_mismatch_fails_before_downloading(hub: FakeHub, tmp_path: Path) -> None:
+    with torch.device("meta"):
+        model = TinyTransformer()
+    with pytest.raises(LoadError, match=r"missing .*embed\.weight"):
+        shardsync.load(REPO, model=model, config=fast_config(tmp_path, hub.endpoint))
+    assert hub.bytes_served("*.safetensors") <= 3 * 64 * 1024  # only the header probes
+
+
+def test_loading_starts_before_the_last_shard_arrives(
+    hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    hub.faults.add(Bandwidth(2_000_000))
+    seen_at: list[float] = []
+    config = fast_config(tmp_path, hub.endpoint)
+    with shardsync.stream(REPO, device_map="cpu", config=config) as tensors:
+        for _name, _tensor in tensors:
+            seen_at.append(tensors.statistics().shards_verified[-1])
+        stats = tensors.statistics()
+    assert stats.first_tensor is not None
+    assert stats.first_tensor < stats.shards_verified[-1]
+
+
+def _malicious_shard(header: dict[str, object], body: bytes) -> bytes:
+    raw = json.dumps(header).encode()
+    return struct.pack("<Q", len(raw)) + raw + body
+
+
+@pytest.mark.parametrize(
+    ("header", "body", "message"),
+    [
+        (
+            {
+                "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]},
+            },
+            bytes(12),
+            "overlap",
+        ),
+        ({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 8]}}, bytes(8), "needs 16 bytes"),
+        ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, bytes(16), "trailing"),
+        ({"b": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, bytes(8), "index"),
+    ],
+    ids=["overlap", "shape-mismatch", "trailing-bytes", "not-in-index"],
+)
+def test_malicious_headers_are_refused_before_download(
+    tmp_path: Path, header: dict[str, object], body: bytes, message: str
+) -> None:
+    index = {"metadata": {}, "weight_map": {"a": "model-00001-of-00001.safetensors"}}
+    files = {
+        "model.safetensors.index.json": json.dumps(index).encode(),
+        "model-00001-of-00001.safetensors": _malicious_shard(header, body),
+    }
+    fake = FakeHub()
+    fake.add_repo("acme/bad", files)
+    with serve_in_thread(fake) as hub:
+        with pytest.raises(HeaderError, match=message):
+            shardsync.load("acme/bad", device_map="cpu", config=fast_config(tmp_path, hub.endpoint))
+        body_reads = [r for r in hub.log if r.method == "GET" and r.server == "cdn"]
+        assert all(r.range == "bytes=0-65535" for r in body_reads)  # the header probe only
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_placement_is_bit_exact(hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path) -> None:
+    config = fast_config(tmp_path, hub.endpoint)
+    got = shardsync.load(REPO, device_map="cuda:0", config=config)
+    assert isinstance(got, dict)
+    assert {t.device.type for t in got.values()} == {"cuda"}
+    _assert_bit_exact({k: v.cpu() for k, v in got.items()}, _originals(checkpoint))
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_auto_map_with_dtype(hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path) -> None:
+    config = fast_config(tmp_path, hub.endpoint)
+    got = shardsync.load(REPO, device_map="auto", dtype=torch.float32, config=config)
+    assert isinstance(got, dict)
+    want = _originals(checkpoint)
+    for name, tensor in got.items():
+        assert tensor.dtype == torch.float32
+        assert torch.equal(tensor.cpu(), want[name].to(torch.float32)), name
