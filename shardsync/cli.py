@@ -67,6 +67,26 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress output")
 
+    ld = sub.add_parser("load", help="stream a checkpoint onto devices and report timings")
+    ld.add_argument("source", help="ORG/NAME on the Hub, an http(s) base URL, or a directory")
+    ld.add_argument("--revision")
+    ld.add_argument("--endpoint")
+    ld.add_argument("--cache-dir", type=Path)
+    ld.add_argument(
+        "--device-map",
+        default="auto",
+        help="auto|balanced|balanced_low_0|sequential|cpu|cuda:N, or JSON {prefix: device}",
+    )
+    ld.add_argument(
+        "--max-memory",
+        action="append",
+        default=[],
+        metavar="DEVICE=SIZE",
+        help="budget per device, e.g. cuda:0=20GiB (repeatable)",
+    )
+    ld.add_argument("--dtype", help="cast floating tensors on the device, e.g. bfloat16")
+    ld.add_argument("--json", action="store_true", help="print the plan and timings as JSON")
+
     d = sub.add_parser("demo", help="prefetch a generated checkpoint from a local fake hub")
     d.add_argument("--size", default="256MiB", help="checkpoint size (default 256MiB)")
     d.add_argument("--shards", type=int, default=4)
@@ -80,6 +100,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "prefetch":
             return _prefetch(args)
+        if args.command == "load":
+            return _load(args)
         return _demo(args)
     except errors.ShardsyncError as exc:
         print(f"shardsync: error: {exc}", file=sys.stderr)
@@ -159,6 +181,75 @@ def result_to_json(result: PrefetchResult) -> dict[str, object]:
             for f in result.files
         ],
     }
+
+
+def _load(args: argparse.Namespace) -> int:
+    """Stream every tensor onto its device; print the plan, then what it took."""
+    import torch
+
+    from shardsync.loader import stream
+
+    device_map: str | dict[str, str] = args.device_map
+    if args.device_map.lstrip().startswith("{"):
+        try:
+            device_map = json.loads(args.device_map)
+        except ValueError as exc:
+            raise errors.ConfigError(f"--device-map: invalid JSON: {exc}") from None
+    max_memory: dict[str | int, int | str] = {}
+    for item in args.max_memory:
+        device, sep, size = item.partition("=")
+        if not sep:
+            raise errors.ConfigError(f"--max-memory expects DEVICE=SIZE, got {item!r}")
+        max_memory[device] = size
+    dtype = None
+    if args.dtype:
+        dtype = getattr(torch, args.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise errors.ConfigError(f"--dtype: unknown torch dtype {args.dtype!r}")
+    with stream(
+        args.source,
+        revision=args.revision,
+        device_map=device_map,
+        max_memory=max_memory or None,
+        dtype=dtype,
+        config=_config(args),
+    ) as tensors:
+        plan = tensors.plan
+        if not args.json:
+            print("device plan:", file=sys.stderr)
+            for use in plan.usage:
+                print(
+                    f"  {use.device:>8}: {format_bytes(use.bytes):>10}  {use.tensors:6d} tensors"
+                    f"  {use.layers:4d} layers",
+                    file=sys.stderr,
+                )
+        placed = dict(tensors)
+        stats = tensors.statistics()
+    report = {
+        "plan": [
+            {"device": u.device, "bytes": u.bytes, "tensors": u.tensors, "layers": u.layers}
+            for u in plan.usage
+        ],
+        "tensors": len(placed),
+        "bytes": stats.bytes,
+        "bytes_downloaded": stats.bytes_downloaded,
+        "plan_ready_s": round(stats.plan_ready, 3),
+        "first_tensor_s": round(stats.first_tensor or 0.0, 3),
+        "total_s": round(stats.finished or 0.0, 3),
+        "throughput_bytes_per_s": round(stats.throughput),
+        "peak_rss_bytes": stats.peak_rss,
+    }
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(
+            f"{len(placed)} tensors, {format_bytes(stats.bytes)} on their devices; "
+            f"first tensor after {report['first_tensor_s']}s, all after {report['total_s']}s "
+            f"({format_bytes(stats.throughput)}/s); peak host RSS "
+            f"{format_bytes(stats.peak_rss)}",
+            file=sys.stderr,
+        )
+    return 0
 
 
 def _demo(args: argparse.Namespace) -> int:

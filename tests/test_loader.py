@@ -221,3 +221,36 @@ def test_cuda_auto_map_with_dtype(hub: FakeHub, checkpoint: Checkpoint, tmp_path
     for name, tensor in got.items():
         assert tensor.dtype == torch.float32
         assert torch.equal(tensor.cpu(), want[name].to(torch.float32)), name
+
+
+def test_cli_load_reports_plan_and_timings(hub: FakeHub, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "shardsync.cli",
+            "load",
+            REPO,
+            "--endpoint",
+            hub.endpoint,
+            "--cache-dir",
+            str(tmp_path),
+            "--device-map",
+            "cpu",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert [u["device"] for u in report["plan"]] == ["cpu"]
+    assert report["tensors"] == report["plan"][0]["tensors"] > 0
+    assert report["bytes_downloaded"] >= report["bytes"] > 0
+    assert 0 < report["first_tensor_s"] <= report["total_s"]
+    assert report["peak_rss_bytes"] > 0
