@@ -215,6 +215,8 @@ def _load(args: argparse.Namespace) -> int:
         config=_config(args),
     ) as tensors:
         plan = tensors.plan
+        if plan is None:
+            raise errors.ConfigError("shardsync load streams safetensors checkpoints only")
         if not args.json:
             print("device plan:", file=sys.stderr)
             for use in plan.usage:

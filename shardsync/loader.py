@@ -30,7 +30,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from shardsync.config import Config, load_config
-from shardsync.devicemap import DevicePlan, TensorSize, parse_memory, plan_device_map
+from shardsync.devicemap import MODES, DevicePlan, TensorSize, parse_memory, plan_device_map
 from shardsync.errors import ConfigError, HeaderError, LoadError, first_error
 from shardsync.manifest import Manifest, ManifestEntry
 from shardsync.origins import LocalOrigin
@@ -97,8 +97,22 @@ class LoadResult:
 
     missing_keys: tuple[str, ...]
     unexpected_keys: tuple[str, ...]
-    plan: DevicePlan
+    plan: DevicePlan | None  # None for pickle checkpoints
     statistics: LoadStatistics
+
+
+@dataclass(frozen=True, slots=True)
+class _Request:
+    """What to load and how; handed to the producer thread."""
+
+    source: str
+    config: Config
+    revision: str | None
+    device_map: DeviceMap
+    budgets: Mapping[str | int, int | str]
+    token: str | None
+    no_split: Sequence[str] | None
+    allow_pickle: bool
 
 
 @dataclass(slots=True)
@@ -146,6 +160,7 @@ class TensorStream:
         dtype: torch.dtype | None,
         token: str | None,
         no_split: Sequence[str] | None,
+        allow_pickle: bool,
     ) -> None:
         import torch
 
@@ -153,16 +168,22 @@ class TensorStream:
         self._started = time.monotonic()
         self._shared = _Shared()
         self._devices = tuple(f"cuda:{i}" for i in range(torch.cuda.device_count()))
-        budgets = _default_budgets(self._devices) if max_memory is None else max_memory
+        self._request = _Request(
+            source=source,
+            config=config,
+            revision=revision,
+            device_map=device_map,
+            budgets=_default_budgets(self._devices) if max_memory is None else max_memory,
+            token=token,
+            no_split=no_split,
+            allow_pickle=allow_pickle,
+        )
         self._thread = threading.Thread(
-            target=self._produce_in_thread,
-            args=(source, config, revision, device_map, budgets, token, no_split),
-            name="shardsync-loader",
-            daemon=True,
+            target=self._produce_in_thread, name="shardsync-loader", daemon=True
         )
         self._verified: dict[str, FileOutcome] = {}
         self._done = False
-        self._plan: tuple[Manifest, Mapping[str, Header], DevicePlan] | None = None
+        self._plan: tuple[Manifest, Mapping[str, Header], DevicePlan | None] | None = None
         self._shard_times: list[float] = []
         self._first_tensor: float | None = None
         self._finished: float | None = None
@@ -175,7 +196,8 @@ class TensorStream:
             self._pump()
         self.manifest: Manifest = self._plan[0]
         self.headers: Mapping[str, Header] = self._plan[1]
-        self.plan: DevicePlan = self._plan[2]
+        self.plan: DevicePlan | None = self._plan[2]
+        """The device plan; ``None`` for pickle checkpoints (no headers to plan from)."""
         self._plan_ready: float = time.monotonic() - self._started
 
     # -------------------------------------------------------------- consumer side
@@ -257,12 +279,16 @@ class TensorStream:
         self, entry: ManifestEntry, outcome: FileOutcome
     ) -> Iterator[tuple[str, torch.Tensor]]:
         self._shard_times.append(time.monotonic() - self._started)
+        if self.plan is None:
+            yield from self._place_pickle_shard(entry, outcome)
+            return
+        plan = self.plan
         header = self.headers[entry.path]
         path = self._blob_path(outcome)
         base = _map_file(path, header.file_size)
         pending: deque[tuple[str, torch.Tensor, Any, int]] = deque()
         for info in header.tensors:
-            device = self.plan.device_of(info.name)
+            device = plan.device_of(info.name)
             view = _tensor_view(base, info)
             if device.startswith("cuda"):
                 placer = self._placers.get(device)
@@ -280,6 +306,34 @@ class TensorStream:
         while pending:
             yield self._hand_out(*pending.popleft())
 
+    def _place_pickle_shard(
+        self, entry: ManifestEntry, outcome: FileOutcome
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """``torch.load(weights_only=True, mmap=True)``: tensors are read lazily from the cache."""
+        import pickle
+
+        import torch
+
+        try:
+            state = torch.load(
+                self._blob_path(outcome), map_location="cpu", weights_only=True, mmap=True
+            )
+        except (pickle.UnpicklingError, RuntimeError, ValueError, EOFError) as exc:
+            raise LoadError(f"{entry.path}: not a weights-only torch checkpoint: {exc}") from exc
+        if not isinstance(state, dict) or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
+        ):
+            raise LoadError(f"{entry.path}: expected a dict of tensors")
+        sizes = [TensorSize(name, t.nbytes) for name, t in state.items()]
+        plan = plan_device_map(sizes, self._request.device_map, devices=self._devices)
+        for name, tensor in state.items():
+            device = plan.device_of(name)
+            if device not in ("cpu", "disk"):
+                tensor = tensor.to(device)
+            if self._dtype is not None and tensor.is_floating_point():
+                tensor = tensor.to(self._dtype)
+            yield self._hand_out(name, tensor, None, tensor.nbytes)
+
     def _hand_out(
         self, name: str, tensor: torch.Tensor, event: Any, nbytes: int
     ) -> tuple[str, torch.Tensor]:
@@ -296,22 +350,11 @@ class TensorStream:
 
     # -------------------------------------------------------------- producer side
 
-    def _produce_in_thread(
-        self,
-        source: str,
-        config: Config,
-        revision: str | None,
-        device_map: DeviceMap,
-        budgets: Mapping[str | int, int | str],
-        token: str | None,
-        no_split: Sequence[str] | None,
-    ) -> None:
+    def _produce_in_thread(self) -> None:
         loop = asyncio.new_event_loop()
         self._shared.loop = loop
         try:
-            task = loop.create_task(
-                self._produce(source, config, revision, device_map, budgets, token, no_split)
-            )
+            task = loop.create_task(self._produce(self._request))
             self._shared.task = task
             loop.run_until_complete(task)
         except asyncio.CancelledError:
@@ -322,36 +365,41 @@ class TensorStream:
             loop.run_until_complete(loop.shutdown_asyncgens())
             loop.close()
 
-    async def _produce(
-        self,
-        source: str,
-        config: Config,
-        revision: str | None,
-        device_map: DeviceMap,
-        budgets: Mapping[str | int, int | str],
-        token: str | None,
-        no_split: Sequence[str] | None,
-    ) -> None:
-        async with Engine(config) as engine:
+    async def _produce(self, request: _Request) -> None:
+        async with Engine(request.config) as engine:
             self._blob_root = engine.cache.root / "store" / "sha256"
-            origin = engine.origin(source, token=token)
-            job = engine.job(origin, revision=revision, sink=_ShardSink(self._shared))
-            manifest = await job.prepare(include=())
-            headers = await _read_headers(engine, job, manifest)
-            if manifest.weight_map:
-                check_index(manifest.weight_map, headers)
-            sizes = [
-                TensorSize(t.name, t.nbytes)
-                for entry in manifest.shards
-                for t in headers[entry.path].tensors
-            ]
-            plan = plan_device_map(
-                sizes,
-                device_map,
-                devices=self._devices,
-                max_memory=budgets or None,
-                no_split=no_split,
+            origin = engine.origin(request.source, token=request.token)
+            job = engine.job(
+                origin,
+                revision=request.revision,
+                allow_pickle=request.allow_pickle,
+                sink=_ShardSink(self._shared),
             )
+            manifest = await job.prepare(include=())
+            if _is_pickle(manifest):
+                headers: dict[str, Header] = {}
+                plan = None
+                if isinstance(request.device_map, str) and request.device_map in MODES:
+                    raise ConfigError(
+                        f"device_map={request.device_map!r} plans from safetensors headers; "
+                        "for a pickle checkpoint give a device or an explicit {prefix: device} map"
+                    )
+            else:
+                headers = await _read_headers(engine, job, manifest)
+                if manifest.weight_map:
+                    check_index(manifest.weight_map, headers)
+                sizes = [
+                    TensorSize(t.name, t.nbytes)
+                    for entry in manifest.shards
+                    for t in headers[entry.path].tensors
+                ]
+                plan = plan_device_map(
+                    sizes,
+                    request.device_map,
+                    devices=self._devices,
+                    max_memory=request.budgets or None,
+                    no_split=request.no_split,
+                )
             self._shared.go = asyncio.Event()
             self._shared.events.put(("plan", (manifest, headers, plan)))
             await self._shared.go.wait()  # nothing is downloaded until someone iterates
@@ -359,14 +407,14 @@ class TensorStream:
         self._shared.events.put(("done", None))
 
 
+def _is_pickle(manifest: Manifest) -> bool:
+    return any(not e.path.endswith(".safetensors") for e in manifest.shards)
+
+
 async def _read_headers(engine: Engine, job: Job, manifest: Manifest) -> dict[str, Header]:
     """Every shard's header, from the cache when the blob is there, else by Range requests."""
 
     async def one(entry: ManifestEntry) -> tuple[str, Header]:
-        if not entry.path.endswith(".safetensors"):
-            raise ConfigError(
-                f"{entry.path}: only safetensors checkpoints can be streamed onto devices"
-            )
         if entry.sha256 is not None and engine.cache.has_blob(entry.sha256, entry.size):
             blob = engine.cache.blob_path(entry.sha256)
             return entry.path, await asyncio.to_thread(_header_from_file, blob, entry.path)
@@ -500,6 +548,7 @@ def stream(
     cache_dir: str | Path | None = None,
     token: str | None = None,
     no_split: Sequence[str] | None = None,
+    allow_pickle: bool = False,
     config: Config | None = None,
 ) -> TensorStream:
     """Stream ``(name, tensor)`` pairs in shard order, each shard as soon as it is verified.
@@ -522,6 +571,7 @@ def stream(
         dtype=dtype,
         token=token,
         no_split=no_split,
+        allow_pickle=allow_pickle,
     )
 
 
@@ -538,6 +588,7 @@ def load(
     cache_dir: str | Path | None = None,
     token: str | None = None,
     no_split: Sequence[str] | None = None,
+    allow_pickle: bool = False,
     config: Config | None = None,
 ) -> dict[str, torch.Tensor] | LoadResult:
     """Load a checkpoint onto devices while it downloads.
@@ -557,6 +608,7 @@ def load(
         cache_dir=cache_dir,
         token=token,
         no_split=no_split,
+        allow_pickle=allow_pickle,
         config=config,
     )
     with tensors:
@@ -567,18 +619,15 @@ def load(
 
 def _fill_model(model: torch.nn.Module, tensors: TensorStream, *, strict: bool) -> LoadResult:
     expected = set(model.state_dict().keys())
-    names = {t.name for h in tensors.headers.values() for t in h.tensors}
-    missing = tuple(sorted(expected - names))
-    unexpected = tuple(sorted(names - expected))
-    if strict and (missing or unexpected):
-        raise LoadError(
-            f"checkpoint does not match the model: missing {_few(missing)}, "
-            f"unexpected {_few(unexpected)}"
-        )
+    if tensors.plan is not None:  # safetensors: every name is known before the download
+        names = {t.name for h in tensors.headers.values() for t in h.tensors}
+        _compare_keys(expected, names, strict=strict)
+    seen: set[str] = set()
     batch: dict[str, torch.Tensor] = {}
     shard_of = tensors.manifest.weight_map
     current: str | None = None
     for name, tensor in tensors:
+        seen.add(name)
         shard = shard_of.get(name, "")
         if batch and shard != current:
             _assign(model, batch)
@@ -586,9 +635,23 @@ def _fill_model(model: torch.nn.Module, tensors: TensorStream, *, strict: bool) 
         current = shard
         if name in expected:
             batch[name] = tensor
+    missing, unexpected = _compare_keys(expected, seen, strict=strict)
     if batch:
         _assign(model, batch)
     return LoadResult(missing, unexpected, tensors.plan, tensors.statistics())
+
+
+def _compare_keys(
+    expected: set[str], names: set[str], *, strict: bool
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    missing = tuple(sorted(expected - names))
+    unexpected = tuple(sorted(names - expected))
+    if strict and (missing or unexpected):
+        raise LoadError(
+            f"checkpoint does not match the model: missing {_few(missing)}, "
+            f"unexpected {_few(unexpected)}"
+        )
+    return missing, unexpected
 
 
 def _assign(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> None:

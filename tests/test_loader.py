@@ -14,7 +14,7 @@ from huggingface_hub import save_torch_state_dict
 from safetensors.torch import load_file
 
 import shardsync
-from shardsync.errors import HeaderError, LoadError
+from shardsync.errors import ConfigError, HeaderError, LoadError
 from shardsync.loader import LoadResult
 from shardsync.testing import Bandwidth, Checkpoint, FakeHub, build_checkpoint, serve_in_thread
 
@@ -254,3 +254,26 @@ def test_cli_load_reports_plan_and_timings(hub: FakeHub, tmp_path: Path) -> None
     assert report["bytes_downloaded"] >= report["bytes"] > 0
     assert 0 < report["first_tensor_s"] <= report["total_s"]
     assert report["peak_rss_bytes"] > 0
+
+
+def test_pickle_checkpoints_need_allow_pickle(tmp_path: Path) -> None:
+    from shardsync.errors import ManifestError
+
+    torch.manual_seed(1)
+    state = {f"layers.{i}.weight": torch.randn(64, 64) for i in range(6)}
+    (tmp_path / "bin").mkdir()
+    save_torch_state_dict(state, tmp_path / "bin", max_shard_size=40_000, safe_serialization=False)
+    files = {p.name: p for p in (tmp_path / "bin").iterdir()}
+    assert "pytorch_model.bin.index.json" in files
+    fake = FakeHub()
+    fake.add_repo("acme/pickled", files)
+    with serve_in_thread(fake) as hub:
+        config = fast_config(tmp_path / "cache", hub.endpoint)
+        with pytest.raises(ManifestError, match="pickle"):
+            shardsync.load("acme/pickled", device_map="cpu", config=config)
+        assert hub.bytes_served("*.bin") == 0
+        with pytest.raises(ConfigError, match="pickle"):
+            shardsync.load("acme/pickled", device_map="auto", allow_pickle=True, config=config)
+        got = shardsync.load("acme/pickled", device_map="cpu", allow_pickle=True, config=config)
+    assert isinstance(got, dict)
+    _assert_bit_exact(got, state)
