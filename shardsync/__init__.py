@@ -7,9 +7,10 @@ from typing import TYPE_CHECKING, Any
 from shardsync.errors import ShardsyncError
 
 if TYPE_CHECKING:
+    from shardsync.client import Client, SyncClient
     from shardsync.loader import load, stream
 
-__all__ = ["ShardsyncError", "__version__", "load", "stream"]
+__all__ = ["Client", "ShardsyncError", "SyncClient", "__version__", "load", "stream"]
 __version__ = "0.1.0"
 
 
@@ -19,4 +20,8 @@ def __getattr__(name: str) -> Any:
         from shardsync import loader
 
         return getattr(loader, name)
+    if name in ("Client", "SyncClient"):  # aiohttp and the engine load on first use too
+        from shardsync import client
+
+        return getattr(client, name)
     raise AttributeError(f"module 'shardsync' has no attribute {name!r}")

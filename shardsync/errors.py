@@ -20,7 +20,11 @@ without parsing messages::
     ├── CacheError                  the local cache cannot be used
     │   └── DiskFullError           ENOSPC/EDQUOT while writing; partial files are kept
     ├── OfflineError                offline mode and the cache cannot answer
-    └── LoadError                   the checkpoint does not fit the model, or loading stopped
+    ├── LoadError                   the checkpoint does not fit the model, or loading stopped
+    ├── JobCancelledError           a prefetch job was cancelled (DELETE /v1/jobs/{id}, Job.cancel)
+    └── DaemonError                 the daemon refused a request or broke the API
+        ├── DaemonUnavailableError  no daemon answers at the socket (and fallback = "error")
+        └── DaemonStoppingError     the daemon stopped while the client waited on it
 
 Errors of the layers below (aiohttp, OSError, json) are mapped at the module
 boundary with ``raise ... from exc`` so a user never sees a traceback from deep
@@ -33,10 +37,14 @@ __all__ = [
     "AuthError",
     "CacheError",
     "ConfigError",
+    "DaemonError",
+    "DaemonStoppingError",
+    "DaemonUnavailableError",
     "DiskFullError",
     "EntryNotFoundError",
     "HeaderError",
     "IntegrityError",
+    "JobCancelledError",
     "LoadError",
     "ManifestError",
     "OfflineError",
@@ -122,6 +130,22 @@ class OfflineError(ShardsyncError):
 
 class LoadError(ShardsyncError):
     """The checkpoint does not fit the model (keys, shapes), or loading was cancelled."""
+
+
+class JobCancelledError(ShardsyncError):
+    """The prefetch job was cancelled before it completed; its partial files are kept."""
+
+
+class DaemonError(ShardsyncError):
+    """The daemon refused the request (peer credentials, bad request) or broke its API."""
+
+
+class DaemonUnavailableError(DaemonError):
+    """No daemon answers at the socket; raised only when the in-process fallback is off."""
+
+
+class DaemonStoppingError(DaemonError):
+    """The daemon is shutting down; unfinished jobs resume when it starts again."""
 
 
 def first_error(group: BaseExceptionGroup[BaseException]) -> BaseException:

@@ -67,6 +67,7 @@ __all__ = [
     "Fetcher",
     "Located",
     "Sleep",
+    "Throttle",
 ]
 
 MiB = 1 << 20
@@ -77,6 +78,8 @@ _CREDENTIAL_HEADERS = ("authorization", "cookie", "proxy-authorization")
 
 _T = TypeVar("_T")
 Sleep = Callable[[float], Awaitable[None]]
+Throttle = Callable[[int], Awaitable[None]]
+"""Awaited with each body read's size: a shared bandwidth budget (the daemon's token bucket)."""
 ProgressFn = Callable[[int], None]
 
 
@@ -199,11 +202,13 @@ class Fetcher:
         *,
         sleep: Sleep = asyncio.sleep,
         clock: Callable[[], float] = time.monotonic,
+        throttle: Throttle | None = None,
     ) -> None:
         self._session = session
         self.config = config or FetchConfig()
         self._sleep = sleep
         self._clock = clock
+        self._throttle = throttle
         self._bytes = 0
         self._files = 0
         self._active = 0
@@ -603,6 +608,8 @@ class Fetcher:
                 piece = await resp.content.read(want)
                 if not piece:
                     break
+                if self._throttle is not None:
+                    await self._throttle(len(piece))
                 buf += piece
                 n = len(piece)
                 state.downloaded += n

@@ -1,0 +1,697 @@
+"""``shardsync daemon``: the scheduler behind a private, versioned JSON API.
+
+One process per host downloads each byte once for every client. It listens on a Unix socket
+in a directory only its user (and, with ``daemon.group``, that group) can traverse, and checks
+each request's peer credentials (``SO_PEERCRED``) against the configured uids and gids; the
+daemon's own user and root are always allowed. An optional TCP listener (loopback unless
+explicitly allowed) serves only ``/metrics`` and ``/v1/status``: TCP has no peer credentials,
+so nothing that starts work or names a repository is reachable over it.
+
+Routes (see the README for the shapes)::
+
+    POST   /v1/jobs                 submit (or join) a prefetch job
+    GET    /v1/jobs                 every known job
+    GET    /v1/jobs/{id}            one job
+    DELETE /v1/jobs/{id}            cancel it (for every client)
+    GET    /v1/jobs/{id}/events     NDJSON: past events, then live ones, until the job ends
+    GET    /v1/cache                cache usage
+    GET    /v1/status               daemon statistics
+    GET    /metrics                 Prometheus text format
+
+Errors are ``{"error": {"code": ..., "message": ...}}`` with a 4xx status for anything the
+client got wrong. SIGTERM stops taking jobs, interrupts the running ones (partial files and
+the journal are kept, so they resume on the next start) and exits; SIGHUP reloads the
+config's live settings (allowed peers, bandwidth, history).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import json
+import logging
+import os
+import signal
+import socket
+import stat
+import struct
+import sys
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from shardsync import __version__
+from shardsync.config import Config, daemon_socket, load_config
+from shardsync.errors import (
+    ConfigError,
+    DaemonStoppingError,
+    JobCancelledError,
+    ManifestError,
+    ShardsyncError,
+)
+from shardsync.journal import Journal
+from shardsync.notify import Notifier
+from shardsync.prefetch import Engine
+from shardsync.scheduler import (
+    JobRequest,
+    ScheduledJob,
+    Scheduler,
+    TokenBucket,
+    error_json,
+)
+
+__all__ = ["API_VERSION", "Daemon", "DaemonStatistics", "cache_summary", "run_daemon"]
+
+log = logging.getLogger("shardsync.daemon")
+
+API_VERSION = 1
+_MAX_BODY = 64 * 1024
+_STOP_TIMEOUT = 8.0  # the whole shutdown; systemd's TimeoutStopSec is longer
+_TCP_ROUTES = frozenset({"/metrics", "/v1/status"})
+_NDJSON = "application/x-ndjson"
+_CACHE_TTL = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class DaemonStatistics:
+    """What ``GET /v1/status`` and ``shardsync status`` report."""
+
+    version: str
+    api: int
+    pid: int
+    uptime_s: float
+    socket: str
+    tcp: str | None
+    cache_dir: str
+    endpoint: str | None
+    stopping: bool
+    jobs: Mapping[str, int]
+    jobs_submitted: int
+    jobs_deduplicated: int
+    files_waiting: int
+    api_requests: int
+    bytes_downloaded: int
+    files_fetched: int
+    active_connections: int
+    retries: Mapping[str, int]
+    verify_failures: int
+    max_bandwidth: int
+
+
+class Daemon:
+    """The daemon's state; ``serve()`` runs it until ``request_stop()``."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        config_path: Path | None = None,
+        environ: Mapping[str, str] | None = None,
+    ) -> None:
+        self.config = config
+        self.config_path = config_path
+        self.environ = dict(os.environ if environ is None else environ)
+        self.socket_path = daemon_socket(config.daemon, self.environ)
+        self.tcp_address: tuple[str, int] | None = None
+        self.notifier = Notifier(self.environ)
+        self.bucket = TokenBucket(config.daemon.max_bandwidth)
+        self._stop = asyncio.Event()
+        self._ready = asyncio.Event()
+        self._started = time.monotonic()
+        self._requests = 0
+        self._engine: Engine | None = None
+        self._scheduler: Scheduler | None = None
+        self._cache_memo: tuple[float, dict[str, Any]] | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    async def serve(self) -> None:
+        """Bind, resume journaled jobs, say READY, serve until stopped, then shut down.
+
+        The shutdown (interrupt jobs, answer their waiters, close connections and the
+        engine) is bounded by ``_STOP_TIMEOUT`` so the process always exits promptly.
+        """
+        try:
+            async with asyncio.timeout(None) as deadline, contextlib.AsyncExitStack() as stack:
+                unix, inode = _bind_unix(self.socket_path, self.config)
+                stack.callback(_unlink_socket, self.socket_path, inode)
+                stack.callback(unix.close)  # closing twice is harmless; a failed start needs it
+                tcp = None
+                if self.config.daemon.tcp is not None:
+                    tcp = _bind_tcp(*self.config.daemon.tcp)
+                    stack.callback(tcp.close)
+                    self.tcp_address = tcp.getsockname()[:2]
+                await self._start(stack, unix, tcp)
+                await self._stop.wait()
+                deadline.reschedule(asyncio.get_running_loop().time() + _STOP_TIMEOUT)
+                log.info("stopping: interrupting unfinished jobs (they resume on the next start)")
+                self.notifier.stopping("stopping; unfinished jobs resume on the next start")
+                self._sched.stop(
+                    DaemonStoppingError(
+                        "daemon stopping: the job is kept and resumes when the daemon starts again"
+                    )
+                )
+        except TimeoutError:
+            log.error("shutdown took longer than %.0f s; exiting anyway", _STOP_TIMEOUT)
+        log.info("stopped")
+
+    async def _start(
+        self, stack: contextlib.AsyncExitStack, unix: socket.socket, tcp: socket.socket | None
+    ) -> None:
+        """Everything ``serve`` runs, entered on ``stack`` so it unwinds in reverse order:
+        the scheduler (jobs interrupted) before the HTTP server, before the engine."""
+        engine = await stack.enter_async_context(Engine(self.config, throttle=self.bucket))
+        runner = web.AppRunner(self._app(), access_log=None, shutdown_timeout=2.0)
+        await runner.setup()
+        stack.push_async_callback(runner.cleanup)
+        journal = Journal(self.config.cache_dir / "state" / "daemon" / "jobs.json")
+        scheduler = Scheduler(
+            engine,
+            journal=journal,
+            history=self.config.daemon.history,
+            allow_local=False,
+            on_change=lambda: self.notifier.status(self._status_line()),
+        )
+        await stack.enter_async_context(scheduler)
+        self._engine, self._scheduler = engine, scheduler
+        restored = await scheduler.restore()
+        await web.SockSite(runner, unix).start()
+        if tcp is not None:
+            await web.SockSite(runner, tcp).start()
+        log.info(
+            "serving on %s%s; cache %s; %d journaled job(s) resumed",
+            self.socket_path,
+            f" and http://{_host_port(self.tcp_address)}" if self.tcp_address else "",
+            self.config.cache_dir,
+            restored,
+        )
+        self.notifier.ready(self._status_line())
+        self._ready.set()
+
+    async def wait_ready(self) -> None:
+        """Until the socket answers (for embedding the daemon, e.g. in tests)."""
+        await self._ready.wait()
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    def reload(self) -> None:
+        """SIGHUP: apply the live settings of the config file; the rest needs a restart."""
+        self.notifier.reloading()
+        try:
+            new = load_config(self.config_path, self.environ)
+        except ConfigError as exc:
+            log.error("config reload failed, keeping the running config: %s", exc)
+            self.notifier.ready(self._status_line())
+            return
+        old = self.config
+        live = replace(
+            old.daemon,
+            allowed_uids=new.daemon.allowed_uids,
+            allowed_gids=new.daemon.allowed_gids,
+            max_bandwidth=new.daemon.max_bandwidth,
+            history=new.daemon.history,
+            fallback=new.daemon.fallback,
+        )
+        if new != replace(old, daemon=live):
+            log.warning("config reload: cache, download and socket settings apply on restart")
+        self.config = replace(old, daemon=live)
+        self.bucket.set_rate(live.max_bandwidth)
+        if self._scheduler is not None:
+            self._scheduler.history = live.history
+        log.info("config reloaded")
+        self.notifier.ready(self._status_line())
+
+    def statistics(self) -> DaemonStatistics:
+        fetch = self._engine.fetcher.statistics() if self._engine is not None else None
+        sched = self._scheduler.statistics() if self._scheduler is not None else None
+        return DaemonStatistics(
+            version=__version__,
+            api=API_VERSION,
+            pid=os.getpid(),
+            uptime_s=round(time.monotonic() - self._started, 3),
+            socket=str(self.socket_path),
+            tcp=_host_port(self.tcp_address) if self.tcp_address else None,
+            cache_dir=os.path.abspath(self.config.cache_dir),
+            endpoint=self.config.endpoint,
+            stopping=self._stop.is_set(),
+            jobs=dict(sched.jobs) if sched else {},
+            jobs_submitted=sched.jobs_submitted if sched else 0,
+            jobs_deduplicated=sched.jobs_deduplicated if sched else 0,
+            files_waiting=sched.files_waiting if sched else 0,
+            api_requests=self._requests,
+            bytes_downloaded=fetch.bytes_downloaded if fetch else 0,
+            files_fetched=fetch.files_fetched if fetch else 0,
+            active_connections=fetch.active_connections if fetch else 0,
+            retries=dict(fetch.retries) if fetch else {},
+            verify_failures=fetch.verify_failures if fetch else 0,
+            max_bandwidth=int(self.bucket.rate),
+        )
+
+    def _status_line(self) -> str:
+        jobs = self._scheduler.statistics().jobs if self._scheduler else {}
+        active = sum(jobs.get(s, 0) for s in ("pending", "resolving", "downloading"))
+        return f"serving on {self.socket_path}; {active} active job(s)"
+
+    # -- HTTP ---------------------------------------------------------------------------
+
+    def _app(self) -> web.Application:
+        app = web.Application(middlewares=[self._errors, self._guard], client_max_size=_MAX_BODY)
+        app.router.add_post("/v1/jobs", self._submit)
+        app.router.add_get("/v1/jobs", self._list)
+        app.router.add_get("/v1/jobs/{id}", self._get)
+        app.router.add_delete("/v1/jobs/{id}", self._cancel)
+        app.router.add_get("/v1/jobs/{id}/events", self._events)
+        app.router.add_get("/v1/cache", self._cache)
+        app.router.add_get("/v1/status", self._status)
+        app.router.add_get("/metrics", self._metrics)
+        return app
+
+    @web.middleware
+    async def _errors(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        """Every error is a JSON body with a code; nothing a client sends makes a 500."""
+        self._requests += 1
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            code = _HTTP_CODES.get(exc.status, "bad_request")
+            return _error(exc.status, code, exc.text or exc.reason)
+        except ShardsyncError as exc:
+            return _error(_status_for(exc), **error_json(exc))
+        except Exception:
+            log.exception("internal error answering %s %s", request.method, request.path)
+            return _error(500, "internal", "internal error; see the daemon's log")
+        finally:
+            self._requests -= 1
+
+    @web.middleware
+    async def _guard(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        """Peer credentials on the Unix socket; read-only monitoring routes over TCP."""
+        sock = request.transport.get_extra_info("socket") if request.transport else None
+        if sock is None:
+            raise web.HTTPForbidden(text="cannot identify the peer")
+        if sock.family == socket.AF_UNIX:
+            pid, uid, gid = _peer_credentials(sock)
+            if not self._allowed(pid, uid, gid):
+                log.warning("refused uid %d gid %d (pid %d)", uid, gid, pid)
+                return _error(
+                    403,
+                    "forbidden",
+                    f"uid {uid} is not allowed to use this daemon; add it (or one of its "
+                    "groups) to daemon.allowed_uids/allowed_gids",
+                )
+        elif request.path not in _TCP_ROUTES or request.method != "GET":
+            return _error(
+                403,
+                "forbidden",
+                "the TCP listener serves only GET /metrics and /v1/status; "
+                "use the Unix socket for the API",
+            )
+        return await handler(request)
+
+    def _allowed(self, pid: int, uid: int, gid: int) -> bool:
+        cfg = self.config.daemon
+        if uid in (0, os.geteuid()) or uid in cfg.allowed_uids or gid in cfg.allowed_gids:
+            return True
+        return bool(cfg.allowed_gids) and bool(_supplementary_groups(pid) & cfg.allowed_gids)
+
+    @property
+    def _sched(self) -> Scheduler:
+        if self._scheduler is None:
+            raise DaemonStoppingError("the daemon is not serving")
+        return self._scheduler
+
+    async def _submit(self, request: web.Request) -> web.Response:
+        body = await request.read()
+        try:
+            obj = json.loads(body, object_pairs_hook=_unique_keys)
+        except (ValueError, RecursionError) as exc:
+            return _error(400, "bad_request", f"the body is not valid JSON: {exc}")
+        job, created = await self._sched.submit(JobRequest.from_json(obj))
+        return web.json_response(job.info(), status=201 if created else 200)
+
+    async def _list(self, request: web.Request) -> web.Response:
+        return web.json_response({"jobs": [job.info() for job in self._sched.jobs()]})
+
+    async def _get(self, request: web.Request) -> web.Response:
+        return web.json_response(self._job(request).info())
+
+    async def _cancel(self, request: web.Request) -> web.Response:
+        job = self._job(request)
+        await self._sched.cancel(job.id)
+        return web.json_response(job.info())
+
+    async def _events(self, request: web.Request) -> web.StreamResponse:
+        job = self._job(request)
+        since_text = request.query.get("since", "0")
+        if not since_text.isdigit() or len(since_text) > 12:
+            return _error(400, "bad_request", "since must be a non-negative event number")
+        response = web.StreamResponse(
+            headers={"Content-Type": _NDJSON, "Cache-Control": "no-store"}
+        )
+        await response.prepare(request)
+        try:
+            async for event in job.events.follow(int(since_text)):
+                await response.write(json.dumps(event, separators=(",", ":")).encode() + b"\n")
+            await response.write_eof()
+        except ConnectionError:
+            pass  # the client went away; the job goes on
+        return response
+
+    async def _cache(self, request: web.Request) -> web.Response:
+        return web.json_response(await self._cache_summary())
+
+    async def _status(self, request: web.Request) -> web.Response:
+        return web.json_response(asdict(self.statistics()))
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        summary = await self._cache_summary()
+        text = render_metrics(self.statistics(), self._sched, summary)
+        return web.Response(
+            body=text.encode(),
+            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
+        )
+
+    def _job(self, request: web.Request) -> ScheduledJob:
+        job = self._sched.get(request.match_info["id"])
+        if job is None:
+            raise web.HTTPNotFound(text=f"no job {request.match_info['id'][:64]!r}")
+        return job
+
+    async def _cache_summary(self) -> dict[str, Any]:
+        """Walking the store costs a directory scan: scrapes within ``_CACHE_TTL`` share one."""
+        now = time.monotonic()
+        if self._cache_memo is None or now - self._cache_memo[0] > _CACHE_TTL:
+            summary = await asyncio.to_thread(cache_summary, self.config.cache_dir)
+            self._cache_memo = (now, summary)
+        return self._cache_memo[1]
+
+
+# ---------------------------------------------------------------------------------- sockets
+
+
+def _bind_unix(path: Path, config: Config) -> tuple[socket.socket, int]:
+    """A bound (not yet listening) socket with its mode and group set, in a private directory,
+    and the inode of its file (so that only this file is removed at exit)."""
+    daemon = config.daemon
+    directory = path.parent
+    try:
+        if not directory.exists():
+            directory.parent.mkdir(parents=True, exist_ok=True)
+            directory.mkdir(mode=0o700)
+            mode = 0o710 if daemon.group is not None else 0o700
+            if daemon.group is not None:
+                os.chown(directory, -1, daemon.group)
+            os.chmod(directory, mode)
+        st = os.lstat(directory)
+    except OSError as exc:
+        raise ConfigError(f"daemon.socket: cannot create {directory}: {exc.strerror}") from None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        raise ConfigError(
+            f"daemon.socket: {directory} must be a directory owned by uid {os.geteuid()} "
+            "(not a symlink)"
+        )
+    if st.st_mode & 0o027:
+        raise ConfigError(
+            f"daemon.socket: {directory} has mode {stat.S_IMODE(st.st_mode):04o}; other users "
+            "could reach the socket. Use a directory of mode 0700 (0710 with daemon.group)"
+        )
+    if daemon.group is not None and not st.st_mode & 0o010:
+        log.warning("%s is not searchable by its group; group members cannot connect", directory)
+    _clear_stale(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        sock.bind(str(path))
+        os.chmod(path, daemon.socket_mode)
+        if daemon.group is not None:
+            os.chown(path, -1, daemon.group)
+        inode = os.lstat(path).st_ino
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"daemon.socket: cannot listen on {path}: {exc}") from None
+    return sock, inode
+
+
+def _clear_stale(path: Path) -> None:
+    """Remove a socket left by a dead daemon; refuse to steal a live one's."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise ConfigError(f"daemon.socket: {path} exists and is not a socket")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        probe.connect(str(path))
+    except OSError as exc:
+        if exc.errno not in (errno.ECONNREFUSED, errno.ENOENT):
+            raise ConfigError(f"daemon.socket: cannot check {path}: {exc.strerror}") from None
+        path.unlink(missing_ok=True)
+        return
+    finally:
+        probe.close()
+    raise ConfigError(f"another shardsync daemon is already listening on {path}")
+
+
+def _unlink_socket(path: Path, inode: int) -> None:
+    """Remove our socket file, not one a successor has bound meanwhile."""
+    with contextlib.suppress(OSError):
+        if os.lstat(path).st_ino == inode:
+            path.unlink()
+
+
+def _bind_tcp(host: str, port: int) -> socket.socket:
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        return socket.create_server((host, port), family=family, reuse_port=False)
+    except OSError as exc:
+        raise ConfigError(f"daemon.tcp: cannot listen on {host}:{port}: {exc.strerror}") from None
+
+
+def _host_port(address: tuple[str, int] | None) -> str:
+    if address is None:
+        return ""
+    host, port = address
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+_CRED = struct.Struct("3i")
+
+
+def _peer_credentials(sock: Any) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end of a Unix socket."""
+    pid, uid, gid = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+    return int(pid), int(uid), int(gid)
+
+
+def _supplementary_groups(pid: int) -> frozenset[int]:
+    """The peer's supplementary groups (SO_PEERCRED gives only its primary gid)."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("Groups:"):
+                    return frozenset(int(g) for g in line.split()[1:] if g.isdigit())
+    except OSError:
+        pass
+    return frozenset()
+
+
+# ---------------------------------------------------------------------------------- answers
+
+
+_HTTP_CODES = {
+    400: "bad_request",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "payload_too_large",
+}
+
+
+def _error(status: int, code: str, message: str) -> web.Response:
+    return web.json_response({"error": {"code": code, "message": message}}, status=status)
+
+
+def _status_for(exc: ShardsyncError) -> int:
+    if isinstance(exc, DaemonStoppingError):
+        return 503
+    if isinstance(exc, ConfigError | ManifestError):
+        return 400
+    if isinstance(exc, JobCancelledError):
+        return 409
+    return 500
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result = dict(pairs)
+    if len(result) != len(pairs):
+        raise ValueError("duplicate key in JSON object")
+    return result
+
+
+def cache_summary(root: Path) -> dict[str, Any]:
+    """Blobs, partial downloads, repositories and free space of a cache root (reads only)."""
+    blobs = nbytes = partial_files = partial_bytes = 0
+    for shard_dir in _scan(root / "store" / "sha256"):
+        for blob in _scan(Path(shard_dir.path)):
+            with contextlib.suppress(OSError):
+                nbytes += blob.stat(follow_symlinks=False).st_size
+                blobs += 1
+    for entry in _scan(root / "partial"):
+        if entry.name.endswith(".part"):
+            with contextlib.suppress(OSError):
+                partial_bytes += entry.stat(follow_symlinks=False).st_blocks * 512
+                partial_files += 1
+    repos = []
+    for area in ("hub", "other"):
+        for repo in sorted(_scan(root / area), key=lambda e: e.name):
+            snapshots = sorted(e.name for e in _scan(Path(repo.path) / "snapshots"))
+            name = repo.name.removeprefix("models--").replace("--", "/") if area == "hub" else None
+            repos.append({"dir": repo.name, "repo": name, "snapshots": snapshots})
+    free = total = None
+    with contextlib.suppress(OSError):
+        vfs = os.statvfs(root)
+        free, total = vfs.f_bavail * vfs.f_frsize, vfs.f_blocks * vfs.f_frsize
+    return {
+        "root": str(root),
+        "blobs": blobs,
+        "bytes": nbytes,
+        "partial_files": partial_files,
+        "partial_bytes": partial_bytes,
+        "repos": repos,
+        "disk_free": free,
+        "disk_total": total,
+    }
+
+
+def _scan(path: Path) -> list[os.DirEntry[str]]:
+    try:
+        with os.scandir(path) as it:
+            return [e for e in it if not e.name.startswith(".")]
+    except OSError:
+        return []
+
+
+def render_metrics(stats: DaemonStatistics, scheduler: Scheduler, cache: Mapping[str, Any]) -> str:
+    """The Prometheus text exposition format (0.0.4), written by hand: a few counters do not
+    justify a dependency."""
+    out: list[str] = []
+
+    def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> None:
+        out.append(f"# HELP shardsync_{name} {help_text}")
+        out.append(f"# TYPE shardsync_{name} {kind}")
+        for labels, value in samples:
+            out.append(f"shardsync_{name}{labels} {_number(value)}")
+
+    metric("uptime_seconds", "gauge", "Seconds since the daemon started.", [("", stats.uptime_s)])
+    metric(
+        "bytes_downloaded_total",
+        "counter",
+        "Bytes received from origins.",
+        [("", stats.bytes_downloaded)],
+    )
+    metric("files_fetched_total", "counter", "Files downloaded.", [("", stats.files_fetched)])
+    metric(
+        "active_connections",
+        "gauge",
+        "HTTP requests to origins in flight.",
+        [("", stats.active_connections)],
+    )
+    metric(
+        "api_requests",
+        "gauge",
+        "API requests in flight (event streams too).",
+        [("", stats.api_requests)],
+    )
+    metric(
+        "retries_total",
+        "counter",
+        "Transfer retries by cause.",
+        [(_labels(cause=c), n) for c, n in sorted(stats.retries.items())],
+    )
+    metric(
+        "verify_failures_total",
+        "counter",
+        "Downloads whose hash did not match.",
+        [("", stats.verify_failures)],
+    )
+    metric("cache_size_bytes", "gauge", "Bytes of verified blobs.", [("", cache["bytes"])])
+    metric("cache_blobs", "gauge", "Verified blobs in the cache.", [("", cache["blobs"])])
+    metric(
+        "partial_bytes", "gauge", "Disk used by partial downloads.", [("", cache["partial_bytes"])]
+    )
+    metric(
+        "jobs",
+        "gauge",
+        "Jobs the daemon knows, by state.",
+        [(_labels(state=s), n) for s, n in sorted(stats.jobs.items())],
+    )
+    metric(
+        "jobs_submitted_total", "counter", "Job requests received.", [("", stats.jobs_submitted)]
+    )
+    metric(
+        "jobs_deduplicated_total",
+        "counter",
+        "Job requests answered by a job already running.",
+        [("", stats.jobs_deduplicated)],
+    )
+    metric(
+        "bandwidth_limit_bytes_per_second",
+        "gauge",
+        "Global download cap (0: none).",
+        [("", stats.max_bandwidth)],
+    )
+    hist = scheduler.latency
+    out.append("# HELP shardsync_job_duration_seconds Seconds from submission to a complete job.")
+    out.append("# TYPE shardsync_job_duration_seconds histogram")
+    for bound, count in hist.cumulative():
+        out.append(f'shardsync_job_duration_seconds_bucket{{le="{_number(bound)}"}} {count}')
+    out.append(f'shardsync_job_duration_seconds_bucket{{le="+Inf"}} {hist.count}')
+    out.append(f"shardsync_job_duration_seconds_sum {_number(hist.sum)}")
+    out.append(f"shardsync_job_duration_seconds_count {hist.count}")
+    return "\n".join(out) + "\n"
+
+
+def _labels(**labels: str) -> str:
+    def escape(value: str) -> str:
+        return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+    return "{" + ",".join(f'{k}="{escape(v)}"' for k, v in labels.items()) + "}"
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
+
+
+# ---------------------------------------------------------------------------------- entry
+
+
+def run_daemon(config_path: Path | None, environ: Mapping[str, str] | None = None) -> int:
+    """``shardsync daemon``: serve until SIGTERM/SIGINT; SIGHUP reloads. Returns the exit code."""
+    env = os.environ if environ is None else environ
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s"
+    )
+    config = load_config(config_path, env)
+    daemon = Daemon(config, config_path=config_path, environ=env)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, daemon.request_stop)
+        loop.add_signal_handler(signal.SIGINT, daemon.request_stop)
+        loop.add_signal_handler(signal.SIGHUP, daemon.reload)
+        await daemon.serve()
+
+    asyncio.run(main())
+    return 0

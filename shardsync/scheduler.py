@@ -1,0 +1,998 @@
+"""Jobs over one engine: dedup across clients, priority order, an event log per job.
+
+The daemon runs one ``Scheduler`` on its one ``Engine``; the client's in-process fallback runs
+another, so both produce the same jobs and the same events. What it adds to the engine:
+
+* **one job per snapshot**: requests for the same (origin, repo, revision, selection) attach
+  to the job already running; a job whose revision turns out to name a commit another job is
+  already downloading follows that job instead of downloading it again;
+* **priority**: every file of every job passes one ``PriorityGate`` of ``max_files`` slots,
+  highest job priority first, then submission order, then the file's place in the index;
+* **events**: each job appends what happens to an ``EventLog`` that replays to late
+  subscribers and then goes live (``resolved``, ``file_started``, ``progress``, ``verified``,
+  ``failed``, ``job_done``, ``job_failed``);
+* **a journal**: unfinished jobs are written to disk on every change, so a daemon restarted
+  after ``kill -9`` resumes them from their partial files.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import contextlib
+import logging
+import re
+import secrets
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from shardsync import errors
+from shardsync.cache import RepoRef
+from shardsync.errors import (
+    ConfigError,
+    DaemonStoppingError,
+    JobCancelledError,
+    ShardsyncError,
+)
+from shardsync.journal import Journal
+from shardsync.manifest import Manifest, ManifestEntry
+from shardsync.origins import LocalOrigin, Origin
+from shardsync.origins.hub import validate_revision
+from shardsync.prefetch import Engine, FileGate, FileOutcome, Job, PrefetchResult
+
+__all__ = [
+    "TERMINAL_EVENTS",
+    "EventLog",
+    "Histogram",
+    "JobRequest",
+    "PriorityGate",
+    "ScheduledJob",
+    "Scheduler",
+    "SchedulerStatistics",
+    "TokenBucket",
+    "error_class",
+    "error_code",
+    "error_json",
+    "result_from_json",
+    "result_to_json",
+]
+
+log = logging.getLogger("shardsync.scheduler")
+
+JobState = Literal[
+    "pending", "resolving", "downloading", "interrupted", "done", "failed", "cancelled"
+]
+TERMINAL_EVENTS = frozenset({"job_done", "job_failed"})
+_FINISHED: frozenset[JobState] = frozenset({"done", "failed", "cancelled"})
+_PROGRESS_INTERVAL = 0.2  # seconds between progress events of one file
+_MAX_PRIORITY = 1000
+_MAX_GLOBS = 256
+_MAX_TEXT = 4096
+
+
+# ------------------------------------------------------------------------------ wire format
+
+
+def _snake(name: str) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name.removesuffix("Error")).lower()
+
+
+_CODE_OF: dict[type[ShardsyncError], str] = {
+    cls: _snake(cls.__name__)
+    for cls in (getattr(errors, name) for name in errors.__all__)
+    if isinstance(cls, type) and issubclass(cls, ShardsyncError)
+}
+_CLASS_OF = {code: cls for cls, code in _CODE_OF.items()}
+
+
+def error_code(exc: BaseException) -> str:
+    """The API's name for an error: ``RepoNotFoundError`` -> ``repo_not_found``."""
+    for cls in type(exc).__mro__:
+        if cls in _CODE_OF:
+            return _CODE_OF[cls]
+    return "internal"
+
+
+def error_class(code: str) -> type[ShardsyncError] | None:
+    """The exception a client raises for ``code``; None for codes that are not ours."""
+    return _CLASS_OF.get(code)
+
+
+def error_json(exc: BaseException) -> dict[str, str]:
+    """``{"code": ..., "message": ...}``; unexpected errors never leak their internals."""
+    if isinstance(exc, ShardsyncError):
+        return {"code": error_code(exc), "message": str(exc)}
+    return {"code": "internal", "message": f"internal error ({type(exc).__name__}); see the log"}
+
+
+def result_to_json(result: PrefetchResult) -> dict[str, Any]:
+    """The documented ``prefetch --json`` shape, also the ``job_done`` event's ``result``."""
+    return {
+        "repo": result.repo.name,
+        "origin": result.repo.kind,
+        "revision": result.revision,
+        "commit": result.commit,
+        "snapshot_path": str(result.snapshot_path),
+        "bytes_downloaded": result.bytes_downloaded,
+        "total_size": result.total_size,
+        "elapsed_s": round(result.elapsed, 3),
+        "files": [
+            {
+                "path": f.path,
+                "size": f.size,
+                "sha256": f.sha256,
+                "verified": f.verified,
+                "source": f.source,
+                "downloaded": f.downloaded,
+                "resumed": f.resumed,
+            }
+            for f in result.files
+        ],
+    }
+
+
+def result_from_json(obj: Mapping[str, Any]) -> PrefetchResult:
+    """Inverse of ``result_to_json`` (``fetch`` statistics stay with the daemon)."""
+    try:
+        files = tuple(
+            FileOutcome(
+                path=str(f["path"]),
+                size=int(f["size"]),
+                sha256=str(f["sha256"]),
+                verified=f["verified"],
+                source=f["source"],
+                downloaded=int(f["downloaded"]),
+                resumed=int(f["resumed"]),
+            )
+            for f in obj["files"]
+        )
+        return PrefetchResult(
+            repo=RepoRef(kind=obj["origin"], name=str(obj["repo"])),
+            revision=str(obj["revision"]),
+            commit=str(obj["commit"]),
+            snapshot_path=Path(obj["snapshot_path"]),
+            files=files,
+            bytes_downloaded=int(obj["bytes_downloaded"]),
+            elapsed=float(obj["elapsed_s"]),
+            fetch=None,
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise errors.DaemonError(f"malformed job result from the daemon: {exc!r}") from exc
+
+
+# ------------------------------------------------------------------------------ requests
+
+
+@dataclass(frozen=True, slots=True)
+class JobRequest:
+    """What a client asks for; validated here so the daemon and the fallback agree."""
+
+    source: str
+    revision: str | None = None
+    include: tuple[str, ...] | None = None  # None: the engine's default small files
+    exclude: tuple[str, ...] = ()
+    priority: int = 0
+    allow_pickle: bool = False
+
+    def __post_init__(self) -> None:
+        _check_text("source", self.source)
+        if self.revision is not None:
+            _check_text("revision", self.revision)
+            validate_revision(self.revision)
+        for name, globs in (("include", self.include), ("exclude", self.exclude)):
+            if globs is None:
+                continue
+            if not isinstance(globs, tuple) or len(globs) > _MAX_GLOBS:
+                raise ConfigError(f"{name}: at most {_MAX_GLOBS} glob strings")
+            for glob in globs:
+                _check_text(name, glob)
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+            raise ConfigError(f"priority must be an integer (got {self.priority!r})")
+        if not -_MAX_PRIORITY <= self.priority <= _MAX_PRIORITY:
+            raise ConfigError(f"priority must be within +-{_MAX_PRIORITY} (got {self.priority})")
+        if not isinstance(self.allow_pickle, bool):
+            raise ConfigError(f"allow_pickle must be true or false (got {self.allow_pickle!r})")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "source": self.source,
+            "revision": self.revision,
+            "include": None if self.include is None else list(self.include),
+            "exclude": list(self.exclude),
+            "priority": self.priority,
+            "allow_pickle": self.allow_pickle,
+        }
+
+    @classmethod
+    def from_json(cls, obj: object) -> JobRequest:
+        """Parse a request body; every problem is a ``ConfigError`` naming the field."""
+        if not isinstance(obj, dict):
+            raise ConfigError("the request body must be a JSON object")
+        unknown = sorted(set(obj) - {f for f in cls.__dataclass_fields__})
+        if unknown:
+            raise ConfigError(f"unknown field {unknown[0]!r}")
+        if "source" not in obj:
+            raise ConfigError("missing field 'source' (ORG/NAME or an http(s) URL)")
+        revision = obj.get("revision")
+        if revision is not None and not isinstance(revision, str):
+            raise ConfigError("revision must be a string or null")
+        return cls(
+            source=_text_field(obj, "source"),
+            revision=revision,
+            include=_globs(obj.get("include"), "include"),
+            exclude=_globs(obj.get("exclude", []), "exclude") or (),
+            priority=obj.get("priority", 0),
+            allow_pickle=obj.get("allow_pickle", False),
+        )
+
+
+def _check_text(name: str, value: object) -> None:
+    if not isinstance(value, str) or not value or len(value) > _MAX_TEXT or "\0" in value:
+        raise ConfigError(f"{name} must be a non-empty string of at most {_MAX_TEXT} characters")
+
+
+def _text_field(obj: Mapping[str, Any], name: str) -> str:
+    value = obj.get(name)
+    _check_text(name, value)
+    return str(value)
+
+
+def _globs(value: object, name: str) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(g, str) for g in value):
+        raise ConfigError(f"{name} must be a list of glob strings")
+    return tuple(value)
+
+
+# ------------------------------------------------------------------------------ limits
+
+
+class TokenBucket:
+    """The daemon's global bandwidth cap: every body read waits for its bytes' tokens.
+
+    Reads take tokens in arrival order (an ``asyncio.Lock`` is FIFO), so connections share the
+    rate fairly; a short burst is allowed so small reads do not each pay a sleep.
+    """
+
+    def __init__(
+        self,
+        rate: float,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:
+        self._lock = asyncio.Lock()
+        self._clock = clock
+        self._sleep = sleep
+        self._rate = 0.0
+        self._burst = 0.0
+        self._tokens = 0.0
+        self._stamp = clock()
+        self.set_rate(rate)
+        self._tokens = self._burst
+
+    @property
+    def rate(self) -> float:
+        return self._rate
+
+    def set_rate(self, rate: float) -> None:
+        """Change the cap (a config reload); 0 removes it."""
+        self._rate = max(float(rate), 0.0)
+        self._burst = max(self._rate / 10, 256 * 1024.0)
+        self._tokens = min(self._tokens, self._burst)
+
+    async def __call__(self, nbytes: int) -> None:
+        if self._rate <= 0:
+            return
+        async with self._lock:
+            now = self._clock()
+            self._tokens = min(self._burst, self._tokens + (now - self._stamp) * self._rate)
+            self._stamp = now
+            self._tokens -= nbytes
+            if self._tokens < 0:
+                await self._sleep(-self._tokens / self._rate)
+
+
+@dataclass(slots=True)
+class _Waiter:
+    key: Callable[[], Any]  # the waiter's current sort key
+    future: asyncio.Future[None]
+
+
+class PriorityGate:
+    """``slots`` files at a time across all jobs, each freed slot going to the best waiter.
+
+    Keys are read when a slot is handed out, so a job whose priority was raised (another
+    client asked for it with a higher one) moves ahead of files that were waiting before.
+    A freed slot is handed out on the next loop turn, not at once: the worker that freed it
+    asks again for its job's next file synchronously, so that file competes too, and a
+    high-priority job keeps its slots instead of losing each one to whoever waited longest.
+    """
+
+    def __init__(self, slots: int) -> None:
+        self._free = slots
+        self._waiters: list[_Waiter] = []
+        self._wake_scheduled = False
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    @contextlib.asynccontextmanager
+    async def admit(self, key: Callable[[], Any]) -> AsyncIterator[None]:
+        """Hold a slot for the body; ``key()`` orders waiters (smallest first)."""
+        if self._free > 0 and not self._waiters:
+            self._free -= 1
+        else:
+            waiter = _Waiter(key, asyncio.get_running_loop().create_future())
+            self._waiters.append(waiter)
+            self._schedule_wake()
+            try:
+                await waiter.future
+            except asyncio.CancelledError:
+                if waiter.future.done() and not waiter.future.cancelled():
+                    self._release()  # the slot was handed over just as we were cancelled
+                else:
+                    self._waiters.remove(waiter)
+                raise
+        try:
+            yield
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        self._free += 1
+        self._schedule_wake()
+
+    def _schedule_wake(self) -> None:
+        if self._free > 0 and self._waiters and not self._wake_scheduled:
+            self._wake_scheduled = True
+            asyncio.get_running_loop().call_soon(self._wake)
+
+    def _wake(self) -> None:
+        self._wake_scheduled = False
+        while self._free > 0 and self._waiters:
+            best = min(self._waiters, key=lambda w: w.key())
+            self._waiters.remove(best)
+            if not best.future.done():
+                best.future.set_result(None)
+                self._free -= 1
+
+
+class Histogram:
+    """Cumulative buckets for Prometheus (job latency); a value lands in every bucket >= it."""
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(sorted(bounds))
+        self._counts = [0] * len(self.bounds)
+        self.count = 0
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        i = bisect.bisect_left(self.bounds, value)
+        if i < len(self._counts):
+            self._counts[i] += 1
+        self.count += 1
+        self.sum += value
+
+    def cumulative(self) -> list[tuple[float, int]]:
+        total, out = 0, []
+        for bound, n in zip(self.bounds, self._counts, strict=True):
+            total += n
+            out.append((bound, total))
+        return out
+
+
+# ------------------------------------------------------------------------------ events
+
+
+class EventLog:
+    """Every event of one job, replayed to late subscribers, then live.
+
+    Progress events are compacted: a new one for a file replaces the previous one in place,
+    so a subscriber joining a long download replays the files' current progress, not every
+    step of it, and the log stays small.
+    """
+
+    def __init__(self) -> None:
+        self._events: list[dict[str, Any] | None] = []
+        self._progress_at: dict[str, int] = {}
+        self._changed = asyncio.Event()
+        self.closed = False
+
+    def __len__(self) -> int:
+        return len(self._events)
+
+    def append(self, event: dict[str, Any]) -> dict[str, Any]:
+        if self.closed:
+            raise RuntimeError("the job's event log is closed")
+        event["seq"] = len(self._events)
+        if event["event"] == "progress":
+            old = self._progress_at.get(event["path"])
+            if old is not None:
+                self._events[old] = None
+            self._progress_at[event["path"]] = event["seq"]
+        self._events.append(event)
+        if event["event"] in TERMINAL_EVENTS:
+            self.closed = True
+        self._changed.set()
+        self._changed = asyncio.Event()
+        return event
+
+    def past(self) -> list[dict[str, Any]]:
+        return [e for e in self._events if e is not None]
+
+    async def follow(self, since: int = 0) -> AsyncIterator[dict[str, Any]]:
+        """Events with ``seq >= since``, then new ones until the job's terminal event."""
+        pos = max(since, 0)
+        while True:
+            while pos < len(self._events):
+                event = self._events[pos]
+                pos += 1
+                if event is not None:
+                    yield event
+            if self.closed:
+                return
+            await self._changed.wait()
+
+
+# ------------------------------------------------------------------------------ jobs
+
+
+@dataclass(eq=False, slots=True)
+class ScheduledJob:
+    """One snapshot being made complete for any number of clients."""
+
+    id: str
+    seq: int
+    request: JobRequest
+    origin: Origin
+    revision: str
+    priority: int
+    submitted_at: float
+    events: EventLog = field(default_factory=EventLog)
+    state: JobState = "pending"
+    commit: str | None = None
+    clients: int = 1
+    started_at: float | None = None
+    finished_at: float | None = None
+    merged_into: str | None = None
+    result: PrefetchResult | None = None
+    error: dict[str, str] | None = None
+    files_total: int | None = None
+    bytes_total: int | None = None
+    files_verified: int = 0
+    bytes_downloaded: int = 0
+    task: asyncio.Task[None] | None = None
+    stop_error: ShardsyncError | None = None  # why we cancelled the task ourselves
+    _done: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def repo(self) -> RepoRef:
+        return self.origin.repo
+
+    @property
+    def finished(self) -> bool:
+        return self.state in _FINISHED
+
+    @property
+    def bytes_done(self) -> int:
+        return sum(self._done.values())
+
+    def emit(self, kind: str, **fields: Any) -> dict[str, Any]:
+        """Append an event (and keep the counters ``info`` reports in step with it)."""
+        if kind == "progress":
+            self._done[fields["path"]] = fields["done"]
+        elif kind == "verified":
+            self._done[fields["path"]] = fields["size"]
+            self.files_verified += 1
+            self.bytes_downloaded += fields["downloaded"]
+        elif kind == "resolved":
+            self.commit = fields["commit"]
+            self.files_total = len(fields["files"])
+            self.bytes_total = fields["total_size"]
+        return self.events.append({"event": kind, "job": self.id, "time": time.time(), **fields})
+
+    def info(self) -> dict[str, Any]:
+        """The job as ``GET /v1/jobs/{id}`` shows it."""
+        return {
+            "id": self.id,
+            "source": self.request.source,
+            "origin": self.repo.kind,
+            "repo": self.repo.name,
+            "revision": self.revision,
+            "commit": self.commit,
+            "state": self.state,
+            "priority": self.priority,
+            "include": None if self.request.include is None else list(self.request.include),
+            "exclude": list(self.request.exclude),
+            "allow_pickle": self.request.allow_pickle,
+            "clients": self.clients,
+            "submitted_at": self.submitted_at,
+            "started_at": self.started_at,
+            "finished_at": self.finished_at,
+            "merged_into": self.merged_into,
+            "files": {"total": self.files_total, "verified": self.files_verified},
+            "bytes": {
+                "total": self.bytes_total,
+                "done": self.bytes_done,
+                "downloaded": self.bytes_downloaded,
+            },
+            "snapshot_path": str(self.result.snapshot_path) if self.result else None,
+            "error": self.error,
+            "events": len(self.events),
+        }
+
+    def journal_record(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "seq": self.seq,
+            "priority": self.priority,
+            "submitted_at": self.submitted_at,
+            "request": self.request.to_json(),
+        }
+
+
+class _JobSink:
+    """The engine's ``ProgressSink`` for one job: turns its calls into the job's events."""
+
+    def __init__(self, job: ScheduledJob, engine_job: Job | None = None) -> None:
+        self._job = job
+        self.engine_job = engine_job
+        self._sizes: dict[str, int | None] = {}
+        self._done: Counter[str] = Counter()
+        self._last: dict[str, float] = {}
+        self._shard_index: dict[str, int] = {}
+
+    def resolved(self, manifest: Manifest) -> None:
+        self._shard_index = {e.path: i for i, e in enumerate(manifest.shards)}
+
+    def shard_index(self, path: str) -> int | None:
+        return self._shard_index.get(path)
+
+    def add_file(self, path: str, size: int | None) -> None:
+        self._sizes[path] = size
+        if self._job.state == "resolving":  # the index, fetched while the job resolves
+            self._job.emit("file_started", path=path, size=size, shard_index=None)
+
+    def advance(self, path: str, nbytes: int) -> None:
+        if not nbytes:
+            return  # the engine reports a fresh start as 0 bytes resumed: nothing moved
+        self._done[path] += nbytes
+        now = time.monotonic()
+        if now - self._last.get(path, 0.0) >= _PROGRESS_INTERVAL:
+            self._last[path] = now
+            self._job.emit("progress", path=path, done=self._done[path], size=self._sizes.get(path))
+
+    def file_done(self, outcome: FileOutcome) -> None:
+        job, engine_job = self._job, self.engine_job
+        assert engine_job is not None
+        cache = engine_job.cache
+        blob = cache.blob_path(outcome.sha256)
+        readable = (
+            cache.snapshot_dir(engine_job.origin.repo, engine_job.commit) / outcome.path
+            if engine_job.commit
+            else blob
+        )
+        job.emit(
+            "verified",
+            path=outcome.path,
+            size=outcome.size,
+            sha256=outcome.sha256,
+            verified=outcome.verified,
+            source=outcome.source,
+            downloaded=outcome.downloaded,
+            resumed=outcome.resumed,
+            shard_index=self.shard_index(outcome.path),
+            file=str(readable),
+            blob=str(blob),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStatistics:
+    """Counts of jobs by state, for ``/v1/status`` and ``/metrics``."""
+
+    jobs: Mapping[str, int]
+    files_waiting: int
+    jobs_submitted: int
+    jobs_deduplicated: int
+
+
+_LATENCY_BUCKETS = (1, 5, 15, 60, 300, 900, 1800, 3600, 3 * 3600, 12 * 3600)
+
+
+class Scheduler:
+    """Runs jobs on one engine; use as ``async with Scheduler(engine) as scheduler``.
+
+    Every job task lives in the scheduler's task group. Leaving the block stops the jobs
+    still running (their partial files are kept and, with a journal, they resume next time).
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        journal: Journal | None = None,
+        history: int = 100,
+        allow_local: bool = True,
+        on_change: Callable[[], object] | None = None,
+    ) -> None:
+        self.engine = engine
+        self._on_change = on_change
+        self.gate = PriorityGate(engine.config.max_files)
+        self.latency = Histogram(_LATENCY_BUCKETS)
+        self.history = history
+        self._journal = journal
+        self._allow_local = allow_local
+        self._jobs: dict[str, ScheduledJob] = {}
+        self._by_request: dict[tuple[object, ...], ScheduledJob] = {}
+        self._by_commit: dict[tuple[object, ...], ScheduledJob] = {}
+        self._seq = 0
+        self._submitted = 0
+        self._deduplicated = 0
+        self._stopping: ShardsyncError | None = None
+        self._tg: asyncio.TaskGroup | None = None
+        self._journal_lock = asyncio.Lock()
+
+    async def __aenter__(self) -> Scheduler:
+        self._tg = asyncio.TaskGroup()
+        await self._tg.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        if self._stopping is None:
+            self.stop(DaemonStoppingError("the scheduler was closed"))
+        tg, self._tg = self._tg, None
+        if tg is not None:  # the jobs are stopped; an error of the block propagates as is
+            await tg.__aexit__(None, None, None)
+
+    # -- queries ------------------------------------------------------------------------
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping is not None
+
+    def get(self, job_id: str) -> ScheduledJob | None:
+        return self._jobs.get(job_id)
+
+    def jobs(self) -> list[ScheduledJob]:
+        """Unfinished jobs in scheduling order, then finished ones, newest first."""
+        active = sorted((j for j in self._jobs.values() if not j.finished), key=_order)
+        done = sorted(
+            (j for j in self._jobs.values() if j.finished), key=lambda j: -(j.finished_at or 0)
+        )
+        return active + done
+
+    def statistics(self) -> SchedulerStatistics:
+        states = Counter(j.state for j in self._jobs.values())
+        return SchedulerStatistics(
+            jobs={s: states.get(s, 0) for s in _STATES},
+            files_waiting=self.gate.waiting,
+            jobs_submitted=self._submitted,
+            jobs_deduplicated=self._deduplicated,
+        )
+
+    # -- commands -----------------------------------------------------------------------
+
+    async def submit(self, request: JobRequest) -> tuple[ScheduledJob, bool]:
+        """The job for ``request``: an unfinished one that covers it, else a new one.
+
+        Returns (job, created). Raises ``ConfigError`` for a source that cannot be used and
+        ``DaemonStoppingError`` once the scheduler is stopping.
+        """
+        if self._stopping is not None:
+            raise DaemonStoppingError(str(self._stopping))
+        origin = self.engine.origin(request.source)
+        if isinstance(origin, LocalOrigin) and not self._allow_local:
+            raise ConfigError(
+                "the daemon does not read local directories on a client's behalf; "
+                "prefetch them in-process (shardsync prefetch --no-daemon)"
+            )
+        revision = request.revision or origin.default_revision
+        self._submitted += 1
+        existing = self._by_request.get(_request_key(origin, revision, request))
+        if existing is not None:
+            self._deduplicated += 1
+            existing.clients += 1
+            if self._raise_priority(existing, request.priority):
+                await self._save_journal()
+            return existing, False
+        job = self._new_job(request, origin, revision)
+        await self._save_journal()
+        return job, True
+
+    async def restore(self) -> int:
+        """Resubmit the journal's unfinished jobs under their ids; returns how many."""
+        if self._journal is None:
+            return 0
+        restored = 0
+        for record in await self._journal.load():
+            try:
+                request = JobRequest.from_json(record["request"])
+                origin = self.engine.origin(request.source)
+                job = self._new_job(
+                    request,
+                    origin,
+                    request.revision or origin.default_revision,
+                    job_id=str(record["id"]),
+                    priority=int(record["priority"]),
+                    submitted_at=float(record["submitted_at"]),
+                )
+            except (ShardsyncError, KeyError, TypeError, ValueError) as exc:
+                log.warning("dropping journaled job %r: %s", record.get("id"), exc)
+                continue
+            log.info("resuming job %s (%s@%s)", job.id, job.repo.name, job.revision)
+            restored += 1
+        await self._save_journal()
+        return restored
+
+    async def cancel(self, job_id: str) -> ScheduledJob | None:
+        """Cancel a job for every client waiting on it; its partial files are kept."""
+        job = self._jobs.get(job_id)
+        if job is None or job.finished:
+            return job
+        self._interrupt(job, JobCancelledError(f"job {job.id} was cancelled"))
+        if job.task is not None:
+            await asyncio.wait({job.task})
+        await self._save_journal()
+        return job
+
+    def stop(self, error: ShardsyncError) -> None:
+        """Refuse new jobs and stop the running ones with ``error`` (kept in the journal)."""
+        if self._stopping is None:
+            self._stopping = error
+        for job in list(self._jobs.values()):
+            if not job.finished:
+                self._interrupt(job, error)
+
+    # -- internals ----------------------------------------------------------------------
+
+    def _new_job(
+        self,
+        request: JobRequest,
+        origin: Origin,
+        revision: str,
+        *,
+        job_id: str | None = None,
+        priority: int | None = None,
+        submitted_at: float | None = None,
+    ) -> ScheduledJob:
+        if self._tg is None:
+            raise RuntimeError("use the scheduler as 'async with Scheduler(engine)'")
+        self._seq += 1
+        job = ScheduledJob(
+            id=job_id or secrets.token_hex(8),
+            seq=self._seq,
+            request=request,
+            origin=origin,
+            revision=revision,
+            priority=request.priority if priority is None else priority,
+            submitted_at=time.time() if submitted_at is None else submitted_at,
+        )
+        self._jobs[job.id] = job
+        self._by_request[_request_key(origin, revision, request)] = job
+        job.task = self._tg.create_task(self._run(job), name=f"shardsync-job-{job.id}")
+        self._forget_old()
+        self._changed()
+        return job
+
+    def _raise_priority(self, job: ScheduledJob, priority: int) -> bool:
+        """A client asking with a higher priority raises it for the job (and the job it
+        follows); returns whether anything changed."""
+        changed = False
+        current: ScheduledJob | None = job
+        while current is not None and priority > current.priority:
+            current.priority = priority
+            changed = True
+            current = self._jobs.get(current.merged_into) if current.merged_into else None
+        return changed
+
+    def _interrupt(self, job: ScheduledJob, error: ShardsyncError) -> None:
+        if job.stop_error is None:
+            job.stop_error = error
+        if job.state == "pending":  # its task has not run yet, so it cannot answer itself
+            self._finish(job, "cancelled" if isinstance(error, JobCancelledError) else None, error)
+        if job.task is not None:
+            job.task.cancel()
+
+    async def _run(self, job: ScheduledJob) -> None:
+        """The job's task: never raises (a failure belongs to the job, not the daemon)."""
+        try:
+            await self._execute(job)
+        except asyncio.CancelledError:
+            error = job.stop_error or DaemonStoppingError("the daemon is stopping")
+            self._finish(job, "cancelled" if isinstance(error, JobCancelledError) else None, error)
+            if job.stop_error is None:
+                raise
+        except ShardsyncError as exc:
+            self._finish(job, "failed", exc)
+        except Exception as exc:
+            log.exception("job %s failed unexpectedly", job.id)
+            self._finish(job, "failed", exc)
+        if job.finished or self._stopping is None:
+            await self._save_journal()
+
+    async def _execute(self, job: ScheduledJob) -> None:
+        job.state = "resolving"
+        job.started_at = time.time()
+        sink = _JobSink(job)
+        engine_job = self.engine.job(
+            job.origin,
+            revision=job.revision,
+            allow_pickle=job.request.allow_pickle,
+            sink=sink,
+            gate=self._gate_for(job, sink),
+        )
+        sink.engine_job = engine_job
+        manifest = await engine_job.prepare(job.request.include, job.request.exclude)
+        sink.resolved(manifest)
+        job.emit(
+            "resolved",
+            commit=engine_job.commit or None,
+            revision=job.revision,
+            total_size=manifest.total_size,
+            files=[
+                {
+                    "path": e.path,
+                    "size": e.size,
+                    "role": e.role,
+                    "shard_index": sink.shard_index(e.path),
+                }
+                for e in manifest.entries
+            ],
+        )
+        if engine_job.commit:
+            key = _commit_key(job, engine_job.commit)
+            other = self._by_commit.get(key)
+            if other is not None and not other.finished:
+                await self._follow(job, other)
+                return
+            self._by_commit[key] = job
+        job.state = "downloading"
+        files = await engine_job.download()
+        now = time.time()
+        job.result = PrefetchResult(
+            repo=job.repo,
+            revision=job.revision,
+            commit=engine_job.commit,
+            snapshot_path=engine_job.snapshot_path,
+            files=files,
+            bytes_downloaded=sum(f.downloaded for f in files),
+            elapsed=now - (job.started_at or now),
+            fetch=None,
+        )
+        self._finish(job, "done", None)
+
+    async def _follow(self, job: ScheduledJob, other: ScheduledJob) -> None:
+        """Mirror the job already downloading this commit instead of downloading it again."""
+        log.info("job %s follows job %s (same commit %s)", job.id, other.id, job.commit)
+        job.merged_into = other.id
+        job.state = "downloading"
+        other.clients += job.clients
+        self._raise_priority(other, job.priority)
+        async for event in other.events.follow():
+            kind = event["event"]
+            if kind == "job_done":
+                job.result = other.result
+                self._finish(job, "done", None)
+                return
+            if kind == "job_failed":
+                error = event["error"]
+                cancelled = error.get("code") == error_code(JobCancelledError())
+                self._finish_with(job, "cancelled" if cancelled else "failed", error)
+                return
+            if kind != "resolved":
+                fields = {
+                    k: v for k, v in event.items() if k not in ("event", "job", "seq", "time")
+                }
+                job.emit(kind, **fields)
+
+    def _gate_for(self, job: ScheduledJob, sink: _JobSink) -> FileGate:
+        gate = self.gate
+
+        @contextlib.asynccontextmanager
+        async def admit(entry: ManifestEntry, position: int) -> AsyncIterator[None]:
+            async with gate.admit(lambda: (-job.priority, job.seq, position)):
+                index = sink.shard_index(entry.path)
+                job.emit("file_started", path=entry.path, size=entry.size, shard_index=index)
+                try:
+                    yield
+                except Exception as exc:
+                    job.emit("failed", path=entry.path, shard_index=index, error=error_json(exc))
+                    raise
+
+        def gate_fn(entry: ManifestEntry, position: int) -> AbstractAsyncContextManager[None]:
+            return admit(entry, position)
+
+        return gate_fn
+
+    def _finish(
+        self, job: ScheduledJob, state: JobState | None, error: BaseException | None
+    ) -> None:
+        if error is None:
+            assert job.result is not None
+            job.state = "done"
+            job.commit = job.result.commit
+            job.finished_at = time.time()
+            self._release(job)
+            self.latency.observe(job.finished_at - job.submitted_at)
+            job.emit("job_done", result=result_to_json(job.result))
+            return
+        self._finish_with(job, state, error_json(error))
+
+    def _finish_with(
+        self, job: ScheduledJob, state: JobState | None, error: dict[str, str]
+    ) -> None:
+        """End a job with an error; ``state`` None: interrupted, resumes from the journal."""
+        job.error = error
+        job.finished_at = time.time()
+        job.state = state or "interrupted"
+        self._release(job)
+        if not job.events.closed:
+            job.emit("job_failed", error=error)
+
+    def _changed(self) -> None:
+        """A job started or ended (the daemon updates its systemd STATUS= line)."""
+        if self._on_change is not None:
+            self._on_change()
+
+    def _release(self, job: ScheduledJob) -> None:
+        self._changed()
+        for index in (self._by_request, self._by_commit):
+            for key, value in list(index.items()):
+                if value is job:
+                    del index[key]
+
+    def _forget_old(self) -> None:
+        finished = [j for j in self._jobs.values() if j.finished]
+        if len(finished) > self.history:
+            finished.sort(key=lambda j: j.finished_at or 0)
+            for job in finished[: len(finished) - self.history]:
+                del self._jobs[job.id]
+
+    async def _save_journal(self) -> None:
+        if self._journal is None:
+            return
+        async with self._journal_lock:
+            records = [j.journal_record() for j in self._jobs.values() if not j.finished]
+            try:
+                await self._journal.save(records)
+            except ShardsyncError as exc:
+                log.warning("cannot write the job journal: %s", exc)
+
+
+_STATES: tuple[JobState, ...] = (
+    "pending",
+    "resolving",
+    "downloading",
+    "interrupted",
+    "done",
+    "failed",
+    "cancelled",
+)
+
+
+def _order(job: ScheduledJob) -> tuple[int, int]:
+    return (-job.priority, job.seq)
+
+
+def _request_key(origin: Origin, revision: str, request: JobRequest) -> tuple[object, ...]:
+    return (
+        origin.repo.kind,
+        origin.repo.name,
+        revision,
+        None if request.include is None else tuple(sorted(set(request.include))),
+        tuple(sorted(set(request.exclude))),
+        request.allow_pickle,
+    )
+
+
+def _commit_key(job: ScheduledJob, commit: str) -> tuple[object, ...]:
+    return (*_request_key(job.origin, commit, job.request), "commit")

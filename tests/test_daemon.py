@@ -1,0 +1,481 @@
+"""The daemon: its API (in the test's loop) and real daemon processes (signals, kill -9, uids)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import textwrap
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from daemons import DaemonProcess, api, cli, daemon_in_loop, short_tmp, write_config
+from helpers import assert_snapshot_matches, assert_store_verified, fast_config
+
+from shardsync import errors
+from shardsync.client import Client
+from shardsync.daemon import Daemon
+from shardsync.testing import Bandwidth, Checkpoint, FakeHub, build_checkpoint, serve_in_thread
+
+REPO = "acme/daemon"
+
+
+@pytest.fixture
+def workdir() -> Iterator[Path]:
+    with short_tmp() as path:
+        yield path
+
+
+@pytest.fixture
+async def daemon(fake_hub: FakeHub, checkpoint: Checkpoint, workdir: Path) -> AsyncIterator[Daemon]:
+    fake_hub.add_checkpoint(REPO, checkpoint)
+    config = fast_config(workdir / "cache", fake_hub.endpoint)
+    async with daemon_in_loop(config, workdir / "shardsync" / "d.sock", tcp=("127.0.0.1", 0)) as d:
+        yield d
+
+
+async def _done(socket_path: Path, job_id: str) -> list[dict[str, Any]]:
+    """Every event of a job, read from the API until its end."""
+    async with Client(socket=socket_path, fallback="error") as client:
+        job = await client.job(job_id)
+        return [event async for event in job.events()]
+
+
+def _shard_bytes(checkpoint: Checkpoint) -> int:
+    return sum(checkpoint.path(s).stat().st_size for s in checkpoint.shards)
+
+
+def _plant_dead_socket(path: Path) -> None:
+    dead = socket.socket(socket.AF_UNIX)
+    dead.bind(str(path))
+    dead.close()
+
+
+def _chmod(path: Path, mode: int) -> None:
+    path.chmod(mode)
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.lstat().st_mode)
+
+
+# ---------------------------------------------------------------------------- the API
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body", "status", "code", "needle"),
+    [
+        ("POST", "/v1/jobs", b"{not json", 400, "bad_request", "not valid JSON"),
+        ("POST", "/v1/jobs", b"", 400, "bad_request", "not valid JSON"),
+        ("POST", "/v1/jobs", b"[1, 2]", 400, "config", "JSON object"),
+        ("POST", "/v1/jobs", b'{"source": "acme/x", "source": "y"}', 400, "bad_request", "dupl"),
+        ("POST", "/v1/jobs", b"[" * 50_000, 400, "bad_request", "not valid JSON"),
+        ("POST", "/v1/jobs", b'{"source": "' + b"a" * 70_000 + b'"}', 413, "payload_too_large", ""),
+        ("POST", "/v1/jobs", b'{"repo": "acme/x"}', 400, "config", "unknown field 'repo'"),
+        ("POST", "/v1/jobs", b'{"source": 7}', 400, "config", "source must be"),
+        ("POST", "/v1/jobs", b'{"source": "not a repo!"}', 400, "config", "invalid repo id"),
+        ("POST", "/v1/jobs", b'{"source": "acme/x", "priority": 1e9}', 400, "config", "priority"),
+        ("POST", "/v1/jobs", b'{"source": "acme/x", "revision": "a/../b"}', 400, "config", "rev"),
+        ("POST", "/v1/jobs", b'{"source": "/etc"}', 400, "config", "local directories"),
+        ("POST", "/v1/jobs", b'{"source": "ftp://x/y"}', 400, "config", "unsupported source"),
+        ("GET", "/v1/jobs/nope", None, 404, "not_found", "no job 'nope'"),
+        ("DELETE", "/v1/jobs/nope", None, 404, "not_found", "no job"),
+        ("GET", "/v1/jobs/nope/events", None, 404, "not_found", "no job"),
+        ("PUT", "/v1/jobs", b"{}", 405, "method_not_allowed", ""),
+        ("GET", "/v2/jobs", None, 404, "not_found", ""),
+        ("GET", "/", None, 404, "not_found", ""),
+    ],
+)
+async def test_malformed_requests_get_4xx_with_a_message(
+    daemon: Daemon, method: str, path: str, body: bytes | None, status: int, code: str, needle: str
+) -> None:
+    got, answer = await api(daemon.socket_path, method, path, body=body)
+    assert got == status, answer
+    assert answer["error"]["code"] == code
+    assert needle in answer["error"]["message"] and answer["error"]["message"]
+    assert (await api(daemon.socket_path, "GET", "/v1/status"))[0] == 200  # still serving
+
+
+async def test_a_late_subscriber_gets_the_earlier_events(
+    daemon: Daemon, checkpoint: Checkpoint
+) -> None:
+    status, job = await api(daemon.socket_path, "POST", "/v1/jobs", json_body={"source": REPO})
+    assert status == 201 and job["state"] in ("pending", "resolving")
+    first = await _done(daemon.socket_path, job["id"])
+    late = await _done(daemon.socket_path, job["id"])  # after the end: a full replay
+    assert late == first and first[-1]["event"] == "job_done"
+    shards = [e["path"] for e in first if e["event"] == "verified" and e["shard_index"] is not None]
+    assert sorted(shards) == sorted(checkpoint.shards)
+    since = first[5]["seq"]
+    status, text = await api(
+        daemon.socket_path, "GET", f"/v1/jobs/{job['id']}/events?since={since}"
+    )
+    assert status == 200
+    assert [json.loads(line)["seq"] for line in text.splitlines()] == [
+        e["seq"] for e in first if e["seq"] >= since
+    ]
+    bad = await api(daemon.socket_path, "GET", f"/v1/jobs/{job['id']}/events?since=-1")
+    assert bad[0] == 400 and bad[1]["error"]["code"] == "bad_request"
+    status, info = await api(daemon.socket_path, "GET", f"/v1/jobs/{job['id']}")
+    assert info["state"] == "done" and info["snapshot_path"] == first[-1]["result"]["snapshot_path"]
+    listed = (await api(daemon.socket_path, "GET", "/v1/jobs"))[1]["jobs"]
+    assert [j["id"] for j in listed] == [job["id"]]
+    again = await api(daemon.socket_path, "DELETE", f"/v1/jobs/{job['id']}")
+    assert again == (200, {**info, "events": again[1]["events"]})  # done stays done
+
+
+async def test_status_cache_and_metrics(daemon: Daemon, checkpoint: Checkpoint) -> None:
+    _, job = await api(daemon.socket_path, "POST", "/v1/jobs", json_body={"source": REPO})
+    await _done(daemon.socket_path, job["id"])
+    _, status = await api(daemon.socket_path, "GET", "/v1/status")
+    assert status["jobs"]["done"] == 1 and status["jobs_submitted"] == 1
+    assert status["bytes_downloaded"] >= _shard_bytes(checkpoint)
+    assert status["socket"] == str(daemon.socket_path) and status["api"] == 1
+    _, cache = await api(daemon.socket_path, "GET", "/v1/cache")
+    assert cache["bytes"] >= _shard_bytes(checkpoint) and cache["partial_files"] == 0
+    assert [r["repo"] for r in cache["repos"]] == [REPO]
+    status_code, text = await api(daemon.socket_path, "GET", "/metrics")
+    assert status_code == 200
+    samples = {}
+    for line in text.splitlines():
+        if line.startswith("#"):
+            assert re.fullmatch(r"# (HELP|TYPE) shardsync_\w+ .+", line), line
+            continue
+        name, value = line.rsplit(" ", 1)
+        assert re.fullmatch(r'shardsync_\w+(\{\w+="[^"]*"(,\w+="[^"]*")*\})?', name), line
+        samples[name] = float(value)
+    assert samples["shardsync_bytes_downloaded_total"] == status["bytes_downloaded"]
+    assert samples["shardsync_cache_size_bytes"] == cache["bytes"]
+    assert samples['shardsync_jobs{state="done"}'] == 1
+    assert samples['shardsync_job_duration_seconds_bucket{le="+Inf"}'] == 1
+    assert samples["shardsync_job_duration_seconds_count"] == 1
+    assert "shardsync_active_connections" in samples
+    assert "shardsync_verify_failures_total" in samples
+
+
+async def test_the_tcp_listener_serves_monitoring_only(daemon: Daemon) -> None:
+    assert daemon.tcp_address is not None
+    host, port = daemon.tcp_address
+    async with aiohttp.ClientSession() as session:
+        for path in ("/metrics", "/v1/status"):
+            async with session.get(f"http://{host}:{port}{path}") as resp:
+                assert resp.status == 200
+        async with session.post(f"http://{host}:{port}/v1/jobs", json={"source": REPO}) as resp:
+            assert resp.status == 403
+            assert "Unix socket" in (await resp.json())["error"]["message"]
+        async with session.get(f"http://{host}:{port}/v1/jobs") as resp:
+            assert resp.status == 403
+
+
+async def test_the_socket_is_private(daemon: Daemon) -> None:
+    assert _mode(daemon.socket_path) == 0o600
+    assert _mode(daemon.socket_path.parent) == 0o700
+
+
+async def test_cancel_over_the_api(daemon: Daemon, fake_hub: FakeHub) -> None:
+    fake_hub.faults.add(Bandwidth(100_000, times=None))
+    async with Client(socket=daemon.socket_path, fallback="error") as client:
+        job = await client.prefetch(REPO)
+        async for event in job.events():
+            if event["event"] == "file_started" and event["shard_index"] is not None:
+                break
+        status, info = await api(daemon.socket_path, "DELETE", f"/v1/jobs/{job.id}")
+        assert status == 200 and info["state"] == "cancelled"
+        with pytest.raises(errors.JobCancelledError, match="was cancelled"):
+            await job.wait()
+
+
+async def test_client_errors_carry_the_daemons_message(daemon: Daemon) -> None:
+    async with Client(socket=daemon.socket_path, fallback="error") as client:
+        assert client.mode == "daemon"
+        job = await client.prefetch("acme/missing")
+        with pytest.raises(errors.RepoNotFoundError, match="RepoNotFound"):
+            await job.wait()
+        with pytest.raises(errors.ConfigError, match="invalid repo id"):
+            await client.prefetch("not a repo!")
+
+
+async def test_a_second_daemon_does_not_steal_the_socket(daemon: Daemon, workdir: Path) -> None:
+    other = Daemon(daemon.config, environ={})
+    with pytest.raises(errors.ConfigError, match="already listening"):
+        await other.serve()
+    assert (await api(daemon.socket_path, "GET", "/v1/status"))[0] == 200
+
+
+async def test_a_stale_socket_is_replaced_and_an_open_directory_refused(
+    workdir: Path, fake_hub: FakeHub
+) -> None:
+    config = fast_config(workdir / "cache", fake_hub.endpoint)
+    stale = workdir / "shardsync" / "d.sock"
+    async with daemon_in_loop(config, stale):
+        pass  # leaves no socket; now plant a dead one
+    _plant_dead_socket(stale)
+    async with daemon_in_loop(config, stale) as running:
+        assert (await api(running.socket_path, "GET", "/v1/status"))[0] == 200
+    assert not stale.exists()
+    open_dir = workdir / "open"
+    open_dir.mkdir()
+    open_dir.chmod(0o755)
+    with pytest.raises(errors.ConfigError, match="other users could reach the socket"):
+        async with daemon_in_loop(config, open_dir / "d.sock"):
+            pass
+
+
+# ---------------------------------------------------------------------------- real processes
+
+
+@pytest.fixture(scope="module")
+def big_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
+    return build_checkpoint(
+        tmp_path_factory.mktemp("big"), total_bytes=40 << 20, n_shards=4, seed=4
+    )
+
+
+@pytest.fixture
+def hub(big_checkpoint: Checkpoint) -> Iterator[FakeHub]:
+    fake = FakeHub()
+    fake.add_checkpoint(REPO, big_checkpoint)
+    with serve_in_thread(fake) as running:
+        yield running
+
+
+@pytest.fixture
+def process(hub: FakeHub, workdir: Path) -> Iterator[DaemonProcess]:
+    config = write_config(
+        workdir / "d.toml",
+        cache=workdir / "cache",
+        endpoint=hub.endpoint,
+        socket_path=workdir / "shardsync" / "d.sock",
+    )
+    daemon = DaemonProcess(config, workdir)
+    try:
+        yield daemon
+    finally:
+        daemon.close()
+
+
+async def test_twenty_clients_share_one_download(
+    hub: FakeHub, big_checkpoint: Checkpoint, process: DaemonProcess, workdir: Path
+) -> None:
+    hub.faults.add(Bandwidth(1_600_000, times=None))  # ~3 s: every client joins the job
+    ready = await asyncio.to_thread(process.start)
+    assert ready["READY"] == "1" and "serving on" in ready["STATUS"]
+    socket_path = workdir / "shardsync" / "d.sock"
+
+    async def one_client() -> tuple[str, list[tuple[int, str]], str]:
+        async with Client(socket=socket_path, fallback="error") as client:
+            job = await client.prefetch(REPO)
+            shards = [(shard.index, shard.path) async for shard in job.shards()]
+            result = await job.wait()
+            return job.id, shards, str(result.snapshot_path)
+
+    async with asyncio.TaskGroup() as tg:
+        tasks = [tg.create_task(one_client()) for _ in range(20)]
+    outcomes = [t.result() for t in tasks]
+    expected = list(enumerate(big_checkpoint.shards))
+    assert all(shards == expected for _, shards, _ in outcomes)
+    assert len({job_id for job_id, _, _ in outcomes}) == 1
+    assert len({snapshot for _, _, snapshot in outcomes}) == 1
+    served = hub.bytes_served("*.safetensors")
+    assert served < 1.1 * _shard_bytes(big_checkpoint), served
+    assert_snapshot_matches(Path(outcomes[0][2]), big_checkpoint)
+    _, status = await api(socket_path, "GET", "/v1/status")
+    assert status["jobs_submitted"] == 20 and status["jobs_deduplicated"] == 19
+
+
+async def test_kill_9_mid_job_then_restart_resumes(
+    hub: FakeHub, big_checkpoint: Checkpoint, process: DaemonProcess, workdir: Path
+) -> None:
+    total = _shard_bytes(big_checkpoint)
+    rule = hub.faults.add(Bandwidth(1_500_000, times=None))
+    await asyncio.to_thread(process.start)
+    socket_path = workdir / "shardsync" / "d.sock"
+    async with Client(socket=socket_path, fallback="error") as client:
+        job = await client.prefetch(REPO)
+        with pytest.raises(errors.DaemonError):
+            async for _ in job.events():
+                if hub.bytes_served("*.safetensors") > total * 0.5:
+                    process.signal(signal.SIGKILL)
+    assert await asyncio.to_thread(process.wait) == -signal.SIGKILL
+    assert_store_verified(workdir / "cache")
+    hub.faults.remove(rule)
+    restarted = await asyncio.to_thread(process.start)
+    assert restarted["READY"] == "1"
+    async with Client(socket=socket_path, fallback="error") as client:
+        resumed = await client.job(job.id)  # the journal kept the job under its id
+        result = await resumed.wait()
+    refetched = hub.bytes_served("*.safetensors") - total
+    assert refetched < 0.10 * total, f"re-fetched {refetched} of {total} bytes"
+    assert sum(f.resumed for f in result.files) > 0
+    assert_snapshot_matches(result.snapshot_path, big_checkpoint)
+    process.signal(signal.SIGTERM)
+    assert await asyncio.to_thread(process.wait) == 0
+
+
+async def test_sigterm_answers_waiters_and_exits(
+    hub: FakeHub, big_checkpoint: Checkpoint, process: DaemonProcess, workdir: Path
+) -> None:
+    rule = hub.faults.add(Bandwidth(200_000, times=None))
+    await asyncio.to_thread(process.start)
+    socket_path = workdir / "shardsync" / "d.sock"
+    async with Client(socket=socket_path, fallback="error") as client:
+        job = await client.prefetch(REPO)
+        status = await asyncio.to_thread(process.wait_for, "STATUS")  # systemctl status shows
+        assert status["STATUS"].endswith("; 1 active job(s)"), status
+        async for event in job.events():
+            shard = event.get("path", "").endswith(".safetensors")
+            if event["event"] == "progress" and shard and event["done"] >= 128 * 1024:
+                break  # some bytes of a shard are on disk (two 64 KiB write buffers' worth)
+        process.signal(signal.SIGTERM)
+        with pytest.raises(errors.DaemonStoppingError, match="daemon stopping"):
+            await job.wait()
+    stopping = await asyncio.to_thread(process.wait_for, "STOPPING")
+    assert stopping["STOPPING"] == "1"
+    assert await asyncio.to_thread(process.wait, 10) == 0
+    assert not socket_path.exists()
+    journal = json.loads((workdir / "cache" / "state" / "daemon" / "jobs.json").read_text())
+    assert [j["id"] for j in journal["jobs"]] == [job.id]
+    partials = list((workdir / "cache" / "partial").glob("*.json"))
+    assert partials, "SIGTERM must leave resume records for the partial files"
+    hub.faults.remove(rule)
+    await asyncio.to_thread(process.start)
+    async with Client(socket=socket_path, fallback="error") as client:
+        result = await (await client.job(job.id)).wait()
+    assert sum(f.resumed for f in result.files) > 0
+    process.signal(signal.SIGTERM)
+    assert await asyncio.to_thread(process.wait) == 0
+
+
+_PEER = textwrap.dedent(
+    """
+    import os, socket, sys
+    os.setgroups([])
+    os.setgid(65534)
+    os.setuid(65534)
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(sys.argv[1])
+    s.sendall(b"GET /v1/status HTTP/1.1\\r\\nHost: d\\r\\nConnection: close\\r\\n\\r\\n")
+    data = b""
+    while chunk := s.recv(65536):
+        data += chunk
+    sys.stdout.write(data.decode())
+    """
+)
+
+
+def _as_nobody(socket_path: Path) -> str:
+    out = subprocess.run(
+        [sys.executable, "-c", _PEER, str(socket_path)], capture_output=True, text=True, timeout=30
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="switching uids needs root")
+async def test_peer_credentials_decide_who_may_connect(hub: FakeHub, workdir: Path) -> None:
+    _chmod(workdir, 0o711)  # nobody may traverse to the socket's directory ...
+    socket_path = workdir / "shardsync" / "d.sock"
+    common = {"cache": workdir / "cache", "endpoint": hub.endpoint, "socket_path": socket_path}
+    # ... which the group 65534 may search, and the socket it may write: only the peer
+    # credential check stands in the way.
+    config = write_config(workdir / "d.toml", **common, daemon="group = 65534\nallowed_gids = []\n")
+    daemon = DaemonProcess(config, workdir)
+    try:
+        await asyncio.to_thread(daemon.start)
+        assert _mode(socket_path.parent) == 0o710 and _mode(socket_path) == 0o660
+        assert socket_path.stat().st_gid == 65534
+        refused = await asyncio.to_thread(_as_nobody, socket_path)
+        assert refused.startswith("HTTP/1.1 403"), refused
+        assert "uid 65534 is not allowed" in refused
+        assert (await api(socket_path, "GET", "/v1/status"))[0] == 200  # root always may
+        write_config(
+            workdir / "d.toml",
+            **common,
+            daemon="group = 65534\nallowed_gids = []\nallowed_uids = [65534]\n"
+            'max_bandwidth = "100MB"\n',
+        )
+        daemon.signal(signal.SIGHUP)
+        assert (await asyncio.to_thread(daemon.wait_for, "RELOADING"))["RELOADING"] == "1"
+        await asyncio.to_thread(daemon.wait_for, "READY")
+        allowed = await asyncio.to_thread(_as_nobody, socket_path)
+        assert allowed.startswith("HTTP/1.1 200"), allowed
+        _, status = await api(socket_path, "GET", "/v1/status")
+        assert status["max_bandwidth"] == 100_000_000  # reloaded live too
+        daemon.signal(signal.SIGTERM)
+        assert await asyncio.to_thread(daemon.wait) == 0
+    finally:
+        daemon.close()
+
+
+@pytest.mark.parametrize(
+    ("daemon_keys", "needle"),
+    [
+        ('socket_mode = "0777"\n', "daemon.socket_mode"),
+        ('tcp = "10.1.2.3:9464"\n', "daemon.tcp"),
+        ('fallback = "maybe"\n', "daemon.fallback"),
+        ('group = "no-such-group-here"\n', "daemon.group"),
+        ("bogus = 1\n", "daemon.bogus"),
+    ],
+)
+def test_config_errors_stop_the_daemon_with_one_line(
+    workdir: Path, daemon_keys: str, needle: str
+) -> None:
+    config = write_config(
+        workdir / "d.toml",
+        cache=workdir / "cache",
+        endpoint="http://127.0.0.1:9",
+        socket_path=workdir / "shardsync" / "d.sock",
+        daemon=daemon_keys,
+    )
+    out = cli("daemon", "--config", str(config))
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("shardsync: error:"), out.stderr
+    assert needle in lines[0]
+
+
+async def test_cli_prefetch_and_status_go_through_the_daemon(
+    hub: FakeHub, big_checkpoint: Checkpoint, process: DaemonProcess, workdir: Path
+) -> None:
+    await asyncio.to_thread(process.start)
+    config = str(process.config)
+    out = await asyncio.to_thread(cli, "--config", config, "prefetch", REPO)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.count("verified=sha256") == len(big_checkpoint.shards)  # same progress
+    snapshot = Path(out.stdout.strip())
+    assert snapshot.is_relative_to(workdir / "cache")
+    status = await asyncio.to_thread(cli, "status", "--config", config, "--json")
+    assert status.returncode == 0, status.stderr
+    report = json.loads(status.stdout)
+    assert report["daemon"]["jobs_submitted"] == 1 and report["daemon"]["mode"] == "daemon"
+    assert report["jobs"][0]["state"] == "done" and report["cache"]["blobs"] > 0
+    human = await asyncio.to_thread(cli, "status", "--config", config)
+    assert "shardsync daemon" in human.stdout and REPO in human.stdout
+    # --no-daemon (or another cache) runs in-process: the daemon sees no new job
+    own = workdir / "own-cache"
+    alone = await asyncio.to_thread(
+        cli, "--config", config, "prefetch", REPO, "--no-daemon", "--cache-dir", str(own), "--json"
+    )
+    assert alone.returncode == 0, alone.stderr
+    assert json.loads(alone.stdout)["snapshot_path"].startswith(str(own))
+    again = json.loads(
+        (await asyncio.to_thread(cli, "status", "--config", config, "--json")).stdout
+    )
+    assert again["daemon"]["jobs_submitted"] == 1
+    process.signal(signal.SIGTERM)
+    assert await asyncio.to_thread(process.wait) == 0
+    gone = await asyncio.to_thread(cli, "status", "--config", config)
+    assert gone.returncode == 11 and "no shardsync daemon answers" in gone.stderr
+    strict = await asyncio.to_thread(
+        cli, "--config", config, "prefetch", REPO, env={"SHARDSYNC_FALLBACK": "error"}
+    )
+    assert strict.returncode == 11, strict.stderr

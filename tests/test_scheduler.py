@@ -1,0 +1,459 @@
+"""The scheduler on a real engine and fake hub: dedup, priority, events, cancel, journal."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import assert_snapshot_matches, fast_config
+
+from shardsync import errors
+from shardsync.config import Config
+from shardsync.journal import Journal
+from shardsync.prefetch import Engine, prefetch
+from shardsync.scheduler import (
+    EventLog,
+    Histogram,
+    JobRequest,
+    PriorityGate,
+    ScheduledJob,
+    Scheduler,
+    TokenBucket,
+    error_class,
+    error_code,
+    error_json,
+    result_from_json,
+    result_to_json,
+)
+from shardsync.testing import Bandwidth, Checkpoint, FakeHub, Status, build_checkpoint
+
+REPO = "acme/tiny"
+
+
+async def _until(predicate: Callable[[], bool]) -> None:
+    """Wait for a state change that has no event to await (pytest's timeout bounds it)."""
+    while not predicate():  # noqa: ASYNC110 - polling internal state in a test
+        await asyncio.sleep(0.01)
+
+
+def _same_bytes(a: Path, b: Path) -> bool:
+    return a.read_bytes() == b.read_bytes()
+
+
+def _listing(directory: Path) -> list[Path]:
+    return list(directory.iterdir())
+
+
+def _shard_bytes(checkpoint: Checkpoint) -> int:
+    return sum(checkpoint.path(s).stat().st_size for s in checkpoint.shards)
+
+
+async def _outcome(job: ScheduledJob) -> dict[str, Any]:
+    """The job's terminal event (replayed if it already happened)."""
+    async for event in job.events.follow():
+        if event["event"] in ("job_done", "job_failed"):
+            return event
+    raise AssertionError("the event log closed without a terminal event")
+
+
+@pytest.fixture
+async def scheduler(
+    fake_hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path
+) -> AsyncIterator[Scheduler]:
+    fake_hub.add_checkpoint(REPO, checkpoint)
+    async with (
+        Engine(fast_config(tmp_path / "cache", fake_hub.endpoint)) as engine,
+        Scheduler(engine) as running,
+    ):
+        yield running
+
+
+# ---------------------------------------------------------------------------- pure parts
+
+
+def test_event_log_replays_then_follows_and_compacts_progress() -> None:
+    async def scenario() -> None:
+        log = EventLog()
+        log.append({"event": "file_started", "path": "a"})
+        for done in (10, 20, 30):
+            log.append({"event": "progress", "path": "a", "done": done})
+        # a late subscriber replays the file's current progress, not every step of it
+        assert [e.get("done") for e in log.past()] == [None, 30]
+        seen: list[dict[str, Any]] = []
+
+        async def follow() -> None:
+            async for event in log.follow():
+                seen.append(event)
+
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(follow())
+            await asyncio.sleep(0)
+            log.append({"event": "verified", "path": "a"})
+            log.append({"event": "job_done"})
+        assert [e["event"] for e in seen] == ["file_started", "progress", "verified", "job_done"]
+        assert [e["seq"] for e in seen] == [0, 3, 4, 5]
+        assert [e["seq"] async for e in log.follow(since=4)] == [4, 5]
+        with pytest.raises(RuntimeError):
+            log.append({"event": "progress", "path": "a", "done": 1})
+
+    asyncio.run(scenario())
+
+
+async def test_priority_gate_hands_slots_to_the_best_waiter() -> None:
+    gate = PriorityGate(1)
+    order: list[str] = []
+    priority = {"low": 1, "mid": 2, "high": 3}
+
+    async def worker(name: str) -> None:
+        async with gate.admit(lambda: -priority[name]):
+            order.append(name)
+            await asyncio.sleep(0)
+
+    hold = gate.admit(lambda: 0)
+    await hold.__aenter__()
+    async with asyncio.TaskGroup() as tg:
+        for name in ("low", "mid", "high"):
+            tg.create_task(worker(name))
+        await asyncio.sleep(0)  # each worker runs up to its wait
+        assert gate.waiting == 3
+        priority["low"] = 9  # raised while waiting: read when the slot is handed out
+        await hold.__aexit__(None, None, None)
+    assert order == ["low", "high", "mid"]
+
+
+async def test_priority_gate_survives_cancelled_waiters() -> None:
+    gate = PriorityGate(1)
+    hold = gate.admit(lambda: 0)
+    await hold.__aenter__()
+
+    async def wait() -> None:
+        async with gate.admit(lambda: 0):
+            pass
+
+    async with asyncio.TaskGroup() as tg:
+        doomed = tg.create_task(wait())
+        await asyncio.sleep(0)
+        doomed.cancel()
+    await hold.__aexit__(None, None, None)
+    async with gate.admit(lambda: 0):  # the slot came back
+        assert gate.waiting == 0
+
+
+async def test_token_bucket_charges_the_rate() -> None:
+    now = [0.0]
+    slept: list[float] = []
+
+    async def sleep(delay: float) -> None:
+        slept.append(delay)
+        now[0] += delay
+
+    bucket = TokenBucket(1_000_000, clock=lambda: now[0], sleep=sleep)
+    for _ in range(40):
+        await bucket(100_000)
+    # 4 MB at 1 MB/s: 4 s, less the initial burst of 256 KiB
+    assert sum(slept) == pytest.approx((4_000_000 - 256 * 1024) / 1_000_000)
+    bucket.set_rate(0)
+    await bucket(10**9)
+    assert sum(slept) < 4
+
+
+def test_histogram_is_cumulative() -> None:
+    hist = Histogram([1, 10])
+    for value in (0.5, 3, 30):
+        hist.observe(value)
+    assert hist.cumulative() == [(1, 1), (10, 2)]
+    assert (hist.count, hist.sum) == (3, 33.5)
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        ([], "JSON object"),
+        ({}, "missing field 'source'"),
+        ({"source": REPO, "bogus": 1}, "unknown field 'bogus'"),
+        ({"source": ""}, "source must be a non-empty string"),
+        ({"source": 5}, "source must be"),
+        ({"source": REPO, "revision": 5}, "revision must be a string"),
+        ({"source": REPO, "revision": "../x"}, "invalid revision"),
+        ({"source": REPO, "include": "*.json"}, "include must be a list"),
+        ({"source": REPO, "exclude": [1]}, "exclude must be a list"),
+        ({"source": REPO, "priority": "high"}, "priority must be an integer"),
+        ({"source": REPO, "priority": True}, "priority must be an integer"),
+        ({"source": REPO, "priority": 10**6}, "priority must be within"),
+        ({"source": REPO, "allow_pickle": "yes"}, "allow_pickle must be true or false"),
+        ({"source": "a\0b"}, "source must be"),
+    ],
+)
+def test_job_request_validation_names_the_field(body: object, needle: str) -> None:
+    with pytest.raises(errors.ConfigError, match=needle):
+        JobRequest.from_json(body)
+
+
+def test_job_request_round_trips() -> None:
+    request = JobRequest(REPO, revision="v1", include=("*.json",), exclude=("a*",), priority=3)
+    assert JobRequest.from_json(json.loads(json.dumps(request.to_json()))) == request
+
+
+@pytest.mark.parametrize(
+    ("exc", "code"),
+    [
+        (errors.RepoNotFoundError("x"), "repo_not_found"),
+        (errors.ConfigError("x"), "config"),
+        (errors.DiskFullError("x"), "disk_full"),
+        (errors.DaemonStoppingError("x"), "daemon_stopping"),
+        (errors.JobCancelledError("x"), "job_cancelled"),
+    ],
+)
+def test_error_codes_map_back_to_our_exceptions(exc: errors.ShardsyncError, code: str) -> None:
+    assert error_code(exc) == code
+    assert error_class(code) is type(exc)
+
+
+def test_unexpected_errors_do_not_leak_details() -> None:
+    assert error_json(KeyError("secret")) == {
+        "code": "internal",
+        "message": "internal error (KeyError); see the log",
+    }
+
+
+# ---------------------------------------------------------------------------- with a hub
+
+
+async def test_same_request_joins_the_running_job(
+    scheduler: Scheduler, fake_hub: FakeHub, checkpoint: Checkpoint
+) -> None:
+    first, created = await scheduler.submit(JobRequest(REPO))
+    second, again = await scheduler.submit(JobRequest(REPO, priority=7))
+    assert (created, again) == (True, False)
+    assert second is first and first.clients == 2 and first.priority == 7
+    done = await _outcome(first)
+    assert done["event"] == "job_done", done
+    result = result_from_json(done["result"])
+    assert_snapshot_matches(result.snapshot_path, checkpoint)
+    assert result_to_json(result) == done["result"]
+    assert fake_hub.bytes_served("*.safetensors") == _shard_bytes(checkpoint)
+    # after it finished, a new request starts a new job that finds everything cached
+    third, created = await scheduler.submit(JobRequest(REPO))
+    assert created and third is not first
+    assert (await _outcome(third))["result"]["bytes_downloaded"] == 0
+
+
+async def test_events_describe_the_download(scheduler: Scheduler, checkpoint: Checkpoint) -> None:
+    job, _ = await scheduler.submit(JobRequest(REPO))
+    await _outcome(job)
+    events = job.events.past()
+    kinds = [e["event"] for e in events]
+    assert kinds[0] == "file_started" and events[0]["path"] == "model.safetensors.index.json"
+    assert kinds.count("resolved") == 1 and kinds[-1] == "job_done"
+    resolved = events[kinds.index("resolved")]
+    shards = [f for f in resolved["files"] if f["shard_index"] is not None]
+    assert [f["path"] for f in shards] == list(checkpoint.shards)
+    verified = {e["path"]: e for e in events if e["event"] == "verified"}
+    assert set(verified) == {f["path"] for f in resolved["files"]}
+    for index, name in enumerate(checkpoint.shards):
+        event = verified[name]
+        assert event["shard_index"] == index
+        assert _same_bytes(Path(event["file"]), checkpoint.path(name))
+        assert Path(event["blob"]).name == event["sha256"]
+        started = next(e for e in events if e["event"] == "file_started" and e["path"] == name)
+        assert started["seq"] < event["seq"]
+    assert [e["seq"] for e in events] == sorted(e["seq"] for e in events)
+    info = job.info()
+    assert info["state"] == "done" and info["files"]["verified"] == info["files"]["total"]
+    assert info["bytes"]["done"] == info["bytes"]["total"] == resolved["total_size"]
+
+
+async def test_files_of_the_highest_priority_job_go_first(
+    fake_hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    other = build_checkpoint(tmp_path / "other", total_bytes=256 * 1024, n_shards=2, seed=5)
+    fake_hub.add_checkpoint("acme/low", checkpoint)
+    fake_hub.add_checkpoint("acme/high", other)
+    config = replace(fast_config(tmp_path / "cache", fake_hub.endpoint), max_files=1)
+    async with Engine(config) as engine, Scheduler(engine) as scheduler:
+        hold = scheduler.gate.admit(lambda: (-(10**9),))
+        await hold.__aenter__()  # every file waits until both jobs are queued
+        low, _ = await scheduler.submit(JobRequest("acme/low", priority=0))
+        high, _ = await scheduler.submit(JobRequest("acme/high", priority=5))
+        await _until(lambda: scheduler.gate.waiting == 2)
+        await hold.__aexit__(None, None, None)
+        await _outcome(low)
+        await _outcome(high)
+    started = []
+    for job in (low, high):
+        events = job.events.past()
+        resolved = next(e["seq"] for e in events if e["event"] == "resolved")
+        started += [
+            (e["time"], job.request.source, e["path"])
+            for e in events
+            if e["event"] == "file_started" and e["seq"] > resolved
+        ]
+    started.sort()
+    sources = [source for _, source, _ in started]
+    n_high = sources.count("acme/high")
+    assert sources == ["acme/high"] * n_high + ["acme/low"] * (len(sources) - n_high)
+    shard_order = [path for _, source, path in started if path in other.shards]
+    assert shard_order == list(other.shards)  # index order within the job
+
+
+async def test_a_revision_naming_a_running_commit_follows_that_job(
+    scheduler: Scheduler, fake_hub: FakeHub, checkpoint: Checkpoint
+) -> None:
+    fake_hub.faults.add(Bandwidth(300_000, times=None))
+    commit = fake_hub.add_checkpoint(REPO, checkpoint)  # again: same content, same commit
+    by_branch, _ = await scheduler.submit(JobRequest(REPO))
+    by_commit, created = await scheduler.submit(JobRequest(REPO, revision=commit))
+    assert created
+    done = [await _outcome(by_branch), await _outcome(by_commit)]
+    assert [d["event"] for d in done] == ["job_done", "job_done"]
+    assert done[0]["result"]["snapshot_path"] == done[1]["result"]["snapshot_path"]
+    assert {by_branch.merged_into, by_commit.merged_into} - {None} <= {by_branch.id, by_commit.id}
+    assert (by_branch.merged_into is None) != (by_commit.merged_into is None)
+    follower = by_commit if by_commit.merged_into else by_branch
+    verified = [e["path"] for e in follower.events.past() if e["event"] == "verified"]
+    assert set(checkpoint.shards) <= set(verified)
+    assert fake_hub.bytes_served("*.safetensors") < 1.1 * _shard_bytes(checkpoint)
+
+
+async def test_cancel_stops_the_job_and_keeps_partials(
+    scheduler: Scheduler, fake_hub: FakeHub
+) -> None:
+    fake_hub.faults.add(Bandwidth(200_000, times=None))
+    job, _ = await scheduler.submit(JobRequest(REPO))
+    async for event in job.events.follow():
+        if event["event"] == "progress" and event["path"].endswith(".safetensors"):
+            break
+    await scheduler.cancel(job.id)
+    outcome = await _outcome(job)
+    assert outcome["error"]["code"] == "job_cancelled"
+    assert job.state == "cancelled" and job.finished
+    partial = scheduler.engine.cache.root / "partial"
+    assert any(p.suffix == ".part" for p in partial.iterdir())
+    assert (await scheduler.cancel(job.id)) is job  # cancelling again changes nothing
+
+
+async def test_a_failing_file_is_reported_with_its_path(
+    scheduler: Scheduler, fake_hub: FakeHub, checkpoint: Checkpoint
+) -> None:
+    broken = checkpoint.shards[1]
+    fake_hub.faults.add(Status(503, times=None, path=broken))
+    job, _ = await scheduler.submit(JobRequest(REPO))
+    outcome = await _outcome(job)
+    assert outcome["event"] == "job_failed" and outcome["error"]["code"] == "transfer"
+    failed = [e for e in job.events.past() if e["event"] == "failed"]
+    assert [e["path"] for e in failed] == [broken]
+    assert failed[0]["shard_index"] == 1 and "503" in failed[0]["error"]["message"]
+    assert job.state == "failed" and job.error == outcome["error"]
+
+
+async def test_origin_errors_fail_the_job_not_the_submission(scheduler: Scheduler) -> None:
+    job, _ = await scheduler.submit(JobRequest("acme/missing"))
+    outcome = await _outcome(job)
+    assert outcome["error"]["code"] == "repo_not_found"
+    with pytest.raises(errors.ConfigError, match="invalid repo id"):
+        await scheduler.submit(JobRequest("not a repo!"))
+
+
+async def test_local_sources_can_be_refused(checkpoint: Checkpoint, tmp_path: Path) -> None:
+    async with (
+        Engine(fast_config(tmp_path / "cache")) as engine,
+        Scheduler(engine, allow_local=False) as scheduler,
+    ):
+        with pytest.raises(errors.ConfigError, match="local directories"):
+            await scheduler.submit(JobRequest(str(checkpoint.directory)))
+
+
+async def test_stopping_refuses_jobs_and_interrupts_running_ones(
+    scheduler: Scheduler, fake_hub: FakeHub
+) -> None:
+    fake_hub.faults.add(Bandwidth(200_000, times=None))
+    job, _ = await scheduler.submit(JobRequest(REPO))
+    scheduler.stop(errors.DaemonStoppingError("daemon stopping"))
+    outcome = await _outcome(job)
+    assert outcome["error"] == {"code": "daemon_stopping", "message": "daemon stopping"}
+    assert job.state == "interrupted" and not job.finished
+    with pytest.raises(errors.DaemonStoppingError):
+        await scheduler.submit(JobRequest(REPO))
+
+
+async def test_journaled_jobs_resume_from_their_partial_files(
+    fake_hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    fake_hub.add_checkpoint(REPO, checkpoint)
+    rule = fake_hub.faults.add(Bandwidth(300_000, times=None))
+    config: Config = fast_config(
+        tmp_path / "cache", fake_hub.endpoint, sidecar_interval=0.05, write_size=16 * 1024
+    )
+    journal = Journal(tmp_path / "cache" / "state" / "daemon" / "jobs.json")
+    async with Engine(config) as engine, Scheduler(engine, journal=journal) as scheduler:
+        job, _ = await scheduler.submit(JobRequest(REPO, priority=4))
+        assert [r["id"] for r in await journal.load()] == [job.id]
+        async for event in job.events.follow():
+            shard = event.get("path", "").endswith(".safetensors")
+            if event["event"] == "progress" and shard and event["done"] > 60_000:
+                break
+    records = await journal.load()
+    assert [(r["id"], r["priority"]) for r in records] == [(job.id, 4)]
+    fake_hub.faults.remove(rule)
+    async with Engine(config) as engine, Scheduler(engine, journal=journal) as scheduler:
+        assert await scheduler.restore() == 1
+        resumed = scheduler.get(job.id)
+        assert resumed is not None and resumed.priority == 4
+        outcome = await _outcome(resumed)
+    assert outcome["event"] == "job_done", outcome
+    assert sum(f["resumed"] for f in outcome["result"]["files"]) > 0
+    assert await journal.load() == []
+    assert_snapshot_matches(Path(outcome["result"]["snapshot_path"]), checkpoint)
+
+
+async def test_a_corrupt_journal_is_set_aside(tmp_path: Path) -> None:
+    path = tmp_path / "jobs.json"
+    path.write_bytes(b"{not json")
+    assert await Journal(path).load() == []
+    assert sorted(p.name.split("-")[0] for p in _listing(tmp_path)) == ["jobs.json.corrupt"]
+
+
+async def test_finished_jobs_beyond_the_history_are_forgotten(
+    scheduler: Scheduler, checkpoint: Checkpoint
+) -> None:
+    scheduler.history = 1
+    jobs = []
+    for _ in range(3):
+        job, _ = await scheduler.submit(JobRequest(REPO))
+        await _outcome(job)
+        jobs.append(job)
+    assert scheduler.get(jobs[0].id) is None
+    assert [j.id for j in scheduler.jobs()] == [jobs[2].id, jobs[1].id]
+
+
+async def test_scheduler_result_matches_plain_prefetch(
+    scheduler: Scheduler, fake_hub: FakeHub, tmp_path: Path
+) -> None:
+    job, _ = await scheduler.submit(JobRequest(REPO))
+    ours = result_from_json((await _outcome(job))["result"])
+    plain = await prefetch(REPO, fast_config(tmp_path / "plain", fake_hub.endpoint))
+    assert (ours.repo, ours.commit, ours.revision) == (plain.repo, plain.commit, plain.revision)
+    assert [(f.path, f.size, f.sha256, f.verified) for f in ours.files] == [
+        (f.path, f.size, f.sha256, f.verified) for f in plain.files
+    ]
+
+
+async def test_the_bandwidth_hook_sees_every_body_byte(
+    fake_hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    fake_hub.add_checkpoint(REPO, checkpoint)
+    charged: list[int] = []
+
+    async def throttle(nbytes: int) -> None:
+        charged.append(nbytes)
+
+    config = fast_config(tmp_path / "cache", fake_hub.endpoint)
+    async with Engine(config, throttle=throttle) as engine, Scheduler(engine) as scheduler:
+        job, _ = await scheduler.submit(JobRequest(REPO))
+        assert (await _outcome(job))["event"] == "job_done"
+        assert sum(charged) == engine.fetcher.statistics().bytes_downloaded > 0
