@@ -10,6 +10,8 @@ Layout of a cache root ``R``::
         refs/<revision>                       the bare commit hash
     R/other/{kind}--{slug}/                   same layout for plain-URL and local origins
     R/state/snapshots/<repo>/<commit>.json    snapshot record, written last: it means "complete"
+    R/state/access.log, R/state/leases/       last use of each snapshot; who uses one now (usage.py)
+    R/quarantine/                             corrupt blobs moved out of the store by verify
     R/partial/<key>.part, <key>.json          in-progress downloads (the fetcher owns the format)
     R/locks/<key>.lock                        flock(2) locks
     R/tmp/                                    temp names for atomic replace
@@ -38,7 +40,9 @@ import math
 import os
 import re
 import secrets
+import shutil
 import stat
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +57,7 @@ __all__ = [
     "BlobLock",
     "CacheStore",
     "FileRecord",
+    "Quarantined",
     "RepoRef",
     "SnapshotRecord",
 ]
@@ -91,6 +96,9 @@ _HUB_SEGMENT_RE = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9._-]*[A-Za-z0-9_])?")
 _REF_SEGMENT_RE = re.compile(r"[A-Za-z0-9._+-]{1,255}")
 _SLUG_UNSAFE_RE = re.compile(r"[^A-Za-z0-9._]+")
 _CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
+_DIRNAME_RE = re.compile(r"(?:models|url|local)--[A-Za-z0-9._-]{1,240}")
+_STATE_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
+_JUNK_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,254}")
 
 
 # --------------------------------------------------------------------------- validation
@@ -149,6 +157,33 @@ def _check_hub_name(name: str) -> None:
         or not all(_HUB_SEGMENT_RE.fullmatch(segment) for segment in segments)
     ):
         raise ConfigError(f"invalid Hugging Face repo id {name!r}")
+
+
+def _check_dirname(dirname: str) -> str:
+    """A repo folder name as ``RepoRef.dirname`` makes them; returns its area (hub/other)."""
+    if not isinstance(dirname, str) or not _DIRNAME_RE.fullmatch(dirname):
+        raise CacheError(f"not a repo folder name: {dirname!r}")
+    return "hub" if dirname.startswith("models--") else "other"
+
+
+def _check_state_parts(parts: Sequence[str]) -> tuple[str, ...]:
+    if not 0 < len(parts) <= 2 or not all(
+        isinstance(p, str) and _STATE_NAME_RE.fullmatch(p) for p in parts
+    ):
+        raise CacheError(f"invalid state file name {'/'.join(map(str, parts))!r}")
+    if parts[0] == "snapshots":
+        raise CacheError("snapshot records are written by write_snapshot_record only")
+    return tuple(parts)
+
+
+def _list_names(path: Path) -> list[str]:
+    """Entry names of a directory (sorted), or none when it is missing or not a directory."""
+    try:
+        return sorted(os.listdir(path))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    except OSError as exc:
+        raise _os_error(exc, path, "list") from exc
 
 
 def _blob_target(parts: Sequence[str], etag: str) -> str:
@@ -386,6 +421,14 @@ def _check_record(record: SnapshotRecord) -> None:
             raise CacheError(f"snapshot record: unknown verification {f.verified!r}")
 
 
+@dataclass(frozen=True, slots=True)
+class Quarantined:
+    """What ``CacheStore.quarantine_blob`` did."""
+
+    path: Path | None  # where the store blob went; None when it was no longer in the store
+    links: tuple[Path, ...]  # snapshot symlinks and repo blob links removed
+
+
 # --------------------------------------------------------------------------- locks
 
 
@@ -396,12 +439,15 @@ class BlobLock:
     the lock when its holder dies, so a crashed holder is taken over at once. Not reentrant:
     acquiring a lock this object already holds returns at once, and one ``release`` frees it.
     The lock file is never unlinked (unlinking would let two holders lock different inodes).
+    ``shared=True`` takes a shared lock instead: shared holders coexist and an exclusive holder
+    excludes them all (the prune gate: lease takers share it, a prune holds it alone).
     """
 
-    __slots__ = ("_fd", "_path")
+    __slots__ = ("_fd", "_path", "_shared")
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, shared: bool = False) -> None:
         self._path = path
+        self._shared = shared
         self._fd: int | None = None
 
     @property
@@ -423,7 +469,7 @@ class BlobLock:
         except OSError as exc:
             raise _os_error(exc, self._path, "open lock file") from exc
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, (fcntl.LOCK_SH if self._shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
             return False
@@ -717,14 +763,401 @@ class CacheStore:
 
     # -- locks --------------------------------------------------------------------------
 
-    def lock(self, key: str) -> BlobLock:
+    def lock(self, key: str, *, shared: bool = False) -> BlobLock:
         """A lock on ``key`` shared by every process using this cache (not yet acquired)."""
         _check_key(key)
         try:
             os.close(self._walk(("locks",)))
         except OSError as exc:
             raise _os_error(exc, self.root / "locks", "create") from exc
-        return BlobLock(self.root / "locks" / f"{key}.lock")
+        return BlobLock(self.root / "locks" / f"{key}.lock", shared=shared)
+
+    # -- lifecycle: state files, eviction, quarantine (used by usage, pruner, verify) ------
+
+    def state_path(self, *parts: str) -> Path:
+        """``state/<parts...>``: where leases (``leases/<id>.json``) and the access log live."""
+        return self.root.joinpath("state", *_check_state_parts(parts))
+
+    def write_state_file(self, *parts: str, data: bytes) -> None:
+        """Atomically replace ``state/<parts...>`` (leases, the compacted access log)."""
+        names = _check_state_parts(parts)
+        try:
+            self._atomic_write(("state", *names[:-1]), names[-1], data)
+        except OSError as exc:
+            raise _os_error(exc, self.root.joinpath("state", *names), "write") from exc
+
+    def append_state_file(self, *parts: str, data: bytes) -> int:
+        """Append ``data`` to ``state/<parts...>`` with one ``O_APPEND`` write; returns the new
+        size. Not fsynced: an access record lost in a crash only makes a snapshot look older."""
+        names = _check_state_parts(parts)
+        path = self.root.joinpath("state", *names)
+        try:
+            with self._dir(("state", *names[:-1])) as dir_fd:
+                flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+                fd = os.open(names[-1], flags, _FILE_MODE, dir_fd=dir_fd)
+                try:
+                    _write_all(fd, data)
+                    return os.fstat(fd).st_size
+                finally:
+                    os.close(fd)
+        except OSError as exc:
+            raise _os_error(exc, path, "append to") from exc
+
+    def touch_state_file(self, *parts: str) -> bool:
+        """Set the mtime of ``state/<parts...>`` to now (a lease heartbeat); False if absent."""
+        names = _check_state_parts(parts)
+        path = self.root.joinpath("state", *names)
+        try:
+            fd = self._walk_existing(("state", *names[:-1]))
+            if fd is None:
+                return False
+            try:
+                os.utime(names[-1], dir_fd=fd, follow_symlinks=False)
+            finally:
+                os.close(fd)
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            raise _os_error(exc, path, "touch") from exc
+        return True
+
+    def remove_state_file(self, *parts: str) -> bool:
+        """Unlink ``state/<parts...>``; False when it was already gone."""
+        names = _check_state_parts(parts)
+        try:
+            return self._unlink_at(("state", *names[:-1]), names[-1])
+        except OSError as exc:
+            raise _os_error(exc, self.root.joinpath("state", *names), "remove") from exc
+
+    def snapshot_records(self) -> Iterator[tuple[str, str, SnapshotRecord | None]]:
+        """Every ``(repo dirname, commit, record)`` under ``state/snapshots``. The record is
+        None when the file does not parse or describes another snapshot (it counts as absent)."""
+        base = self.root / "state" / "snapshots"
+        for dirname in _list_names(base):
+            if not _DIRNAME_RE.fullmatch(dirname):
+                continue
+            for name in _list_names(base / dirname):
+                commit, _, ext = name.partition(".")
+                if ext != "json" or not _COMMIT_RE.fullmatch(commit):
+                    continue
+                data = self._read_small(base / dirname / name)
+                if data is None:
+                    continue  # removed since the listing
+                try:
+                    record: SnapshotRecord | None = SnapshotRecord.from_json(data)
+                except CacheError:
+                    record = None
+                if record is not None and (
+                    record.repo.dirname != dirname or record.commit != commit
+                ):
+                    record = None
+                yield dirname, commit, record
+
+    def repo_dir_of(self, dirname: str) -> Path:
+        """The repo folder called ``dirname`` (``models--org--name``, ``url--...``, ...)."""
+        return self.root.joinpath(_check_dirname(dirname), dirname)
+
+    def evict_snapshot(self, dirname: str, commit: str) -> None:
+        """Take one snapshot out of the cache in the order readers can bear.
+
+        First every ref naming the commit (Hugging Face readers stop resolving to it), then its
+        completeness record (shardsync stops trusting it), then its folder, which leaves the
+        view in one ``rename`` into ``tmp/`` and is emptied there. Blobs are not touched here:
+        the caller unlinks ``blobs/<etag>`` and store blobs afterwards, once nothing it keeps
+        refers to them.
+        """
+        area = _check_dirname(dirname)
+        _check_commit(commit)
+        path = self.repo_dir_of(dirname) / "snapshots" / commit
+        try:
+            self._remove_refs_to((area, dirname, "refs"), commit)
+            self._unlink_at(("state", "snapshots", dirname), f"{commit}.json")
+            self._discard((area, dirname, "snapshots"), commit)
+        except OSError as exc:
+            raise _os_error(exc, path, "evict") from exc
+
+    def remove_repo_blob(self, dirname: str, etag: str) -> bool:
+        """Unlink ``blobs/<etag>`` of a repo (a hard link: the store keeps its own name)."""
+        area = _check_dirname(dirname)
+        _check_etag(etag)
+        try:
+            return self._unlink_at((area, dirname, "blobs"), etag)
+        except OSError as exc:
+            raise _os_error(exc, self.repo_dir_of(dirname) / "blobs" / etag, "remove") from exc
+
+    def remove_repo_if_empty(self, dirname: str) -> bool:
+        """Remove a repo folder that holds no snapshot, blob or ref file any more.
+
+        It leaves in one ``rename`` (``scan_cache_dir`` flags a repo without ``snapshots/``,
+        so it must never be seen half removed); anything else inside (a Hugging Face download
+        in progress, ``.no_exist``) keeps it.
+        """
+        area = _check_dirname(dirname)
+        path = self.repo_dir_of(dirname)
+        try:
+            parent = self._walk_existing((area,))
+            if parent is None:
+                return False
+            try:
+                if not self._repo_is_empty(parent, dirname):
+                    return False
+                with self._dir(("tmp",)) as tmp_fd:
+                    tmp = _tmp_name("evict")
+                    os.rename(dirname, tmp, src_dir_fd=parent, dst_dir_fd=tmp_fd)
+                    os.fsync(parent)
+                    shutil.rmtree(tmp, dir_fd=tmp_fd)
+            finally:
+                os.close(parent)
+            state = self._walk_existing(("state", "snapshots"))
+            if state is not None:
+                try:
+                    with contextlib.suppress(OSError):
+                        os.rmdir(dirname, dir_fd=state)  # only when no record is left
+                finally:
+                    os.close(state)
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            raise _os_error(exc, path, "remove") from exc
+        return True
+
+    def remove_blob(self, sha256: str) -> int:
+        """Unlink a store blob that no repo links to any more (``st_nlink == 1``).
+
+        Returns the bytes it occupied, 0 when it is absent or still linked. Only unlink, never
+        truncate: a process that has the blob open or mapped keeps reading its bytes.
+        """
+        path = self.blob_path(sha256)
+        try:
+            fd = self._walk_existing(self._store_parts(sha256))
+            if fd is None:
+                return 0
+            try:
+                st = os.stat(sha256, dir_fd=fd, follow_symlinks=False)
+                if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
+                    return 0
+                os.unlink(sha256, dir_fd=fd)
+            finally:
+                os.close(fd)
+        except FileNotFoundError:
+            return 0
+        except OSError as exc:
+            raise _os_error(exc, path, "remove") from exc
+        return st.st_blocks * 512
+
+    def remove_partial(self, key: str) -> None:
+        """Unlink an abandoned download's data file and sidecar (hold its lock while calling)."""
+        data, sidecar = self.partial_paths(key)
+        try:
+            for path in (sidecar, data):
+                self._unlink_at(("partial",), path.name)
+        except OSError as exc:
+            raise _os_error(exc, data, "remove") from exc
+
+    def remove_junk(self, area: Literal["tmp", "quarantine"], name: str) -> None:
+        """Remove an entry of ``tmp/`` (left by a crash) or ``quarantine/`` (a corrupt blob)."""
+        if area not in ("tmp", "quarantine") or not _JUNK_NAME_RE.fullmatch(name):
+            raise CacheError(f"refusing to remove {area}/{name!r}")
+        try:
+            fd = self._walk_existing((area,))
+            if fd is None:
+                return
+            try:
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                if stat.S_ISDIR(st.st_mode):
+                    shutil.rmtree(name, dir_fd=fd)
+                else:
+                    os.unlink(name, dir_fd=fd)
+            finally:
+                os.close(fd)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise _os_error(exc, self.root / area / name, "remove") from exc
+
+    def unlink_snapshot_file(self, dirname: str, commit: str, relpath: str) -> bool:
+        """Remove one file's symlink from a snapshot, which makes the snapshot incomplete (the
+        next download links it again); False when it was already gone."""
+        area = _check_dirname(dirname)
+        parts = _check_relpath(relpath)
+        path = self.repo_dir_of(dirname).joinpath("snapshots", _check_commit(commit), *parts)
+        try:
+            return self._unlink_at((area, dirname, "snapshots", commit, *parts[:-1]), parts[-1])
+        except OSError as exc:
+            raise _os_error(exc, path, "remove") from exc
+
+    def quarantine_blob(self, sha256: str, inode: tuple[int, int] | None = None) -> Quarantined:
+        """Take a corrupt blob out of every view, so no reader gets its bytes from us again.
+
+        The store blob moves to ``quarantine/`` first (``has_blob`` turns false, so the next
+        download fetches it again); then every snapshot symlink to a repo ``blobs/<etag>`` that
+        is the same inode goes (``find_complete`` says incomplete from then on, and Hugging Face
+        readers find no file rather than bad bytes), then those hard links. Records stay: their
+        other files are still right, and the next download reuses them by these hints.
+        ``inode`` (st_dev, st_ino) is the file found corrupt: a store blob that is another inode
+        by now was published again and stays.
+        """
+        _check_sha256(sha256)
+        moved: Path | None = None
+        try:
+            target = inode
+            store = self._walk_existing(self._store_parts(sha256))
+            if store is not None:
+                try:
+                    st = os.stat(sha256, dir_fd=store, follow_symlinks=False)
+                    if stat.S_ISREG(st.st_mode) and inode in (None, (st.st_dev, st.st_ino)):
+                        target = (st.st_dev, st.st_ino)
+                        with self._dir(("quarantine",)) as q_fd:
+                            name = f"{sha256}.{time.time_ns()}"
+                            os.rename(sha256, name, src_dir_fd=store, dst_dir_fd=q_fd)
+                            os.fsync(q_fd)
+                            os.fsync(store)
+                            moved = self.root / "quarantine" / name
+                except FileNotFoundError:
+                    pass
+                finally:
+                    os.close(store)
+            links: list[Path] = []
+            if target is not None:
+                for area, dirname in self._repo_dirs():
+                    links.extend(self._unlink_inode_links(area, dirname, target))
+        except OSError as exc:
+            raise _os_error(exc, self.blob_path(sha256), "quarantine") from exc
+        return Quarantined(moved, tuple(links))
+
+    def _unlink_inode_links(self, area: str, dirname: str, inode: tuple[int, int]) -> list[Path]:
+        """Snapshot symlinks to, then the repo blob links of, one inode inside one repo."""
+        repo = self.root / area / dirname
+        blobs = self._walk_existing((area, dirname, "blobs"))
+        if blobs is None:
+            return []
+        try:
+            etags = set()
+            for name in os.listdir(blobs):
+                with contextlib.suppress(FileNotFoundError):
+                    st = os.stat(name, dir_fd=blobs, follow_symlinks=False)
+                    if (st.st_dev, st.st_ino) == inode:
+                        etags.add(name)
+            if not etags:
+                return []
+            removed = []
+            snaps = self._walk_existing((area, dirname, "snapshots"))
+            if snaps is not None:
+                try:
+                    for top, _dirs, files, top_fd in os.fwalk(".", dir_fd=snaps):
+                        for name in files:
+                            with contextlib.suppress(OSError):
+                                target = os.readlink(name, dir_fd=top_fd)
+                                head, _, etag = target.rpartition("/")
+                                if etag in etags and head.endswith("blobs"):
+                                    os.unlink(name, dir_fd=top_fd)
+                                    removed.append(repo / "snapshots" / top / name)
+                finally:
+                    os.close(snaps)
+            for etag in sorted(etags):
+                if self._unlink_at((area, dirname, "blobs"), etag):
+                    removed.append(repo / "blobs" / etag)
+            return removed
+        finally:
+            os.close(blobs)
+
+    def _repo_dirs(self) -> Iterator[tuple[str, str]]:
+        for area in ("hub", "other"):
+            for name in _list_names(self.root / area):
+                if _DIRNAME_RE.fullmatch(name):
+                    yield area, name
+
+    def _repo_is_empty(self, parent: int, dirname: str) -> bool:
+        repo = os.open(dirname, _DIR_FLAGS, dir_fd=parent)
+        try:
+            names = set(os.listdir(repo))
+            if not names <= {"blobs", "refs", "snapshots"}:
+                return False
+            for sub in sorted(names):
+                fd = os.open(sub, _DIR_FLAGS, dir_fd=repo)
+                try:
+                    if any(files for _top, _dirs, files, _fd in os.fwalk(".", dir_fd=fd)):
+                        return False
+                    if sub != "refs" and os.listdir(fd):
+                        return False
+                finally:
+                    os.close(fd)
+        finally:
+            os.close(repo)
+        return True
+
+    def _remove_refs_to(self, parts: Sequence[str], commit: str) -> None:
+        refs = self._walk_existing(parts)
+        if refs is None:
+            return
+        try:
+            removed = False
+            for _top, _dirs, files, top_fd in os.fwalk(".", dir_fd=refs):
+                for name in files:
+                    try:
+                        fd = os.open(
+                            name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=top_fd
+                        )
+                    except OSError:
+                        continue
+                    with os.fdopen(fd, "rb") as f:
+                        data = f.read(256)
+                    if _parse_commit(data) == commit:
+                        os.unlink(name, dir_fd=top_fd)
+                        removed = True
+                        os.fsync(top_fd)  # no ref may outlive the snapshot it names
+            if removed:
+                os.fsync(refs)
+        finally:
+            os.close(refs)
+
+    def _discard(self, parts: Sequence[str], name: str) -> None:
+        """Move ``parts/name`` into ``tmp/`` in one rename, then delete it there."""
+        parent = self._walk_existing(parts)
+        if parent is None:
+            return
+        try:
+            with self._dir(("tmp",)) as tmp_fd:
+                tmp = _tmp_name("evict")
+                try:
+                    os.rename(name, tmp, src_dir_fd=parent, dst_dir_fd=tmp_fd)
+                except FileNotFoundError:
+                    return
+                os.fsync(parent)
+                shutil.rmtree(tmp, dir_fd=tmp_fd)
+        finally:
+            os.close(parent)
+
+    def _unlink_at(self, parts: Sequence[str], name: str) -> bool:
+        fd = self._walk_existing(parts)
+        if fd is None:
+            return False
+        try:
+            os.unlink(name, dir_fd=fd)
+        except FileNotFoundError:
+            return False
+        finally:
+            os.close(fd)
+        return True
+
+    def _walk_existing(self, parts: Sequence[str]) -> int | None:
+        """Like ``_walk`` but creating nothing: None when a component is missing."""
+        try:
+            fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        try:
+            for depth in range(len(parts)):
+                child = self._open_dir_at(fd, parts[: depth + 1])
+                os.close(fd)
+                fd = child
+        except FileNotFoundError:
+            os.close(fd)
+            return None
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
 
     # -- low level ----------------------------------------------------------------------
 

@@ -29,11 +29,12 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from shardsync.cache import CacheStore
 from shardsync.config import Config, load_config
 from shardsync.devicemap import MODES, DevicePlan, TensorSize, parse_memory, plan_device_map
 from shardsync.errors import ConfigError, HeaderError, LoadError, first_error
 from shardsync.manifest import Manifest, ManifestEntry
-from shardsync.origins import LocalOrigin
+from shardsync.origins import LocalOrigin, parse_source
 from shardsync.prefetch import Engine, FileOutcome, Job
 from shardsync.safetensors_header import (
     Header,
@@ -42,6 +43,7 @@ from shardsync.safetensors_header import (
     header_length,
     parse_header,
 )
+from shardsync.usage import Lease, Leases
 
 if TYPE_CHECKING:
     import torch
@@ -191,9 +193,14 @@ class TensorStream:
         self._bytes: int = 0
         self._placers: dict[str, _CudaPlacer] = {}
         self._iterator: Iterator[tuple[str, torch.Tensor]] = self._iterate()
+        self._lease = _lease(config, source, token)
         self._thread.start()
-        while self._plan is None:
-            self._pump()
+        try:
+            while self._plan is None:
+                self._pump()
+        except BaseException:
+            self.close()
+            raise
         self.manifest: Manifest = self._plan[0]
         self.headers: Mapping[str, Header] = self._plan[1]
         self.plan: DevicePlan | None = self._plan[2]
@@ -226,6 +233,7 @@ class TensorStream:
             with contextlib.suppress(RuntimeError):
                 shared.loop.call_soon_threadsafe(shared.task.cancel)
         self._thread.join(timeout=30)
+        self._lease.release()
 
     def statistics(self) -> LoadStatistics:
         return LoadStatistics(
@@ -405,6 +413,13 @@ class TensorStream:
             await self._shared.go.wait()  # nothing is downloaded until someone iterates
             await job.download()
         self._shared.events.put(("done", None))
+
+
+def _lease(config: Config, source: str, token: str | None) -> Lease:
+    """An open stream leases every snapshot of its repo, so a prune leaves the blobs it is
+    about to map (blobs already mapped stay readable anyway: prune only unlinks)."""
+    repo = parse_source(source, endpoint=config.endpoint, token=token).repo
+    return Leases(CacheStore(config.cache_dir)).hold(repo, owner=f"load {repo.name}")
 
 
 def _is_pickle(manifest: Manifest) -> bool:

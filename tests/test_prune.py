@@ -1,0 +1,627 @@
+"""Pruning: the pure planner (table-driven), then ``prune_cache`` on real caches and processes."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from helpers import assert_snapshot_matches, assert_store_verified, fast_config
+from huggingface_hub import hf_hub_download, scan_cache_dir
+
+from shardsync.cache import CacheStore, RepoRef
+from shardsync.config import PruneConfig, load_config, parse_duration
+from shardsync.errors import CacheError, ConfigError, DiskFullError
+from shardsync.inventory import scan
+from shardsync.prefetch import PrefetchResult, prefetch
+from shardsync.prune import Blob, CacheView, Leftover, Limits, Unit, plan_prune
+from shardsync.pruner import ensure_free, limits_from_config, needs_prune, prune_cache
+from shardsync.testing import Checkpoint, FakeHub, build_checkpoint, serve_in_thread
+from shardsync.usage import AccessLog, Leases, prune_gate
+
+# --------------------------------------------------------------------------- the planner
+
+NOW = 10_000.0
+DAY = 86400.0
+
+
+def unit(name: str, used: float, blobs: str, **kw: object) -> Unit:
+    """A snapshot named ``name`` (its commit too), last used at ``used``, holding ``blobs``
+    (one letter per blob)."""
+    return Unit(
+        dirname=f"models--o--{name}",
+        commit=name * 40 if len(name) == 1 else name,
+        repo=f"o/{name}",
+        complete=bool(kw.get("complete", True)),
+        last_used=used,
+        blobs=frozenset(blobs),
+        protected=kw.get("protected"),  # type: ignore[arg-type]
+    )
+
+
+def blobs(**sizes: int) -> tuple[Blob, ...]:
+    return tuple(Blob(name, size, NOW) for name, size in sizes.items())
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    view: CacheView
+    limits: Limits
+    evicted: list[tuple[str, str]]  # (repo, reason) in eviction order
+    unmet: tuple[str, ...] = ()
+    orphans: tuple[str, ...] = ()
+    leftovers: tuple[str, ...] = ()
+
+
+THREE = (unit("a", 1, "x"), unit("b", 2, "y"), unit("c", 3, "z"))
+SIZES = blobs(x=100, y=100, z=100)
+
+CASES = [
+    Case("no limits: nothing goes", CacheView(NOW, THREE, SIZES), Limits(), []),
+    Case(
+        "cap fits one: least recently used go first",
+        CacheView(NOW, THREE, SIZES),
+        Limits(max_size=100),
+        [("o/a", "max_size"), ("o/b", "max_size")],
+    ),
+    Case(
+        "LRU is by last use, not by name",
+        CacheView(NOW, (unit("a", 9, "x"), unit("b", 2, "y"), unit("c", 3, "z")), SIZES),
+        Limits(max_size=100),
+        [("o/b", "max_size"), ("o/c", "max_size")],
+    ),
+    Case(
+        "a blob shared with a kept snapshot frees nothing until both go",
+        CacheView(NOW, (unit("a", 1, "xs"), unit("b", 2, "ys")), blobs(x=100, y=100, s=50)),
+        Limits(max_size=150),
+        [("o/a", "max_size")],
+    ),
+    Case(
+        "pinned, kept and leased are never touched, even when the cap is missed",
+        CacheView(
+            NOW,
+            (
+                unit("a", 1, "x", protected="pinned"),
+                unit("b", 2, "y", protected="leased"),
+                unit("c", 3, "z", protected="keep"),
+            ),
+            SIZES,
+        ),
+        Limits(max_size=0),
+        [],
+        unmet=("max_size",),
+    ),
+    Case(
+        "the oldest is pinned: the next ones go",
+        CacheView(NOW, (unit("a", 1, "x", protected="pinned"), *THREE[1:]), SIZES),
+        Limits(max_size=100),
+        [("o/b", "max_size"), ("o/c", "max_size")],
+    ),
+    Case(
+        "a snapshot whose bytes a pinned one holds frees nothing: skipped",
+        CacheView(
+            NOW,
+            (unit("a", 1, "x"), unit("b", 2, "xy", protected="pinned"), unit("c", 3, "z")),
+            SIZES,
+        ),
+        Limits(max_size=200),
+        [("o/c", "max_size")],
+    ),
+    Case(
+        "max_age evicts what was unused that long, whatever the size",
+        CacheView(NOW, (unit("a", NOW - 2 * DAY, "x"), unit("b", NOW - 10, "y")), SIZES),
+        Limits(max_age=DAY),
+        [("o/a", "max_age")],
+    ),
+    Case(
+        "min_free: evict until the filesystem has enough",
+        CacheView(NOW, THREE, SIZES, free_bytes=50),
+        Limits(min_free=200),
+        [("o/a", "min_free"), ("o/b", "min_free")],
+    ),
+    Case(
+        "min_free without a free-space reading cannot be judged",
+        CacheView(NOW, THREE, SIZES, free_bytes=None),
+        Limits(min_free=10**9),
+        [],
+    ),
+    Case(
+        "both limits: the first unmet one is the reason",
+        CacheView(NOW, THREE, SIZES, free_bytes=0),
+        Limits(max_size=250, min_free=150),
+        [("o/a", "max_size"), ("o/b", "min_free")],
+    ),
+    Case(
+        "stale incomplete snapshots go without limits, fresh ones stay",
+        CacheView(
+            NOW + 2 * DAY,
+            (
+                unit("a", NOW, "x", complete=False),
+                unit("b", NOW + 2 * DAY - 5, "y", complete=False),
+            ),
+            blobs(x=100, y=100),
+        ),
+        Limits(),
+        [("o/a", "stale")],
+    ),
+    Case(
+        "a complete snapshot never counts as stale",
+        CacheView(NOW + 2 * DAY, (unit("a", 0, "x"),), blobs(x=100)),
+        Limits(),
+        [],
+    ),
+    Case(
+        "stale orphan blobs and leftovers go; fresh ones stay",
+        CacheView(
+            NOW,
+            (unit("a", 1, "x"),),
+            (Blob("x", 100, 0), Blob("o", 7, NOW - 2 * DAY), Blob("n", 7, NOW)),
+            leftovers=(
+                Leftover("partial", "old", 10, NOW - 2 * DAY),
+                Leftover("partial", "new", 10, NOW - 60),
+                Leftover("tmp", "write.1.ab", 1, NOW - 2 * DAY),
+            ),
+        ),
+        Limits(),
+        [],
+        orphans=("o",),
+        leftovers=("old", "write.1.ab"),
+    ),
+    Case(
+        "ties are broken by folder and commit, so plans are reproducible",
+        CacheView(NOW, (unit("b", 1, "y"), unit("a", 1, "x")), blobs(x=100, y=100)),
+        Limits(max_size=100),
+        [("o/a", "max_size")],
+    ),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_plan(case: Case) -> None:
+    plan = plan_prune(case.view, case.limits)
+    assert [(e.repo, e.reason) for e in plan.evictions] == case.evicted
+    assert plan.unmet == case.unmet
+    assert plan.orphans == case.orphans
+    assert tuple(x.name for x in plan.leftovers) == case.leftovers
+    assert plan.size_after == case.view.total_bytes - plan.freed_bytes
+    evicted = {(e.dirname, e.commit) for e in plan.evictions}
+    kept_blobs = {
+        b for u in case.view.units if (u.dirname, u.commit) not in evicted for b in u.blobs
+    }
+    assert not kept_blobs & set(plan.blobs), "a blob a kept snapshot refers to would go"
+
+
+def test_plan_accounts_each_blob_to_the_eviction_that_frees_it() -> None:
+    view = CacheView(NOW, (unit("a", 1, "xs"), unit("b", 2, "ys")), blobs(x=10, y=20, s=5))
+    plan = plan_prune(view, Limits(max_size=0))
+    assert [(e.repo, e.blobs, e.freed_bytes) for e in plan.evictions] == [
+        ("o/a", ("x",), 10),
+        ("o/b", ("s", "y"), 25),
+    ]
+    assert plan.size_after == 0 and plan.unmet == ()
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"max_size": -1}, {"min_free": -1}, {"max_age": -1.0}, {"stale_age": -1.0}]
+)
+def test_limits_are_validated(kwargs: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        Limits(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [
+        ("30d", 30 * DAY),
+        ("12h", 43200.0),
+        ("90m", 5400.0),
+        ("45s", 45.0),
+        ("2w", 14 * DAY),
+        ("1.5d", 1.5 * DAY),
+        (60, 60.0),
+        ("0", 0.0),
+    ],
+)
+def test_parse_duration(text: str | int, seconds: float) -> None:
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("bad", ["", "d", "3y", "-1d", "1e999", "nan", True])
+def test_parse_duration_rejects(bad: object) -> None:
+    with pytest.raises(ValueError):
+        parse_duration(bad)  # type: ignore[arg-type]
+
+
+def test_prune_config_section(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(
+        '[prune]\nmax_size = "500G"\nmin_free = "50G"\nmax_age = "30d"\n'
+        'pin = ["acme/*", "org/model"]\nstale_partial_age = "2h"\nhigh_water = "600G"\n'
+    )
+    config = load_config(path, {}, cache_dir=tmp_path)
+    assert config.prune == PruneConfig(
+        max_size=500 * 1000**3,
+        min_free=50 * 1000**3,
+        max_age=30 * DAY,
+        pin=("acme/*", "org/model"),
+        stale_partial_age=7200.0,
+        high_water=600 * 1000**3,
+    )
+    assert load_config(None, {}, cache_dir=tmp_path).prune == PruneConfig()
+    limits = limits_from_config(config.prune, max_size=1)
+    assert (limits.max_size, limits.min_free, limits.stale_age) == (1, 50 * 1000**3, 7200.0)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "[prune]\nmax_size = -3\n",
+        '[prune]\nmax_age = "soon"\n',
+        '[prune]\npin = "acme/x"\n',
+        "[prune]\nbogus = 1\n",
+        '[prune]\nmax_size = "10G"\nhigh_water = "5G"\n',
+    ],
+)
+def test_prune_config_errors(tmp_path: Path, body: str) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(body)
+    with pytest.raises(ConfigError, match="prune"):
+        load_config(path, {}, cache_dir=tmp_path)
+
+
+# --------------------------------------------------------------------------- real caches
+
+NAMES = ("a", "b", "c")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Checkpoint]:
+    """Three different small checkpoints; their small files (README, tokenizer) are identical,
+    so those blobs are shared across the three repos."""
+    return {
+        name: build_checkpoint(
+            tmp_path_factory.mktemp(f"model-{name}"), total_bytes=160 * 1024, n_shards=2, seed=i
+        )
+        for i, name in enumerate(NAMES)
+    }
+
+
+@pytest.fixture
+def hub(models: dict[str, Checkpoint]) -> Iterator[FakeHub]:
+    fake = FakeHub()
+    for name, checkpoint in models.items():
+        fake.add_checkpoint(f"acme/{name}", checkpoint)
+    with serve_in_thread(fake) as running:
+        yield running
+
+
+def fill(cache_dir: Path, hub: FakeHub, names: tuple[str, ...] = NAMES) -> dict[str, Path]:
+    """Prefetch ``acme/<name>`` in this order; returns the snapshot paths."""
+    config = fast_config(cache_dir, hub.endpoint)
+    results: dict[str, PrefetchResult] = {
+        name: asyncio.run(prefetch(f"acme/{name}", config)) for name in names
+    }
+    return {name: r.snapshot_path for name, r in results.items()}
+
+
+def use(cache_dir: Path, name: str) -> None:
+    """What any use through shardsync does: an offline prefetch records the access."""
+    asyncio.run(prefetch(f"acme/{name}", fast_config(cache_dir), offline=True))
+
+
+def repo_bytes(cache: CacheStore, name: str) -> int:
+    return scan(cache).find_repo(f"acme/{name}").nbytes
+
+
+def remaining(cache: CacheStore) -> list[str]:
+    return [r.repo for r in scan(cache).repos]
+
+
+def assert_hf_clean(cache_dir: Path) -> None:
+    info = scan_cache_dir(cache_dir / "hub")
+    assert info.warnings == [], info.warnings
+
+
+def tree(root: Path) -> dict[str, tuple[int, int, int]]:
+    """Every entry under ``root``: (inode, size, mtime_ns), without following links."""
+    out = {}
+    for top, dirs, files in os.walk(root):
+        for name in dirs + files:
+            st = os.lstat(os.path.join(top, name))
+            out[os.path.relpath(os.path.join(top, name), root)] = (
+                st.st_ino,
+                st.st_size,
+                st.st_mtime_ns,
+            )
+    return out
+
+
+def test_lru_with_a_cap_that_fits_one(
+    hub: FakeHub, models: dict[str, Checkpoint], tmp_path: Path
+) -> None:
+    cache_dir = tmp_path / "cache"
+    snapshots = fill(cache_dir, hub)
+    use(cache_dir, "a")  # a: most recently used now; b is the least
+    cache = CacheStore(cache_dir)
+    report = prune_cache(cache, Limits(max_size=repo_bytes(cache, "a")))
+    assert [(e.repo, e.reason) for e in report.evicted] == [
+        ("acme/b", "max_size"),
+        ("acme/c", "max_size"),
+    ]
+    assert report.satisfied and report.size_after <= repo_bytes(cache, "a")
+    assert remaining(cache) == ["acme/a"]
+    assert_snapshot_matches(snapshots["a"], models["a"])  # shared small blobs stayed
+    assert not snapshots["b"].exists() and not (cache_dir / "hub" / "models--acme--b").exists()
+    assert_store_verified(cache_dir)
+    assert_hf_clean(cache_dir)
+    offline = hf_hub_download(
+        "acme/a", "config.json", cache_dir=cache_dir / "hub", local_files_only=True
+    )
+    assert Path(offline).read_bytes() == models["a"].path("config.json").read_bytes()
+    # the access log was compacted to the snapshots that are left
+    assert set(AccessLog(cache).last_used()) == {("models--acme--a", snapshots["a"].name)}
+
+
+def test_pinned_kept_and_leased_survive(hub: FakeHub, tmp_path: Path) -> None:
+    cache_dir = tmp_path / "cache"
+    snapshots = fill(cache_dir, hub)
+    cache = CacheStore(cache_dir)
+    with Leases(cache).hold(RepoRef("hub", "acme/b"), snapshots["b"].name, owner="test"):
+        report = prune_cache(cache, Limits(max_size=0), pin=["acme/a*"])
+        assert [e.repo for e in report.evicted] == ["acme/c"]
+        assert {(p.repo, p.reason) for p in report.protected} == {
+            ("acme/a", "pinned"),
+            ("acme/b", "leased"),
+        }
+        assert report.unmet == ("max_size",)
+    report = prune_cache(cache, Limits(max_size=0), pin=["acme/a"], keep=["acme/b"])
+    assert report.evicted == () and remaining(cache) == ["acme/a", "acme/b"]
+    report = prune_cache(cache, Limits(max_size=0), pin=["acme/a"])
+    assert [e.repo for e in report.evicted] == ["acme/b"]  # its lease ended
+    assert_hf_clean(cache_dir)
+
+
+def test_dry_run_changes_nothing(hub: FakeHub, tmp_path: Path) -> None:
+    cache_dir = tmp_path / "cache"
+    fill(cache_dir, hub)
+    cache = CacheStore(cache_dir)
+    (cache_dir / "partial" / "deadbeef.part").write_bytes(b"x" * 10)
+    os.utime(cache_dir / "partial" / "deadbeef.part", (0, 0))
+    before = tree(cache_dir)
+    with _held(cache):  # a dry run takes no lock: it would time out here otherwise
+        report = prune_cache(cache, Limits(max_size=0), dry_run=True, timeout=5)
+    assert report.dry_run and [e.repo for e in report.evicted] == ["acme/a", "acme/b", "acme/c"]
+    assert report.partials == 1 and report.size_after < report.size_before
+    assert tree(cache_dir) == before
+
+
+def test_a_second_prune_waits_or_skips(hub: FakeHub, tmp_path: Path) -> None:
+    cache_dir = tmp_path / "cache"
+    fill(cache_dir, hub, ("a",))
+    cache = CacheStore(cache_dir)
+    with _held(cache):
+        assert prune_cache(cache, Limits(max_size=0), wait=False).skipped
+        with pytest.raises(CacheError, match="timed out"):
+            prune_cache(cache, Limits(max_size=0), timeout=0.05)
+    assert [e.repo for e in prune_cache(cache, Limits(max_size=0), wait=False).evicted] == [
+        "acme/a"
+    ]
+
+
+class _held:
+    """Hold the prune gate exclusively, as a running prune does."""
+
+    def __init__(self, cache: CacheStore) -> None:
+        self.lock = prune_gate(cache, shared=False)
+
+    def __enter__(self) -> None:
+        assert self.lock.try_acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.lock.release()
+
+
+def test_stale_partials_orphans_and_junk(hub: FakeHub, tmp_path: Path) -> None:
+    cache_dir = tmp_path / "cache"
+    fill(cache_dir, hub, ("a",))
+    cache = CacheStore(cache_dir)
+    partial = cache_dir / "partial"
+    for key in ("old", "busy", "fresh"):
+        (partial / f"{key}.part").write_bytes(os.urandom(5000))
+        (partial / f"{key}.json").write_text("{}")
+    (cache_dir / "tmp" / "write.1.abc").write_bytes(b"torn")
+    orphan = cache_dir / "partial" / "orphan.part"
+    orphan.write_bytes(b"no snapshot refers to me")
+    orphan_sha = hashlib.sha256(orphan.read_bytes()).hexdigest()
+    cache.publish_blob(orphan, orphan_sha)
+    later = time.time() + 3 * DAY
+    for key in ("old", "busy"):
+        for ext in ("part", "json"):
+            os.utime(partial / f"{key}.{ext}", (0, 0))
+    os.utime(cache_dir / "tmp" / "write.1.abc", (0, 0))
+    for ext in ("part", "json"):  # written a minute ago, as the clock of this prune reads
+        os.utime(partial / f"fresh.{ext}", (later - 60, later - 60))
+    busy = cache.lock("busy")
+    assert busy.try_acquire()  # a download is writing it
+    try:
+        report = prune_cache(cache, Limits(stale_age=DAY), clock=lambda: later)
+    finally:
+        busy.release()
+    assert sorted(p.name for p in partial.iterdir()) == [
+        "busy.json",
+        "busy.part",
+        "fresh.json",
+        "fresh.part",
+    ]
+    assert not cache.has_blob(orphan_sha)
+    assert list((cache_dir / "tmp").iterdir()) == []
+    assert report.orphans == 1 and report.junk == 1 and report.evicted == ()
+    assert remaining(cache) == ["acme/a"]  # complete and unused for 3 days: no max_age given
+
+
+def test_stale_incomplete_snapshot_is_removed(hub: FakeHub, tmp_path: Path) -> None:
+    cache_dir = tmp_path / "cache"
+    snapshots = fill(cache_dir, hub, ("a", "b"))
+    cache = CacheStore(cache_dir)
+    record = cache_dir / "state" / "snapshots" / "models--acme--b" / f"{snapshots['b'].name}.json"
+    record.unlink()  # b is now an abandoned, incomplete download
+    assert prune_cache(cache, Limits()).evicted == ()  # not stale yet
+    report = prune_cache(cache, Limits(), clock=lambda: time.time() + 2 * DAY)
+    assert [(e.repo, e.reason) for e in report.evicted] == [("acme/b", "stale")]
+    assert remaining(cache) == ["acme/a"]
+    assert_hf_clean(cache_dir)
+
+
+MMAP_READER = r"""
+import hashlib, mmap, sys
+with open(sys.argv[1], "rb") as f:
+    view = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+print("ready", flush=True)
+for line in sys.stdin:
+    print(hashlib.sha256(view).hexdigest(), flush=True)
+"""
+
+
+def test_mmap_reader_keeps_valid_bytes_through_a_prune(
+    hub: FakeHub, models: dict[str, Checkpoint], tmp_path: Path
+) -> None:
+    cache_dir = tmp_path / "cache"
+    snapshots = fill(cache_dir, hub, ("a",))
+    shard = models["a"].shards[0]
+    expected = models["a"].path(shard).read_bytes()
+    want = hashlib.sha256(expected).hexdigest()
+    with subprocess.Popen(
+        [sys.executable, "-c", MMAP_READER, str(snapshots["a"] / shard)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    ) as reader:
+        assert reader.stdin is not None and reader.stdout is not None
+
+        def ask() -> str:
+            assert reader.stdin is not None and reader.stdout is not None
+            reader.stdin.write("hash\n")
+            reader.stdin.flush()
+            return reader.stdout.readline().strip()
+
+        assert reader.stdout.readline() == "ready\n"
+        assert ask() == want
+        report = prune_cache(CacheStore(cache_dir), Limits(max_size=0))
+        assert [e.repo for e in report.evicted] == ["acme/a"]
+        assert not (cache_dir / "store" / "sha256" / want[:2] / want).exists()
+        for _ in range(3):  # the unlinked inode still serves every byte: no SIGBUS, no zeros
+            assert ask() == want
+        reader.stdin.close()
+        assert reader.wait(timeout=30) == 0
+
+
+def test_concurrent_prunes_from_the_command_line(hub: FakeHub, tmp_path: Path) -> None:
+    cache_dir = tmp_path / "cache"
+    fill(cache_dir, hub)
+    cmd = [
+        sys.executable,
+        "-m",
+        "shardsync.cli",
+        "prune",
+        "--cache-dir",
+        str(cache_dir),
+        "--max-size",
+        "0",
+        "--json",
+    ]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) for _ in range(3)]
+    reports = [json.loads(p.communicate(timeout=120)[0]) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0]
+    evicted = sorted(e["repo"] for r in reports for e in r["evicted"])
+    assert evicted == ["acme/a", "acme/b", "acme/c"]  # each exactly once
+    assert all(r["satisfied"] for r in reports)
+    assert remaining(CacheStore(cache_dir)) == []
+    assert_hf_clean(cache_dir)
+
+
+PRUNE_KEYS = {
+    "dry_run",
+    "skipped",
+    "satisfied",
+    "unmet",
+    "limits",
+    "before",
+    "after",
+    "freed_bytes",
+    "evicted",
+    "repos",
+    "partials",
+    "orphan_blobs",
+    "junk",
+    "leases_reaped",
+    "protected",
+}
+
+
+def test_cli_json_shape_and_exit_codes(hub: FakeHub, tmp_path: Path) -> None:
+    cache_dir = tmp_path / "cache"
+    fill(cache_dir, hub, ("a", "b"))
+    config = tmp_path / "c.toml"
+    config.write_text('[prune]\npin = ["acme/a"]\n')
+    base = [sys.executable, "-m", "shardsync.cli", "--config", str(config), "prune"]
+    base += ["--cache-dir", str(cache_dir)]
+    out = subprocess.run([*base, "--max-size", "1k", "--json"], capture_output=True, text=True)
+    assert out.returncode == 8, out.stderr  # acme/a is pinned: the cap cannot be met
+    report = json.loads(out.stdout)
+    assert set(report) == PRUNE_KEYS
+    assert set(report["limits"]) == {"max_size", "min_free", "max_age_s", "stale_age_s"}
+    assert set(report["before"]) == set(report["after"]) == {"bytes_on_disk", "disk_free"}
+    assert [set(e) for e in report["evicted"]] == [
+        {"repo", "dir", "commit", "reason", "freed_bytes"}
+    ]
+    assert report["repos"] == [
+        {"repo": "acme/b", "snapshots": 1, "freed_bytes": report["evicted"][0]["freed_bytes"]}
+    ]
+    assert set(report["partials"]) == {"files", "freed_bytes"}
+    assert report["protected"][0] == {
+        "repo": "acme/a",
+        "commit": report["protected"][0]["commit"],
+        "reason": "pinned",
+    }
+    assert report["unmet"] == ["max_size"] and report["satisfied"] is False
+    text = subprocess.run([*base, "--max-age", "0s"], capture_output=True, text=True)
+    assert text.returncode == 0, text.stderr
+    assert text.stdout.startswith("freed ") and "untouched: acme/a (pinned)" in text.stdout
+    bad = subprocess.run([*base, "--max-age", "soon"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "not a duration" in bad.stderr
+
+
+def test_ensure_free(hub: FakeHub, tmp_path: Path) -> None:
+    cache_dir = tmp_path / "cache"
+    fill(cache_dir, hub)
+    cache = CacheStore(cache_dir)
+    total = scan(cache).total_bytes
+    # plenty of disk and no cap: nothing to do
+    assert ensure_free(cache, 1 << 20).evicted == ()
+    # a cap the cache is at: room for one more byte evicts the least recently used
+    report = ensure_free(cache, 1, Limits(max_size=total))
+    assert [e.repo for e in report.evicted] == ["acme/a"]
+    # more than the filesystem can ever hold: everything evictable goes, then a clear error
+    with pytest.raises(DiskFullError, match="not enough disk space"):
+        ensure_free(cache, 1 << 62, pin=["acme/c"])
+    assert remaining(cache) == ["acme/c"]
+
+
+def test_needs_prune(hub: FakeHub, tmp_path: Path) -> None:
+    cache_dir = tmp_path / "cache"
+    fill(cache_dir, hub, ("a",))
+    cache = CacheStore(cache_dir)
+    size = scan(cache).total_bytes
+    assert not needs_prune(cache, PruneConfig())
+    assert needs_prune(cache, PruneConfig(max_size=size - 1))
+    assert not needs_prune(cache, PruneConfig(max_size=size - 1, high_water=size))
+    assert needs_prune(cache, PruneConfig(min_free=1 << 62))
