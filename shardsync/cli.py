@@ -15,13 +15,20 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from shardsync import errors
-from shardsync.config import Config, load_config, parse_size
-from shardsync.prefetch import PrefetchResult, prefetch
+from shardsync.cache import CacheStore
+from shardsync.config import Config, load_config, parse_duration, parse_size
+from shardsync.inventory import Inventory, inventory_to_json, scan
+from shardsync.origins import LocalOrigin, parse_source
+from shardsync.prefetch import PrefetchResult, ProgressSink, prefetch
 from shardsync.progress import format_bytes, make_progress
+from shardsync.pruner import PruneReport, limits_from_config, prune_cache
+from shardsync.scheduler import result_to_json
+from shardsync.verify import EXIT_PROBLEMS, VerifyReport, verify_cache
 
-__all__ = ["EXIT_CODES", "main"]
+__all__ = ["EXIT_CODES", "main", "result_to_json"]
 
 EXIT_CODES: dict[type[errors.ShardsyncError], int] = {
     errors.ConfigError: 2,
@@ -37,6 +44,8 @@ EXIT_CODES: dict[type[errors.ShardsyncError], int] = {
     errors.DiskFullError: 8,
     errors.CacheError: 9,
     errors.OfflineError: 10,
+    errors.DaemonError: 11,
+    errors.JobCancelledError: 12,
 }
 
 
@@ -66,6 +75,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-pickle", action="store_true", help="accept .bin checkpoints")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress output")
+    p.add_argument("--priority", type=int, default=0, help="daemon job priority (default 0)")
+    p.add_argument(
+        "--no-daemon", action="store_true", help="download in this process even if a daemon runs"
+    )
 
     ld = sub.add_parser("load", help="stream a checkpoint onto devices and report timings")
     ld.add_argument("source", help="ORG/NAME on the Hub, an http(s) base URL, or a directory")
@@ -87,6 +100,38 @@ def _parser() -> argparse.ArgumentParser:
     ld.add_argument("--dtype", help="cast floating tensors on the device, e.g. bfloat16")
     ld.add_argument("--json", action="store_true", help="print the plan and timings as JSON")
 
+    dm = sub.add_parser("daemon", help="serve prefetch jobs on a Unix socket (see README)")
+    dm.add_argument("--config", type=Path, default=argparse.SUPPRESS, help="TOML config file")
+
+    st = sub.add_parser("status", help="the daemon's jobs, counters and cache usage")
+    st.add_argument("--config", type=Path, default=argparse.SUPPRESS, help="TOML config file")
+    st.add_argument("--json", action="store_true", help="print the status as JSON")
+
+    pr = sub.add_parser("prune", help="evict least recently used snapshots to fit limits")
+    pr.add_argument("--config", type=Path, default=argparse.SUPPRESS, help="TOML config file")
+    pr.add_argument("--cache-dir", type=Path, help="cache root (default: $SHARDSYNC_CACHE_DIR)")
+    pr.add_argument("--max-size", metavar="SIZE", help="prune the cache down to this, e.g. 500G")
+    pr.add_argument("--min-free", metavar="SIZE", help="leave this much free on the disk")
+    pr.add_argument("--max-age", metavar="AGE", help="evict what was unused this long, e.g. 30d")
+    pr.add_argument(
+        "--keep", nargs="+", action="extend", default=[], metavar="REPO", help="repos to spare"
+    )
+    pr.add_argument("--dry-run", action="store_true", help="say what would go, change nothing")
+    pr.add_argument("--no-wait", action="store_true", help="skip if another prune is running")
+    pr.add_argument("--json", action="store_true", help="print the report as JSON")
+
+    vf = sub.add_parser("verify", help="re-hash cached blobs, quarantine corrupt ones")
+    vf.add_argument("repo", nargs="?", help="only this repo (name or glob)")
+    vf.add_argument("--config", type=Path, default=argparse.SUPPRESS, help="TOML config file")
+    vf.add_argument("--cache-dir", type=Path, help="cache root (default: $SHARDSYNC_CACHE_DIR)")
+    vf.add_argument("--full", action="store_true", help="recompute sha256 too (slower)")
+    vf.add_argument("--json", action="store_true", help="print the report as JSON")
+
+    ls = sub.add_parser("ls", help="cached repos and snapshots: size, completeness, last use")
+    ls.add_argument("--config", type=Path, default=argparse.SUPPRESS, help="TOML config file")
+    ls.add_argument("--cache-dir", type=Path, help="cache root (default: $SHARDSYNC_CACHE_DIR)")
+    ls.add_argument("--json", action="store_true", help="print the listing as JSON")
+
     d = sub.add_parser("demo", help="prefetch a generated checkpoint from a local fake hub")
     d.add_argument("--size", default="256MiB", help="checkpoint size (default 256MiB)")
     d.add_argument("--shards", type=int, default=4)
@@ -102,6 +147,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _prefetch(args)
         if args.command == "load":
             return _load(args)
+        if args.command == "daemon":
+            from shardsync.daemon import run_daemon
+
+            return run_daemon(args.config, os.environ)
+        if args.command == "status":
+            return _status(args)
+        if args.command == "prune":
+            return _prune(args)
+        if args.command == "verify":
+            return _verify(args)
+        if args.command == "ls":
+            return _ls(args)
         return _demo(args)
     except errors.ShardsyncError as exc:
         print(f"shardsync: error: {exc}", file=sys.stderr)
@@ -119,25 +176,123 @@ def _config(args: argparse.Namespace) -> Config:
 
 def _prefetch(args: argparse.Namespace) -> int:
     config = _config(args)
+    config = replace(config, cache_dir=Path(os.path.abspath(config.cache_dir)))
     progress = None if args.quiet or args.offline else make_progress(sys.stderr, args.source)
     try:
-        result = asyncio.run(
-            prefetch(
-                args.source,
-                config,
-                revision=args.revision,
-                include=args.include,
-                exclude=args.exclude,
-                offline=args.offline,
-                allow_pickle=args.allow_pickle,
-                progress=progress,
-            )
-        )
+        result = asyncio.run(_prefetch_somewhere(args, config, progress))
     finally:
         if progress is not None:
             progress.close()
     _report(result, as_json=args.json, quiet=args.quiet)
     return 0
+
+
+async def _prefetch_somewhere(
+    args: argparse.Namespace, config: Config, progress: ProgressSink | None
+) -> PrefetchResult:
+    """Through the daemon when one answers and serves what was asked; else in-process."""
+    use_daemon = not (args.no_daemon or args.offline)
+    if use_daemon and isinstance(parse_source(args.source, endpoint=config.endpoint), LocalOrigin):
+        use_daemon = False  # the daemon never reads a client's directories
+    if use_daemon:
+        result = await _prefetch_via_daemon(args, config, progress)
+        if result is not None:
+            return result
+    return await prefetch(
+        args.source,
+        config,
+        revision=args.revision,
+        include=args.include,
+        exclude=args.exclude,
+        offline=args.offline,
+        allow_pickle=args.allow_pickle,
+        progress=progress,
+    )
+
+
+async def _prefetch_via_daemon(
+    args: argparse.Namespace, config: Config, progress: ProgressSink | None
+) -> PrefetchResult | None:
+    """None when no daemon answers (and fallback allows), or when --cache-dir,
+    $SHARDSYNC_CACHE_DIR or --endpoint ask for another cache or Hub than the daemon's."""
+    from shardsync.client import Client
+
+    client = Client(config, fallback="error")
+    try:
+        await client.connect()
+    except errors.DaemonUnavailableError:
+        if config.daemon.fallback == "error":
+            raise
+        return None
+    try:
+        status = client.daemon_status or {}
+        chosen_cache = args.cache_dir is not None or bool(os.environ.get("SHARDSYNC_CACHE_DIR"))
+        daemon_cache = status.get("cache_dir")
+        if chosen_cache and daemon_cache != str(config.cache_dir):
+            return None
+        wanted = (args.endpoint or "").rstrip("/")
+        if wanted and wanted != (status.get("endpoint") or "").rstrip("/"):
+            return None
+        job = await client.prefetch(
+            args.source,
+            revision=args.revision,
+            include=args.include,
+            exclude=args.exclude,
+            priority=args.priority,
+            allow_pickle=args.allow_pickle,
+        )
+        return await job.wait(progress)
+    finally:
+        await client.close()
+
+
+def _status(args: argparse.Namespace) -> int:
+    """The daemon's counters, jobs and cache usage; exit 11 when none answers."""
+    from shardsync.client import Client
+
+    config = load_config(args.config, os.environ)
+
+    async def gather() -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any]]:
+        async with Client(config, fallback="error") as client:
+            jobs = [dict(j) for j in await client.jobs()]
+            return await client.status(), jobs, await client.cache()
+
+    status, jobs, cache = asyncio.run(gather())
+    if args.json:
+        print(json.dumps({"daemon": status, "jobs": jobs, "cache": cache}, indent=2))
+        return 0
+    for line in _status_lines(status, jobs, cache):
+        print(line)
+    return 0
+
+
+def _status_lines(
+    status: dict[str, Any], jobs: list[dict[str, Any]], cache: dict[str, Any]
+) -> list[str]:
+    def size(value: Any) -> str:
+        return "?" if value is None else format_bytes(value)
+
+    counts = ", ".join(f"{n} {state}" for state, n in status["jobs"].items() if n)
+    retries = ", ".join(f"{cause}={n}" for cause, n in status["retries"].items())
+    lines = [
+        f"shardsync daemon {status['version']} (pid {status['pid']}), up "
+        f"{status['uptime_s']:.0f}s, socket {status['socket']}",
+        f"cache {cache['root']}: {cache['blobs']} blobs, {size(cache['bytes'])} "
+        f"(+{size(cache['partial_bytes'])} partial), {size(cache['disk_free'])} free",
+        f"downloaded {size(status['bytes_downloaded'])} in {status['files_fetched']} files; "
+        f"{status['active_connections']} origin requests in flight; "
+        f"retries: {retries or 'none'}; verify failures: {status['verify_failures']}",
+        f"jobs: {counts or 'none'}",
+    ]
+    for job in jobs:
+        files, done = job["files"], job["bytes"]
+        lines.append(
+            f"  {job['id']}  {job['state']:<11} {job['repo']}@{job['revision']}  "
+            f"{files['verified']}/{files['total'] or '?'} files  "
+            f"{size(done['done'])}/{size(done['total'])}  "
+            f"priority {job['priority']}, {job['clients']} client(s)"
+        )
+    return lines
 
 
 def _report(result: PrefetchResult, *, as_json: bool, quiet: bool) -> None:
@@ -155,32 +310,6 @@ def _report(result: PrefetchResult, *, as_json: bool, quiet: bool) -> None:
             file=sys.stderr,
         )
     print(result.snapshot_path)
-
-
-def result_to_json(result: PrefetchResult) -> dict[str, object]:
-    """The documented ``--json`` shape (stable: fields are only ever added)."""
-    return {
-        "repo": result.repo.name,
-        "origin": result.repo.kind,
-        "revision": result.revision,
-        "commit": result.commit,
-        "snapshot_path": str(result.snapshot_path),
-        "bytes_downloaded": result.bytes_downloaded,
-        "total_size": result.total_size,
-        "elapsed_s": round(result.elapsed, 3),
-        "files": [
-            {
-                "path": f.path,
-                "size": f.size,
-                "sha256": f.sha256,
-                "verified": f.verified,
-                "source": f.source,
-                "downloaded": f.downloaded,
-                "resumed": f.resumed,
-            }
-            for f in result.files
-        ],
-    }
 
 
 def _load(args: argparse.Namespace) -> int:
@@ -285,6 +414,148 @@ def _demo(args: argparse.Namespace) -> int:
         if args.cache_dir is None:
             print("demo: (temporary cache removed; pass --cache-dir to keep it)", file=sys.stderr)
     return 0
+
+
+# --------------------------------------------------------------------------- cache lifecycle
+
+
+def _prune(args: argparse.Namespace) -> int:
+    """Evict least recently used snapshots until the limits hold; exit 8 when they cannot."""
+    config = _config(args)
+    try:
+        limits = limits_from_config(
+            config.prune,
+            max_size=None if args.max_size is None else parse_size(args.max_size),
+            min_free=None if args.min_free is None else parse_size(args.min_free),
+            max_age=None if args.max_age is None else parse_duration(args.max_age),
+        )
+    except ValueError as exc:
+        raise errors.ConfigError(f"prune: {exc}") from None
+    report = prune_cache(
+        CacheStore(config.cache_dir),
+        limits,
+        pin=config.prune.pin,
+        keep=args.keep,
+        dry_run=args.dry_run,
+        wait=not args.no_wait,
+    )
+    if args.json:
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        for line in _prune_lines(report):
+            print(line)
+    return EXIT_CODES[errors.DiskFullError] if report.unmet else 0
+
+
+def _prune_lines(report: PruneReport) -> list[str]:
+    if report.skipped:
+        return ["prune: skipped: another prune is running (--no-wait)"]
+    free = "" if report.free_after is None else f", {format_bytes(report.free_after)} free"
+    lines = [
+        f"{'dry run: would free' if report.dry_run else 'freed'} "
+        f"{format_bytes(report.freed_bytes)}; cache {format_bytes(report.size_before)} -> "
+        f"{format_bytes(report.size_after)}{free}"
+    ]
+    for repo, (count, nbytes) in report.by_repo().items():
+        commits = ", ".join(
+            f"{e.commit[:12]} ({e.reason})" for e in report.evicted if e.repo == repo
+        )
+        lines.append(f"  {repo}: {format_bytes(nbytes)} in {count} snapshot(s): {commits}")
+    for label, count, nbytes in (
+        ("abandoned partial downloads", report.partials, report.partial_bytes),
+        ("unreferenced blobs", report.orphans, report.orphan_bytes),
+        ("tmp/quarantine entries", report.junk, report.junk_bytes),
+    ):
+        if count:
+            lines.append(f"  {label}: {count}, {format_bytes(nbytes)}")
+    kept = sorted({f"{p.repo} ({p.reason})" for p in report.protected})
+    if kept:
+        lines.append("untouched: " + ", ".join(kept))
+    if report.unmet:
+        lines.append(
+            "limits not met: " + ", ".join(report.unmet) + " (what is left is pinned, kept, "
+            "leased or recently used partials)"
+        )
+    return lines
+
+
+def _verify(args: argparse.Namespace) -> int:
+    """Re-hash blobs; exit 13 when anything was corrupt or missing (it is quarantined)."""
+    config = _config(args)
+    report = verify_cache(CacheStore(config.cache_dir), args.repo, full=args.full)
+    if args.json:
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        for line in _verify_lines(report):
+            print(line)
+    return 0 if report.ok else EXIT_PROBLEMS
+
+
+def _verify_lines(report: VerifyReport) -> list[str]:
+    what = "sha256 + xxh3-128" if report.full else "xxh3-128"
+    count = len(report.problems)
+    lines = [
+        f"verified {report.blobs} blobs ({format_bytes(report.bytes_hashed)}, {what}) of "
+        f"{report.snapshots} snapshots: "
+        + ("all intact" if report.ok else f"{count} problem{'s' if count != 1 else ''}")
+    ]
+    for p in report.problems:
+        where = f" -> quarantined to {p.quarantined}" if p.quarantined else ""
+        lines.append(f"  {p.kind:<8} {p.repo}@{p.commit[:12]} {p.path}: {p.detail}{where}")
+    if report.incomplete:
+        lines.append("incomplete now; `shardsync prefetch` downloads just what is missing:")
+        lines.extend(f"  {repo}@{commit}" for repo, commit in report.incomplete)
+    return lines
+
+
+def _ls(args: argparse.Namespace) -> int:
+    config = _config(args)
+    inventory = scan(CacheStore(config.cache_dir), pin=config.prune.pin)
+    if args.json:
+        print(json.dumps(inventory_to_json(inventory), indent=2))
+    else:
+        for line in _ls_lines(inventory):
+            print(line)
+    return 0
+
+
+def _ls_lines(inv: Inventory) -> list[str]:
+    rows = [("REPO", "REFS", "COMMIT", "SIZE", "COMPLETE", "LAST USED", "FLAGS")]
+    for repo in inv.repos:
+        for s in repo.snapshots:
+            flags = [f for f, on in (("pinned", s.pinned), ("leased", s.leased)) if on]
+            rows.append(
+                (
+                    repo.repo,
+                    ",".join(s.refs) or "-",
+                    s.commit[:12],
+                    format_bytes(s.nbytes),
+                    "yes" if s.complete else "no",
+                    _ago(s.last_used, inv.scanned_at),
+                    ",".join(flags) or "-",
+                )
+            )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = [
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    ]
+    free = "?" if inv.disk_free is None else format_bytes(inv.disk_free)
+    lines.append(
+        f"{len(inv.repos)} repos, {format_bytes(inv.total_bytes)} on disk (shared blobs counted "
+        f"once; {format_bytes(inv.partial_bytes)} in partial downloads); {free} free"
+    )
+    return lines
+
+
+def _ago(when: float | None, now: float) -> str:
+    if when is None:
+        return "never"
+    seconds = max(now - when, 0.0)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size:.0f}{unit} ago"
+    return "just now"
 
 
 if __name__ == "__main__":

@@ -6,18 +6,32 @@ that looks at files and variables, so tests pass both explicitly.
 
 from __future__ import annotations
 
+import grp
+import ipaddress
 import os
+import pwd
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from shardsync.errors import ConfigError
 from shardsync.fetch import FetchConfig
 from shardsync.retry import RetryPolicy
 
-__all__ = ["Config", "default_cache_dir", "load_config", "parse_size"]
+__all__ = [
+    "SYSTEM_SOCKET",
+    "Config",
+    "DaemonConfig",
+    "PruneConfig",
+    "client_sockets",
+    "daemon_socket",
+    "default_cache_dir",
+    "load_config",
+    "parse_duration",
+    "parse_size",
+]
 
 _UNITS = {
     "": 1,
@@ -56,12 +70,79 @@ def parse_size(value: str | int) -> int:
     return int(number * _UNITS[unit])
 
 
+_DURATION_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
+
+
+def parse_duration(value: str | int | float) -> float:
+    """``"30d"``, ``"12h"``, ``"90m"``, ``"45s"``, ``"2w"`` or a plain number of seconds."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        seconds = float(value)
+    elif isinstance(value, str):
+        text = value.strip().lower().replace(" ", "")
+        number = text.rstrip("smhdw")
+        unit = text[len(number) :]
+        if unit not in _DURATION_UNITS or not number:
+            raise ValueError(f"not a duration: {value!r}")
+        try:
+            seconds = float(number) * _DURATION_UNITS[unit]
+        except ValueError:
+            raise ValueError(f"not a duration: {value!r}") from None
+    else:
+        raise ValueError(f"not a duration: {value!r}")
+    if not seconds >= 0 or seconds == float("inf"):
+        raise ValueError(f"a duration must be a finite number >= 0, not {value!r}")
+    return seconds
+
+
 def default_cache_dir(environ: Mapping[str, str]) -> Path:
     """``SHARDSYNC_CACHE_DIR``, else ``$XDG_CACHE_HOME/shardsync``, else ``~/.cache/shardsync``."""
     if environ.get("SHARDSYNC_CACHE_DIR"):
         return Path(environ["SHARDSYNC_CACHE_DIR"]).expanduser()
     base = environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base).expanduser() / "shardsync"
+
+
+SYSTEM_SOCKET = Path("/run/shardsync/shardsync.sock")
+"""Where the systemd unit's daemon listens (``RuntimeDirectory=shardsync``)."""
+
+Fallback = Literal["in-process", "error"]
+
+
+@dataclass(frozen=True, slots=True)
+class DaemonConfig:
+    """The ``[daemon]`` section: the socket and who may use it, global limits, client fallback.
+
+    ``socket`` None means the default location (see ``socket_candidates``), which depends on
+    the environment and so is resolved when used, not when loaded.
+    """
+
+    socket: Path | None = None
+    socket_mode: int = 0o600
+    group: int | None = None  # gid owning the socket (and its directory), for shared access
+    allowed_uids: frozenset[int] = frozenset()
+    allowed_gids: frozenset[int] = frozenset()
+    tcp: tuple[str, int] | None = None  # (host, port) of the metrics/status listener
+    tcp_allow_remote: bool = False
+    max_bandwidth: int = 0  # bytes/s for all downloads together; 0 = unlimited
+    fallback: Fallback = "in-process"
+    history: int = 100  # finished jobs remembered for GET /v1/jobs
+
+
+@dataclass(frozen=True, slots=True)
+class PruneConfig:
+    """The ``[prune]`` section: limits for ``shardsync prune`` and the daemon's auto-prune.
+
+    None means no such limit. ``pin`` holds repo names or ``fnmatch`` patterns that are never
+    pruned. ``high_water`` is the cache size at which the daemon prunes on its own (down to
+    ``max_size``); None means ``max_size`` itself.
+    """
+
+    max_size: int | None = None
+    min_free: int | None = None
+    max_age: float | None = None  # seconds
+    pin: tuple[str, ...] = ()
+    stale_partial_age: float = 86400.0  # seconds
+    high_water: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +153,33 @@ class Config:
     endpoint: str | None = None
     max_files: int = 4
     fetch: FetchConfig = field(default_factory=FetchConfig)
+    daemon: DaemonConfig = field(default_factory=DaemonConfig)
+    prune: PruneConfig = field(default_factory=PruneConfig)
+
+
+def daemon_socket(daemon: DaemonConfig, environ: Mapping[str, str]) -> Path:
+    """Where the daemon listens: ``daemon.socket``, else ``$RUNTIME_DIRECTORY/shardsync.sock``
+    (systemd), else ``$XDG_RUNTIME_DIR/shardsync/shardsync.sock``, else
+    ``/tmp/shardsync-$UID/shardsync.sock``."""
+    if daemon.socket is not None:
+        return daemon.socket
+    runtime = environ.get("RUNTIME_DIRECTORY", "").split(":")[0]
+    if runtime:
+        return Path(runtime) / "shardsync.sock"
+    if environ.get("XDG_RUNTIME_DIR"):
+        return Path(environ["XDG_RUNTIME_DIR"]) / "shardsync" / "shardsync.sock"
+    return Path(f"/tmp/shardsync-{os.getuid()}") / "shardsync.sock"
+
+
+def client_sockets(daemon: DaemonConfig, environ: Mapping[str, str]) -> tuple[Path, ...]:
+    """Where clients look for a daemon, in order: the configured socket only, else the
+    user's own daemon, then the system daemon's socket (which a user's environment does not
+    name), then the ``/tmp`` fallback."""
+    if daemon.socket is not None:
+        return (daemon.socket,)
+    own = daemon_socket(daemon, environ)
+    tmp = Path(f"/tmp/shardsync-{os.getuid()}") / "shardsync.sock"
+    return tuple(dict.fromkeys((own, SYSTEM_SOCKET, tmp) if own != tmp else (SYSTEM_SOCKET, tmp)))
 
 
 _FETCH_KEYS = {
@@ -134,7 +242,7 @@ def load_config(
             raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path}: {exc}") from None
-    known = {"cache", "download", "retry", "hub"}
+    known = {"cache", "download", "retry", "hub", "daemon", "prune"}
     for key in data:
         if key not in known:
             raise ConfigError(f"unknown config section or key {key!r}")
@@ -147,6 +255,8 @@ def load_config(
         ("download", set(_FETCH_KEYS) | {"max_files"}),
         ("retry", set(_RETRY_KEYS)),
         ("hub", {"endpoint"}),
+        ("daemon", set(_DAEMON_KEYS)),
+        ("prune", set(_PRUNE_KEYS)),
     ):
         for key in _section(data, section):
             if key not in allowed:
@@ -187,7 +297,189 @@ def load_config(
     endpoint = env.get("HF_ENDPOINT") or hub.get("endpoint")
     if endpoint is not None and not isinstance(endpoint, str):
         raise ConfigError("hub.endpoint must be a string")
-    return Config(cache_dir=cache_dir, endpoint=endpoint, max_files=max_files, fetch=fetch)
+    daemon = _daemon_config(_section(data, "daemon"), env)
+    if daemon.max_bandwidth:
+        floor = fetch.min_throughput * max_files * fetch.connections_per_file
+        if daemon.max_bandwidth < floor:
+            raise ConfigError(
+                f"daemon.max_bandwidth: {daemon.max_bandwidth} B/s cannot give each of "
+                f"max_files * connections_per_file connections the download.min_throughput "
+                f"of {fetch.min_throughput} B/s (needs at least {floor} B/s)"
+            )
+    prune = _prune_config(_section(data, "prune"))
+    return Config(
+        cache_dir=cache_dir,
+        endpoint=endpoint,
+        max_files=max_files,
+        fetch=fetch,
+        daemon=daemon,
+        prune=prune,
+    )
+
+
+_DAEMON_KEYS = (
+    "socket",
+    "socket_mode",
+    "group",
+    "allowed_uids",
+    "allowed_gids",
+    "tcp",
+    "tcp_allow_remote",
+    "max_bandwidth",
+    "fallback",
+    "history",
+)
+
+
+def _daemon_config(section: Mapping[str, Any], env: Mapping[str, str]) -> DaemonConfig:
+    """Validate ``[daemon]``; ``SHARDSYNC_SOCKET``/``_FALLBACK``/``_MAX_BANDWIDTH`` override it."""
+    raw = dict(section)
+    for env_key, key in (
+        ("SHARDSYNC_SOCKET", "socket"),
+        ("SHARDSYNC_FALLBACK", "fallback"),
+        ("SHARDSYNC_MAX_BANDWIDTH", "max_bandwidth"),
+    ):
+        if env.get(env_key):
+            raw[key] = env[env_key]
+    socket = raw.get("socket", "")
+    if not isinstance(socket, str):
+        raise ConfigError("daemon.socket must be a string path")
+    group = _gid("daemon.group", raw["group"]) if "group" in raw else None
+    mode = _mode(raw.get("socket_mode", 0o660 if group is not None else 0o600))
+    uids = _id_list("daemon.allowed_uids", raw.get("allowed_uids", []), _uid)
+    default_gids = [group] if group is not None else []
+    gids = _id_list("daemon.allowed_gids", raw.get("allowed_gids", default_gids), _gid)
+    allow_remote = raw.get("tcp_allow_remote", False)
+    if not isinstance(allow_remote, bool):
+        raise ConfigError("daemon.tcp_allow_remote must be true or false")
+    tcp = _tcp(raw.get("tcp", ""), allow_remote=allow_remote)
+    fallback = raw.get("fallback", "in-process")
+    if fallback not in ("in-process", "error"):
+        raise ConfigError(f'daemon.fallback must be "in-process" or "error" (got {fallback!r})')
+    bandwidth = _coerce("daemon.max_bandwidth", raw.get("max_bandwidth", 0), "size")
+    history = _coerce("daemon.history", raw.get("history", 100), int)
+    if history <= 0:
+        raise ConfigError(f"daemon.history must be positive (got {history!r})")
+    return DaemonConfig(
+        socket=Path(socket).expanduser() if socket else None,
+        socket_mode=mode,
+        group=group,
+        allowed_uids=frozenset(uids),
+        allowed_gids=frozenset(gids),
+        tcp=tcp,
+        tcp_allow_remote=allow_remote,
+        max_bandwidth=bandwidth,
+        fallback=fallback,
+        history=history,
+    )
+
+
+def _mode(value: object) -> int:
+    """``0o600`` in TOML, or an octal string like ``"0660"``; read-write bits only."""
+    mode: int | None = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        mode = value
+    elif isinstance(value, str):
+        try:
+            mode = int(value.removeprefix("0o"), 8)
+        except ValueError:
+            mode = None
+    if mode is None or mode & ~0o666 or mode & 0o600 != 0o600:
+        raise ConfigError(
+            f"daemon.socket_mode must be an octal mode of read/write bits including 0600, "
+            f'like 0o600 or "0660" (got {value!r})'
+        )
+    return mode
+
+
+def _uid(key: str, value: object) -> int:
+    if isinstance(value, str):
+        try:
+            return pwd.getpwnam(value).pw_uid
+        except KeyError:
+            raise ConfigError(f"{key}: no user named {value!r}") from None
+    return _nonnegative(key, value)
+
+
+def _gid(key: str, value: object) -> int:
+    if isinstance(value, str):
+        try:
+            return grp.getgrnam(value).gr_gid
+        except KeyError:
+            raise ConfigError(f"{key}: no group named {value!r}") from None
+    return _nonnegative(key, value)
+
+
+def _nonnegative(key: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{key}: expected a name or a non-negative id (got {value!r})")
+    return value
+
+
+def _id_list(key: str, value: object, one: Callable[[str, object], int]) -> list[int]:
+    if not isinstance(value, list):
+        raise ConfigError(f"{key} must be a list of names or ids")
+    return [one(key, item) for item in value]
+
+
+def _tcp(value: object, *, allow_remote: bool) -> tuple[str, int] | None:
+    """``"127.0.0.1:9464"`` or ``"[::1]:9464"``; anything but loopback needs an explicit yes."""
+    if not isinstance(value, str):
+        raise ConfigError('daemon.tcp must be a "HOST:PORT" string')
+    if not value:
+        return None
+    host, sep, port_text = value.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise ConfigError(f'daemon.tcp must look like "127.0.0.1:9464" (got {value!r})')
+    if not allow_remote:
+        try:
+            loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            loopback = False
+        if not loopback:
+            raise ConfigError(
+                f"daemon.tcp: {host} is not a loopback address; set "
+                "daemon.tcp_allow_remote = true to listen on it"
+            )
+    return host, int(port_text)
+
+
+_PRUNE_KEYS = ("max_size", "min_free", "max_age", "pin", "stale_partial_age", "high_water")
+
+
+def _prune_config(section: Mapping[str, Any]) -> PruneConfig:
+    """Validate ``[prune]``; sizes as in ``parse_size``, ages as in ``parse_duration``."""
+
+    def size(key: str) -> int | None:
+        return None if key not in section else _coerce(f"prune.{key}", section[key], "size")
+
+    def duration(key: str, default: float | None) -> float | None:
+        if key not in section:
+            return default
+        try:
+            return parse_duration(section[key])
+        except ValueError as exc:
+            raise ConfigError(f"prune.{key}: {exc}") from None
+
+    pin = section.get("pin", [])
+    if not isinstance(pin, list) or not all(isinstance(p, str) and p for p in pin):
+        raise ConfigError('prune.pin must be a list of repo names or globs, like ["org/*"]')
+    config = PruneConfig(
+        max_size=size("max_size"),
+        min_free=size("min_free"),
+        max_age=duration("max_age", None),
+        pin=tuple(pin),
+        stale_partial_age=duration("stale_partial_age", 86400.0) or 0.0,
+        high_water=size("high_water"),
+    )
+    if (
+        config.high_water is not None
+        and config.max_size is not None
+        and config.high_water < config.max_size
+    ):
+        raise ConfigError("prune.high_water must be at least prune.max_size")
+    return config
 
 
 def _int_env(name: str, raw: str) -> int:

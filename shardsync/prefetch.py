@@ -9,10 +9,12 @@ and mark the snapshot complete last.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import hashlib
 import time
 from collections.abc import Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol
@@ -23,7 +25,7 @@ import xxhash
 from shardsync.cache import CacheStore, FileRecord, RepoRef, SnapshotRecord
 from shardsync.config import Config
 from shardsync.errors import CacheError, DiskFullError, OfflineError, first_error
-from shardsync.fetch import Fetcher, FetchStatistics, Sleep
+from shardsync.fetch import Fetcher, FetchStatistics, Sleep, Throttle
 from shardsync.manifest import (
     Listing,
     Manifest,
@@ -35,9 +37,11 @@ from shardsync.manifest import (
 from shardsync.origins import LocalOrigin, Origin, UrlOrigin, parse_source
 from shardsync.origins.local import Copied
 from shardsync.retry import is_strong_etag
+from shardsync.usage import AccessLog, Lease, Leases
 
 __all__ = [
     "Engine",
+    "FileGate",
     "FileOutcome",
     "Job",
     "PrefetchResult",
@@ -89,6 +93,19 @@ class ProgressSink(Protocol):
     def file_done(self, outcome: FileOutcome) -> None: ...
 
 
+class FileGate(Protocol):
+    """Admits one file of a job at a time per slot: the daemon's scheduler orders files of
+    all jobs by priority with it, and learns which file started and which failed."""
+
+    def __call__(
+        self, entry: ManifestEntry, position: int
+    ) -> AbstractAsyncContextManager[None]: ...
+
+
+def _open_gate(entry: ManifestEntry, position: int) -> AbstractAsyncContextManager[None]:
+    return contextlib.nullcontext()
+
+
 class _NoProgress:
     def add_file(self, path: str, size: int | None) -> None:
         return None
@@ -115,11 +132,13 @@ class Engine:
         *,
         sleep: Sleep = asyncio.sleep,
         environ: Mapping[str, str] | None = None,
+        throttle: Throttle | None = None,
     ) -> None:
         self.config = config
         self.cache = CacheStore(config.cache_dir)
         self._sleep = sleep
         self._environ = environ
+        self._throttle = throttle
         self._session: aiohttp.ClientSession | None = None
         self._fetcher: Fetcher | None = None
 
@@ -131,7 +150,9 @@ class Engine:
         self._session = aiohttp.ClientSession(
             connector=connector, timeout=Fetcher.default_timeout(self.config.fetch)
         )
-        self._fetcher = Fetcher(self._session, self.config.fetch, sleep=self._sleep)
+        self._fetcher = Fetcher(
+            self._session, self.config.fetch, sleep=self._sleep, throttle=self._throttle
+        )
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -157,6 +178,7 @@ class Engine:
         revision: str | None = None,
         allow_pickle: bool = False,
         sink: ProgressSink | None = None,
+        gate: FileGate | None = None,
     ) -> Job:
         return Job(
             origin,
@@ -166,6 +188,7 @@ class Engine:
             revision=revision or origin.default_revision,
             sink=sink or _NoProgress(),
             allow_pickle=allow_pickle,
+            gate=gate,
         )
 
 
@@ -216,6 +239,7 @@ def _from_cache(cache: CacheStore, repo: RepoRef, revision: str, started: float)
         raise OfflineError(
             f"{repo.name}@{revision} is not complete in {cache.root}; run prefetch online first"
         )
+    AccessLog(cache).record(repo, record.commit)
     files = tuple(
         FileOutcome(f.path, f.size, f.sha256, f.verified, "cache", 0, 0) for f in record.files
     )
@@ -244,6 +268,7 @@ class Job:
         revision: str,
         sink: ProgressSink,
         allow_pickle: bool,
+        gate: FileGate | None = None,
     ) -> None:
         self.origin = origin
         self.cache = cache
@@ -252,6 +277,7 @@ class Job:
         self.revision = revision
         self.sink = sink
         self.allow_pickle = allow_pickle
+        self.gate: FileGate = gate or _open_gate
         self.commit = ""
         self._manifest: Manifest | None = None
         self._hints: dict[str, FileRecord] = {}
@@ -275,6 +301,24 @@ class Job:
         self, include: Sequence[str] | None = None, exclude: Sequence[str] = ()
     ) -> Manifest:
         """List the origin, get the index, and decide every file to fetch, in order."""
+        async with await self._lease():
+            return await self._prepare(include, exclude)
+
+    async def download(self) -> tuple[FileOutcome, ...]:
+        """Fetch (or reuse) every file; the snapshot is complete when this returns."""
+        async with await self._lease():
+            files = await self._download_all()
+            await asyncio.to_thread(AccessLog(self.cache).record, self.origin.repo, self.commit)
+        return files
+
+    async def _lease(self) -> Lease:
+        """While a job works, every snapshot of its repo is leased: a prune leaves them be
+        (the commit may not be known yet, and the previous snapshot's blobs are reused)."""
+        return await Leases(self.cache).ahold(
+            self.origin.repo, owner=f"prefetch {self.origin.repo.name}@{self.revision}"
+        )
+
+    async def _prepare(self, include: Sequence[str] | None, exclude: Sequence[str]) -> Manifest:
         listing = await self._list()
         self.commit = listing.commit or ""
         self._load_hints()
@@ -296,8 +340,7 @@ class Job:
         self._manifest = build_manifest(listing, index, weights, include=include, exclude=exclude)
         return self._manifest
 
-    async def download(self) -> tuple[FileOutcome, ...]:
-        """Fetch (or reuse) every file; the snapshot is complete when this returns."""
+    async def _download_all(self) -> tuple[FileOutcome, ...]:
         manifest = self.manifest
         pending = [e for e in manifest.entries if e.path not in self._records]
         for entry in pending:
@@ -325,11 +368,13 @@ class Job:
         queue: asyncio.Queue[ManifestEntry] = asyncio.Queue()
         for entry in entries:
             queue.put_nowait(entry)
+        positions = {e.path: i for i, e in enumerate(self.manifest.entries)}
 
         async def worker() -> None:
             while not queue.empty():
                 entry = queue.get_nowait()
-                record, outcome = await self._obtain(entry)
+                async with self.gate(entry, positions[entry.path]):
+                    record, outcome = await self._obtain(entry)
                 self._records[entry.path], self._outcomes[entry.path] = record, outcome
 
         try:

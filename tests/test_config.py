@@ -1,11 +1,20 @@
 from __future__ import annotations
 
+import os
 from dataclasses import fields
 from pathlib import Path
 
 import pytest
 
-from shardsync.config import _FETCH_KEYS, load_config, parse_size
+from shardsync.config import (
+    _FETCH_KEYS,
+    SYSTEM_SOCKET,
+    DaemonConfig,
+    client_sockets,
+    daemon_socket,
+    load_config,
+    parse_size,
+)
 from shardsync.errors import ConfigError
 from shardsync.fetch import FetchConfig
 
@@ -80,3 +89,93 @@ def test_invalid_config_names_the_key(tmp_path: Path, body: str, needle: str) ->
 def test_bad_env_value(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="SHARDSYNC_MAX_FILES"):
         load_config(None, {"SHARDSYNC_MAX_FILES": "many"}, cache_dir=tmp_path)
+
+
+# -- [daemon] -------------------------------------------------------------------------------
+
+
+def test_daemon_section(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(
+        '[daemon]\nsocket = "/run/x/s.sock"\ngroup = 65534\nallowed_uids = ["root", 1000]\n'
+        'tcp = "[::1]:9464"\nmax_bandwidth = "100MB"\nfallback = "error"\nhistory = 5\n'
+    )
+    daemon = load_config(cfg, {}, cache_dir=tmp_path).daemon
+    assert daemon.socket == Path("/run/x/s.sock")
+    assert (daemon.group, daemon.socket_mode) == (65534, 0o660)  # group-accessible by default
+    assert daemon.allowed_uids == {0, 1000} and daemon.allowed_gids == {65534}
+    assert daemon.tcp == ("::1", 9464) and daemon.max_bandwidth == 100_000_000
+    assert (daemon.fallback, daemon.history) == ("error", 5)
+    cfg.write_text('[daemon]\ngroup = 65534\nallowed_gids = []\nsocket_mode = "0600"\n')
+    daemon = load_config(cfg, {}, cache_dir=tmp_path).daemon
+    assert daemon.allowed_gids == frozenset() and daemon.socket_mode == 0o600
+    cfg.write_text('[daemon]\ntcp = "0.0.0.0:9464"\ntcp_allow_remote = true\n')
+    assert load_config(cfg, {}, cache_dir=tmp_path).daemon.tcp == ("0.0.0.0", 9464)
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        ('socket_mode = "0777"', "daemon.socket_mode"),
+        ("socket_mode = 0o700", "daemon.socket_mode"),
+        ('socket_mode = "rw"', "daemon.socket_mode"),
+        ('group = "no-such-group-here"', "daemon.group"),
+        ('allowed_uids = "root"', "daemon.allowed_uids"),
+        ("allowed_uids = [-1]", "daemon.allowed_uids"),
+        ('allowed_gids = ["no-such-group-here"]', "daemon.allowed_gids"),
+        ('tcp = "10.0.0.1:9464"', "daemon.tcp"),
+        ('tcp = "nope"', "daemon.tcp"),
+        ('tcp = "127.0.0.1:99999"', "daemon.tcp"),
+        ('tcp_allow_remote = "yes"', "daemon.tcp_allow_remote"),
+        ('fallback = "sometimes"', "daemon.fallback"),
+        ("history = 0", "daemon.history"),
+        ('max_bandwidth = "1KB"', "daemon.max_bandwidth"),
+        ("socket = 5", "daemon.socket"),
+        ("bogus = 1", "daemon.bogus"),
+    ],
+)
+def test_invalid_daemon_config_names_the_key(tmp_path: Path, body: str, needle: str) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f"[daemon]\n{body}\n")
+    with pytest.raises(ConfigError, match=needle):
+        load_config(cfg, {}, cache_dir=tmp_path)
+
+
+def test_daemon_env_overrides(tmp_path: Path) -> None:
+    env = {
+        "SHARDSYNC_SOCKET": "/tmp/s/d.sock",
+        "SHARDSYNC_FALLBACK": "error",
+        "SHARDSYNC_MAX_BANDWIDTH": "1GB",
+    }
+    daemon = load_config(None, env, cache_dir=tmp_path).daemon
+    assert (daemon.socket, daemon.fallback, daemon.max_bandwidth) == (
+        Path("/tmp/s/d.sock"),
+        "error",
+        10**9,
+    )
+    with pytest.raises(ConfigError, match=r"daemon\.fallback"):
+        load_config(None, {"SHARDSYNC_FALLBACK": "never"}, cache_dir=tmp_path)
+
+
+def test_socket_locations() -> None:
+    default = DaemonConfig()
+    uid = os.getuid()
+    assert daemon_socket(default, {"RUNTIME_DIRECTORY": "/run/a:/run/b"}) == Path(
+        "/run/a/shardsync.sock"
+    )
+    xdg = {"XDG_RUNTIME_DIR": "/run/user/7"}
+    assert daemon_socket(default, xdg) == Path("/run/user/7/shardsync/shardsync.sock")
+    assert daemon_socket(default, {}) == Path(f"/tmp/shardsync-{uid}/shardsync.sock")
+    # clients look for their own daemon, then the system one, then the /tmp fallback
+    assert client_sockets(default, xdg) == (
+        Path("/run/user/7/shardsync/shardsync.sock"),
+        SYSTEM_SOCKET,
+        Path(f"/tmp/shardsync-{uid}/shardsync.sock"),
+    )
+    assert client_sockets(default, {}) == (
+        SYSTEM_SOCKET,
+        Path(f"/tmp/shardsync-{uid}/shardsync.sock"),
+    )
+    explicit = DaemonConfig(socket=Path("/x.sock"))
+    assert daemon_socket(explicit, xdg) == Path("/x.sock")
+    assert client_sockets(explicit, xdg) == (Path("/x.sock"),)
