@@ -410,6 +410,19 @@ class Job:
             sha = hint.sha256
         if sha is None or not self.cache.has_blob(sha, entry.size):
             return None
+        try:
+            record = await self._reuse(entry, sha, hint)
+        except (FileNotFoundError, CacheError):
+            if self.cache.has_blob(sha, entry.size):
+                raise
+            return None  # a concurrent prune removed it between the check and the link
+        outcome = FileOutcome(entry.path, record.size, sha, record.verified, "cache", 0, 0)
+        self.sink.advance(entry.path, record.size)
+        self.sink.file_done(outcome)
+        return record, outcome
+
+    async def _reuse(self, entry: ManifestEntry, sha: str, hint: FileRecord | None) -> FileRecord:
+        """Link a blob already in the store into this snapshot (hashing it if no record says)."""
         if hint is not None and hint.sha256 == sha:
             record = hint
         else:
@@ -422,11 +435,8 @@ class Job:
                 etag=self._hf_etag(entry, sha),
                 verified="sha256",
             )
-        outcome = FileOutcome(entry.path, record.size, sha, record.verified, "cache", 0, 0)
         self._link(record)
-        self.sink.advance(entry.path, record.size)
-        self.sink.file_done(outcome)
-        return record, outcome
+        return record
 
     async def _hint_matches(self, entry: ManifestEntry, hint: FileRecord) -> bool:
         """A file without a known sha256 is the same only if the origin's identity matches."""

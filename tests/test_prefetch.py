@@ -308,3 +308,28 @@ async def test_include_and_exclude(hub: FakeHub, checkpoint: Checkpoint, tmp_pat
     more = await prefetch(REPO, config)
     assert hub.bytes_served("*.safetensors") == 0
     assert_snapshot_matches(more.snapshot_path, checkpoint)
+
+
+async def test_blob_pruned_between_check_and_reuse_is_downloaded(
+    hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shardsync.prefetch as engine
+
+    hub.add_checkpoint("acme/twin", checkpoint)
+    config = fast_config(tmp_path, hub.endpoint)
+    await prefetch(REPO, config)
+    hashed = engine._xxh3_file
+    gone: list[Path] = []
+
+    def pruned_meanwhile(path: Path) -> tuple[str, int]:
+        if not gone:  # a concurrent prune unlinks the first shared blob we look at
+            path.unlink()
+            gone.append(path)
+        return hashed(path)
+
+    monkeypatch.setattr(engine, "_xxh3_file", pruned_meanwhile)
+    hub.reset_log()
+    twin = await prefetch("acme/twin", config)
+    assert_snapshot_matches(twin.snapshot_path, checkpoint)
+    assert gone and gone[0].exists()  # downloaded again and republished
+    assert hub.bytes_served("*.safetensors") == gone[0].stat().st_size
