@@ -23,6 +23,7 @@ import contextlib
 import logging
 import re
 import secrets
+import shutil
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -44,6 +45,7 @@ from shardsync.manifest import Manifest, ManifestEntry
 from shardsync.origins import LocalOrigin, Origin
 from shardsync.origins.hub import validate_revision
 from shardsync.prefetch import Engine, FileGate, FileOutcome, Job, PrefetchResult
+from shardsync.pruner import ensure_free, limits_from_config, needs_prune, prune_cache
 
 __all__ = [
     "TERMINAL_EVENTS",
@@ -855,6 +857,7 @@ class Scheduler:
                 await self._follow(job, other)
                 return
             self._by_commit[key] = job
+        await self._make_room(job, manifest)
         job.state = "downloading"
         files = await engine_job.download()
         now = time.time()
@@ -868,7 +871,52 @@ class Scheduler:
             elapsed=now - (job.started_at or now),
             fetch=None,
         )
+        try:
+            await self._auto_prune(job)
+        except ShardsyncError as exc:  # the job is done; a failed prune is the cache's problem
+            log.warning("auto-prune after job %s failed: %s", job.id, exc)
         self._finish(job, "done", None)
+
+    async def _make_room(self, job: ScheduledJob, manifest: Manifest) -> None:
+        """Before a download: prune past the high-water mark, and make room if it won't fit.
+
+        The job's own repo is kept; a download that still can't fit fails the job with a
+        clear ``DiskFullError`` instead of filling the disk halfway.
+        """
+        cache, config = self.engine.cache, self.engine.config.prune
+        await self._auto_prune(job)
+        missing = sum(
+            e.size or 0
+            for e in manifest.entries
+            if not (e.sha256 is not None and cache.has_blob(e.sha256, e.size))
+        )
+        free = shutil.disk_usage(cache.root).free
+        if missing and free < missing + (config.min_free or 0):
+            job.emit("pruning", needed=missing, free=free)
+            await asyncio.to_thread(
+                ensure_free,
+                cache,
+                missing,
+                limits_from_config(config),
+                pin=config.pin,
+                keep=(job.repo.name,),
+            )
+
+    async def _auto_prune(self, job: ScheduledJob) -> None:
+        """Prune down to the limits once the cache passed its high-water mark (cheap check)."""
+        cache, config = self.engine.cache, self.engine.config.prune
+        if not await asyncio.to_thread(needs_prune, cache, config):
+            return
+        report = await asyncio.to_thread(
+            prune_cache,
+            cache,
+            limits_from_config(config),
+            pin=config.pin,
+            keep=(job.repo.name,),
+            wait=False,
+        )
+        if report.freed_bytes:
+            log.info("auto-prune freed %d bytes (high-water mark)", report.freed_bytes)
 
     async def _follow(self, job: ScheduledJob, other: ScheduledJob) -> None:
         """Mirror the job already downloading this commit instead of downloading it again."""

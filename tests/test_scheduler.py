@@ -13,6 +13,7 @@ import pytest
 from helpers import assert_snapshot_matches, fast_config
 
 from shardsync import errors
+from shardsync.cache import RepoRef
 from shardsync.config import Config
 from shardsync.journal import Journal
 from shardsync.prefetch import Engine, prefetch
@@ -457,3 +458,82 @@ async def test_the_bandwidth_hook_sees_every_body_byte(
         job, _ = await scheduler.submit(JobRequest(REPO))
         assert (await _outcome(job))["event"] == "job_done"
         assert sum(charged) == engine.fetcher.statistics().bytes_downloaded > 0
+
+
+# ---------------------------------------------------------------------------- auto-prune
+
+
+def _prune_config(base: Config, **limits: Any) -> Config:
+    return replace(base, prune=replace(base.prune, **limits))
+
+
+async def test_the_daemon_prunes_past_the_high_water_mark(
+    fake_hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    old = build_checkpoint(tmp_path / "old", total_bytes=384 << 10, n_shards=3, seed=9)
+    fake_hub.add_checkpoint("acme/old", old)
+    fake_hub.add_checkpoint(REPO, checkpoint)
+    config = fast_config(tmp_path / "cache", fake_hub.endpoint)
+    await prefetch("acme/old", config)
+    limit = int(1.5 * _shard_bytes(checkpoint))
+    async with (
+        Engine(_prune_config(config, max_size=limit)) as engine,
+        Scheduler(engine) as scheduler,
+    ):
+        job, _ = await scheduler.submit(JobRequest(REPO))
+        assert (await _outcome(job))["event"] == "job_done"
+        cache = engine.cache
+        assert cache.find_complete(job.repo, "main") is not None
+        assert cache.find_complete(RepoRef("hub", "acme/old"), "main") is None
+
+
+def _mount_tmpfs(path: Path, size: str) -> None:
+    import os
+    import subprocess
+
+    path.mkdir(parents=True)
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+        capture_output=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+
+
+@pytest.mark.parametrize("pinned", [False, True], ids=["prunes-to-fit", "pinned-disk-full"])
+async def test_a_download_that_would_not_fit_prunes_first(
+    fake_hub: FakeHub, tmp_path: Path, pinned: bool
+) -> None:
+    import subprocess
+
+    old = build_checkpoint(tmp_path / "old", total_bytes=700 << 10, n_shards=2, seed=9)
+    new = build_checkpoint(tmp_path / "new", total_bytes=700 << 10, n_shards=2, seed=10)
+    fake_hub.add_checkpoint("acme/old", old)
+    fake_hub.add_checkpoint(REPO, new)
+    cache_dir = tmp_path / "small"
+    _mount_tmpfs(cache_dir, "1200k")
+    try:
+        config = fast_config(cache_dir, fake_hub.endpoint)
+        await prefetch("acme/old", config)
+        if pinned:
+            config = _prune_config(config, pin=("acme/old",))
+        async with Engine(config) as engine, Scheduler(engine) as scheduler:
+            job, _ = await scheduler.submit(JobRequest(REPO))
+            outcome = await _outcome(job)
+            kinds = [e["event"] for e in job.events.past()]
+            assert "pruning" in kinds
+            if pinned:
+                assert outcome["event"] == "job_failed"
+                assert outcome["error"]["code"] == "disk_full"
+                assert "not enough disk space" in outcome["error"]["message"]
+                assert engine.cache.find_complete(RepoRef("hub", "acme/old"), "main")
+            else:
+                assert outcome["event"] == "job_done", outcome
+                result = result_from_json(outcome["result"])
+                assert_snapshot_matches(result.snapshot_path, new)
+                assert engine.cache.find_complete(RepoRef("hub", "acme/old"), "main") is None
+    finally:
+        subprocess.run(["umount", "-l", str(cache_dir)], check=False)  # noqa: ASYNC221
