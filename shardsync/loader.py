@@ -127,11 +127,21 @@ class _Shared:
     go: asyncio.Event | None = None  # set by the consumer: the plan is accepted, download
 
 
+@dataclass(frozen=True, slots=True)
+class _Arrived:
+    """A verified file and where to read it (a store blob, or a daemon's snapshot entry)."""
+
+    path: str
+    file: Path
+    downloaded: int
+
+
 class _ShardSink:
     """Engine progress sink that forwards each verified file to the consumer thread."""
 
-    def __init__(self, shared: _Shared) -> None:
+    def __init__(self, shared: _Shared, blobs: Path) -> None:
         self._shared = shared
+        self._blobs = blobs
 
     def add_file(self, path: str, size: int | None) -> None:
         return None
@@ -140,7 +150,8 @@ class _ShardSink:
         return None
 
     def file_done(self, outcome: FileOutcome) -> None:
-        self._shared.events.put(("verified", outcome))
+        blob = self._blobs / outcome.sha256[:2] / outcome.sha256
+        self._shared.events.put(("verified", _Arrived(outcome.path, blob, outcome.downloaded)))
 
 
 class TensorStream:
@@ -183,7 +194,7 @@ class TensorStream:
         self._thread = threading.Thread(
             target=self._produce_in_thread, name="shardsync-loader", daemon=True
         )
-        self._verified: dict[str, FileOutcome] = {}
+        self._verified: dict[str, _Arrived] = {}
         self._done = False
         self._plan: tuple[Manifest, Mapping[str, Header], DevicePlan | None] | None = None
         self._shard_times: list[float] = []
@@ -254,14 +265,14 @@ class TensorStream:
             shared.loop.call_soon_threadsafe(shared.go.set)
         try:
             for entry in self.manifest.shards:
-                outcome = self._wait_verified(entry.path)
-                yield from self._place_shard(entry, outcome)
+                arrived = self._wait_verified(entry.path)
+                yield from self._place_shard(entry, arrived)
             self._wait_done()
             self._finished = time.monotonic() - self._started
         finally:
             self.close()
 
-    def _wait_verified(self, path: str) -> FileOutcome:
+    def _wait_verified(self, path: str) -> _Arrived:
         while path not in self._verified:
             self._pump()
         return self._verified[path]
@@ -284,16 +295,15 @@ class TensorStream:
             self._done = True
 
     def _place_shard(
-        self, entry: ManifestEntry, outcome: FileOutcome
+        self, entry: ManifestEntry, arrived: _Arrived
     ) -> Iterator[tuple[str, torch.Tensor]]:
         self._shard_times.append(time.monotonic() - self._started)
         if self.plan is None:
-            yield from self._place_pickle_shard(entry, outcome)
+            yield from self._place_pickle_shard(entry, arrived)
             return
         plan = self.plan
         header = self.headers[entry.path]
-        path = self._blob_path(outcome)
-        base = _map_file(path, header.file_size)
+        base = _map_file(arrived.file, header.file_size)
         pending: deque[tuple[str, torch.Tensor, Any, int]] = deque()
         for info in header.tensors:
             device = plan.device_of(info.name)
@@ -315,7 +325,7 @@ class TensorStream:
             yield self._hand_out(*pending.popleft())
 
     def _place_pickle_shard(
-        self, entry: ManifestEntry, outcome: FileOutcome
+        self, entry: ManifestEntry, arrived: _Arrived
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """``torch.load(weights_only=True, mmap=True)``: tensors are read lazily from the cache."""
         import pickle
@@ -323,9 +333,7 @@ class TensorStream:
         import torch
 
         try:
-            state = torch.load(
-                self._blob_path(outcome), map_location="cpu", weights_only=True, mmap=True
-            )
+            state = torch.load(arrived.file, map_location="cpu", weights_only=True, mmap=True)
         except (pickle.UnpicklingError, RuntimeError, ValueError, EOFError) as exc:
             raise LoadError(f"{entry.path}: not a weights-only torch checkpoint: {exc}") from exc
         if not isinstance(state, dict) or not all(
@@ -353,9 +361,6 @@ class TensorStream:
         self._bytes += nbytes
         return name, tensor
 
-    def _blob_path(self, outcome: FileOutcome) -> Path:
-        return self._blob_root / outcome.sha256[:2] / outcome.sha256
-
     # -------------------------------------------------------------- producer side
 
     def _produce_in_thread(self) -> None:
@@ -375,13 +380,13 @@ class TensorStream:
 
     async def _produce(self, request: _Request) -> None:
         async with Engine(request.config) as engine:
-            self._blob_root = engine.cache.root / "store" / "sha256"
+            blobs = engine.cache.root / "store" / "sha256"
             origin = engine.origin(request.source, token=request.token)
             job = engine.job(
                 origin,
                 revision=request.revision,
                 allow_pickle=request.allow_pickle,
-                sink=_ShardSink(self._shared),
+                sink=_ShardSink(self._shared, blobs),
             )
             manifest = await job.prepare(include=())
             if _is_pickle(manifest):
@@ -411,8 +416,38 @@ class TensorStream:
             self._shared.go = asyncio.Event()
             self._shared.events.put(("plan", (manifest, headers, plan)))
             await self._shared.go.wait()  # nothing is downloaded until someone iterates
-            await job.download()
+            if isinstance(origin, LocalOrigin) or not await self._via_daemon(request, job):
+                await job.download()
         self._shared.events.put(("done", None))
+
+    async def _via_daemon(self, request: _Request, job: Job) -> bool:
+        """Let a running daemon download (each byte once per host); False when none answers.
+
+        The commit our headers came from is pinned, so the daemon fetches those exact shards.
+        """
+        from shardsync.client import Client
+        from shardsync.errors import DaemonUnavailableError
+
+        client = Client(request.config, fallback="error")
+        try:
+            await client.connect()
+        except DaemonUnavailableError:
+            if request.config.daemon.fallback == "error":
+                raise
+            return False
+        try:
+            remote = await client.prefetch(
+                request.source,
+                revision=job.commit or request.revision,
+                include=(),
+                allow_pickle=request.allow_pickle,
+            )
+            async for shard in remote.shards():
+                self._shared.events.put(("verified", _Arrived(shard.path, shard.file, 0)))
+            await remote.wait()
+        finally:
+            await client.close()
+        return True
 
 
 def _lease(config: Config, source: str, token: str | None) -> Lease:

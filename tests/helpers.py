@@ -8,14 +8,18 @@ from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
 
-from shardsync.config import Config
+from shardsync.config import Config, DaemonConfig
 from shardsync.fetch import FetchConfig
 from shardsync.retry import RetryPolicy
 from shardsync.testing import Checkpoint
 
 
 def fast_config(cache_dir: Path, endpoint: str | None = None, **fetch: object) -> Config:
-    """Small chunks (several Range requests per shard) and near-instant retries."""
+    """Small chunks (several Range requests per shard) and near-instant retries.
+
+    The daemon socket points nowhere, so a daemon running on the developer's machine is
+    never used by accident (tests that want one configure it).
+    """
     base = FetchConfig(
         connections_per_file=4,
         chunk_size=256 * 1024,
@@ -24,7 +28,13 @@ def fast_config(cache_dir: Path, endpoint: str | None = None, **fetch: object) -
         read_timeout=5.0,
         retry=RetryPolicy(max_attempts=6, base_delay=0.001, max_delay=0.01),
     )
-    return Config(cache_dir=cache_dir, endpoint=endpoint, max_files=4, fetch=replace(base, **fetch))
+    return Config(
+        cache_dir=cache_dir,
+        endpoint=endpoint,
+        max_files=4,
+        fetch=replace(base, **fetch),
+        daemon=DaemonConfig(socket=cache_dir / "no-daemon" / "d.sock"),
+    )
 
 
 def sha256_file(path: Path) -> str:

@@ -277,3 +277,34 @@ def test_pickle_checkpoints_need_allow_pickle(tmp_path: Path) -> None:
         got = shardsync.load("acme/pickled", device_map="cpu", allow_pickle=True, config=config)
     assert isinstance(got, dict)
     _assert_bit_exact(got, state)
+
+
+async def test_load_goes_through_a_running_daemon(
+    fake_hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    import asyncio
+    from dataclasses import replace
+
+    from daemons import daemon_in_loop, short_tmp
+
+    from shardsync.config import DaemonConfig
+
+    fake_hub.add_checkpoint(REPO, checkpoint)
+    with short_tmp() as work:
+        socket_path = work / "shardsync" / "d.sock"
+        daemon_config = fast_config(work / "daemon-cache", fake_hub.endpoint)
+        async with daemon_in_loop(daemon_config, socket_path) as daemon:
+            mine = replace(
+                fast_config(tmp_path / "mine", fake_hub.endpoint),
+                daemon=DaemonConfig(socket=socket_path),
+            )
+            got = await asyncio.to_thread(shardsync.load, REPO, device_map="cpu", config=mine)
+            jobs = daemon.statistics()
+        assert isinstance(got, dict)
+        _assert_bit_exact(got, _originals(checkpoint))
+        # the daemon downloaded the shards into its cache; ours only got the index
+        assert jobs.jobs_submitted == 1
+        assert len(list((tmp_path / "mine" / "store").glob("sha256/*/*"))) == 1
+        shard_bytes = sum(checkpoint.path(s).stat().st_size for s in checkpoint.shards)
+        header_probes = len(checkpoint.shards) * 65536
+        assert fake_hub.bytes_served("*.safetensors") <= shard_bytes + header_probes
