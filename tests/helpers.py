@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
-from collections.abc import Awaitable, Callable
+import os
+import subprocess
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
+
+import pytest
 
 from shardsync.config import Config, DaemonConfig
 from shardsync.fetch import FetchConfig
@@ -72,3 +77,28 @@ class SleepRecorder:
 
 
 Sleep = Callable[[float], Awaitable[None]]
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, options: str) -> Iterator[Path]:
+    """A real small filesystem at ``path`` (e.g. ``"size=1m"``), so the disk fills for real.
+
+    Skips the test where mounting is impossible (not root, no ``mount``, no privileges).
+    """
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    path.mkdir(parents=True)
+    try:
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
+            capture_output=True,
+            check=False,
+        )
+    except FileNotFoundError:
+        pytest.skip("no mount binary")
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode(errors='replace').strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import xxhash
+from helpers import tmpfs
 
 from shardsync.cache import (
     BlobLock,
@@ -675,31 +676,11 @@ def test_records_and_refs_never_write_through_a_planted_symlink(
 # --------------------------------------------------------------------------- disk full
 
 
-def _mount_tmpfs(where: Path, options: str) -> None:
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    where.mkdir()
-    try:
-        done = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)],
-            capture_output=True,
-            check=False,
-        )
-    except FileNotFoundError:
-        pytest.skip("no mount binary")
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode(errors='replace')}")
-
-
 @pytest.fixture
 def tiny_fs(tmp_path: Path) -> Iterator[Path]:
     """A 1 MiB tmpfs with few inodes, so both bytes and inodes can run out for real."""
-    mnt = tmp_path / "tiny"
-    _mount_tmpfs(mnt, "size=1m,nr_inodes=64")
-    try:
+    with tmpfs(tmp_path / "tiny", "size=1m,nr_inodes=64") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def _exhaust(where: Path, *, inodes: bool) -> None:

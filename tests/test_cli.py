@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -13,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import assert_snapshot_matches, assert_store_verified
+from helpers import assert_snapshot_matches, assert_store_verified, tmpfs
 from nginx import access_log, serve_directory
 
 from shardsync.testing import Bandwidth, Checkpoint, FakeHub, build_checkpoint, serve_in_thread
@@ -170,29 +168,11 @@ def test_two_concurrent_prefetches_download_each_byte_once(
     assert_snapshot_matches(Path(outs[0][0].strip()), checkpoint)
 
 
-@contextlib.contextmanager
-def _tmpfs(path: Path, size: str) -> Iterator[None]:
-    path.mkdir(parents=True)
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-        capture_output=True,
-        check=False,
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
-    try:
-        yield
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
-
-
 def test_disk_full_is_a_clear_error_and_keeps_the_partial(
     hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path
 ) -> None:
     cache = tmp_path / "small"
-    with _tmpfs(cache, "10m"):
+    with tmpfs(cache, "size=10m"):
         out = _run(
             tmp_path, "prefetch", REPO, "--endpoint", hub.endpoint, "--cache-dir", str(cache)
         )

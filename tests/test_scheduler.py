@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import assert_snapshot_matches, fast_config
+from helpers import assert_snapshot_matches, fast_config, tmpfs
 
 from shardsync import errors
 from shardsync.cache import RepoRef
@@ -487,35 +487,15 @@ async def test_the_daemon_prunes_past_the_high_water_mark(
         assert cache.find_complete(RepoRef("hub", "acme/old"), "main") is None
 
 
-def _mount_tmpfs(path: Path, size: str) -> None:
-    import os
-    import subprocess
-
-    path.mkdir(parents=True)
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-        capture_output=True,
-        check=False,
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-
-
 @pytest.mark.parametrize("pinned", [False, True], ids=["prunes-to-fit", "pinned-disk-full"])
 async def test_a_download_that_would_not_fit_prunes_first(
     fake_hub: FakeHub, tmp_path: Path, pinned: bool
 ) -> None:
-    import subprocess
-
     old = build_checkpoint(tmp_path / "old", total_bytes=700 << 10, n_shards=2, seed=9)
     new = build_checkpoint(tmp_path / "new", total_bytes=700 << 10, n_shards=2, seed=10)
     fake_hub.add_checkpoint("acme/old", old)
     fake_hub.add_checkpoint(REPO, new)
-    cache_dir = tmp_path / "small"
-    _mount_tmpfs(cache_dir, "1200k")
-    try:
+    with tmpfs(tmp_path / "small", "size=1200k") as cache_dir:
         config = fast_config(cache_dir, fake_hub.endpoint)
         await prefetch("acme/old", config)
         if pinned:
@@ -535,5 +515,3 @@ async def test_a_download_that_would_not_fit_prunes_first(
                 result = result_from_json(outcome["result"])
                 assert_snapshot_matches(result.snapshot_path, new)
                 assert engine.cache.find_complete(RepoRef("hub", "acme/old"), "main") is None
-    finally:
-        subprocess.run(["umount", "-l", str(cache_dir)], check=False)  # noqa: ASYNC221
