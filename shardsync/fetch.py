@@ -90,7 +90,7 @@ class FetchConfig:
     connections_per_file: int = 8
     chunk_size: int = 16 * MiB
     read_size: int = 1 * MiB
-    write_size: int = 1 * MiB
+    write_size: int = 512 * 1024
     connect_timeout: float = 10.0
     read_timeout: float = 30.0
     min_throughput: int = 32 * 1024  # bytes/s a connection must sustain ...
@@ -175,16 +175,20 @@ class _FileState:
     progressed: asyncio.Event = field(default_factory=asyncio.Event)
     in_flight: set[asyncio.Future[Any]] = field(default_factory=set)
 
-    async def in_thread(self, fn: Callable[..., _T], *args: object) -> _T:
-        """Run blocking file I/O on ``fd`` in a thread, tracked so ``fd`` outlives it.
+    def start_in_thread(self, fn: Callable[..., _T], *args: object) -> asyncio.Future[_T]:
+        """Start blocking file I/O on ``fd`` in a thread, tracked so ``fd`` outlives it.
 
         A cancelled coroutine does not stop its thread; closing ``fd`` under a running
-        ``pwrite`` could write into whatever file reuses the descriptor number.
+        ``pwrite`` could write into whatever file reuses the descriptor number. Await the
+        result through ``asyncio.shield`` so a cancellation never marks it done early.
         """
         future = asyncio.get_running_loop().run_in_executor(None, fn, *args)
         self.in_flight.add(future)
         future.add_done_callback(self.in_flight.discard)
-        return await asyncio.shield(future)
+        return future
+
+    async def in_thread(self, fn: Callable[..., _T], *args: object) -> _T:
+        return await asyncio.shield(self.start_in_thread(fn, *args))
 
     async def drain(self) -> None:
         """Wait for every thread still using ``fd`` (even after a cancellation)."""
@@ -583,40 +587,56 @@ class Fetcher:
         end: int,
         on_progress: ProgressFn,
     ) -> int:
+        """Read ``[start, end)`` from the body; returns the bytes written (may be short).
+
+        Received pieces are written as they are (``pwritev``, no copies) while the next
+        batch is read: at most one write per connection is in flight, and a range counts as
+        done only once its write returned.
+        """
         cfg = self.config
-        offset = start
-        buf = bytearray()
+        pieces: list[bytes] = []
+        pending = 0
+        written = queued = start  # on disk before ``written``; being written before ``queued``
+        writing: asyncio.Future[None] | None = None
         window_start, window_bytes = self._clock(), 0
 
-        async def flush() -> None:
-            nonlocal offset
-            if not buf:
+        async def settle() -> None:
+            nonlocal writing, written
+            if writing is None:
                 return
-            data = bytes(buf)
-            buf.clear()
+            future, writing = writing, None
             try:
-                await state.in_thread(_pwrite_all, state.fd, data, offset)
+                await asyncio.shield(future)
             except OSError as exc:
                 raise _disk_error(exc, "writing the partial file") from exc
-            state.done.add(offset, offset + len(data))
-            offset += len(data)
+            state.done.add(written, queued)
+            written = queued
             state.progressed.set()
 
+        async def flush() -> None:
+            nonlocal pieces, pending, queued, writing
+            await settle()
+            if not pieces:
+                return
+            batch, pieces, pending = pieces, [], 0
+            writing = state.start_in_thread(_pwritev_all, state.fd, batch, queued)
+            queued += sum(len(p) for p in batch)
+
         try:
-            while offset + len(buf) < end:
-                want = min(cfg.read_size, end - offset - len(buf))
-                piece = await resp.content.read(want)
+            while queued + pending < end:
+                piece = await resp.content.read(min(cfg.read_size, end - queued - pending))
                 if not piece:
                     break
                 if self._throttle is not None:
                     await self._throttle(len(piece))
-                buf += piece
+                pieces.append(piece)
                 n = len(piece)
+                pending += n
                 state.downloaded += n
                 self._bytes += n
                 window_bytes += n
                 on_progress(n)
-                if len(buf) >= cfg.write_size:
+                if pending >= cfg.write_size:
                     await flush()
                 now = self._clock()
                 if now - window_start >= cfg.throughput_window:
@@ -628,7 +648,8 @@ class Fetcher:
                     window_start, window_bytes = now, 0
         finally:
             await flush()
-        return offset - start
+            await settle()
+        return written - start
 
     # ------------------------------------------------------------------ hashing
 
@@ -860,12 +881,20 @@ def _raise_first(group: BaseExceptionGroup[BaseException]) -> None:
     raise leaves[0]
 
 
-def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
-    view = memoryview(data)
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view = view[n:]
+_IOV_MAX = 512  # pieces per pwritev call, well under the kernel's IOV_MAX (1024)
+
+
+def _pwritev_all(fd: int, pieces: list[bytes], offset: int) -> None:
+    """Write ``pieces`` back to back at ``offset``, retrying short writes."""
+    views = [memoryview(p) for p in pieces if p]
+    while views:
+        n = os.pwritev(fd, views[:_IOV_MAX], offset)
         offset += n
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]
 
 
 def _hash_range(fd: int, start: int, end: int, hashers: tuple[object, ...]) -> int:
