@@ -17,6 +17,7 @@ and places its tensors:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import queue
 import resource
@@ -34,7 +35,7 @@ from shardsync.config import Config, load_config
 from shardsync.devicemap import MODES, DevicePlan, TensorSize, parse_memory, plan_device_map
 from shardsync.errors import ConfigError, HeaderError, LoadError, first_error
 from shardsync.manifest import Manifest, ManifestEntry
-from shardsync.origins import LocalOrigin, parse_source
+from shardsync.origins import LocalOrigin, Origin, parse_source
 from shardsync.prefetch import Engine, FileOutcome, Job
 from shardsync.safetensors_header import (
     Header,
@@ -111,20 +112,24 @@ class _Request:
     config: Config
     revision: str | None
     device_map: DeviceMap
-    budgets: Mapping[str | int, int | str]
+    max_memory: Mapping[str | int, int | str] | None
     token: str | None
     no_split: Sequence[str] | None
     allow_pickle: bool
+    gated: bool  # download only once iteration starts (load(model=...) checks keys first)
 
 
 @dataclass(slots=True)
 class _Shared:
-    """Producer -> consumer messages and a cancel flag (the producer runs in its own thread)."""
+    """What the two threads exchange: the consumer's devices, the producer's messages."""
 
     events: queue.Queue[tuple[str, Any]] = field(default_factory=queue.Queue)
+    devices: concurrent.futures.Future[tuple[tuple[str, ...], Mapping[str | int, int | str]]] = (
+        field(default_factory=concurrent.futures.Future)
+    )
     loop: asyncio.AbstractEventLoop | None = None
     task: asyncio.Task[None] | None = None
-    go: asyncio.Event | None = None  # set by the consumer: the plan is accepted, download
+    go: asyncio.Event | None = None  # set by the consumer when iteration starts
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,9 +162,9 @@ class _ShardSink:
 class TensorStream:
     """An iterator of ``(name, tensor)`` in shard order; each shard as soon as it is verified.
 
-    Creating it reads the headers and plans the devices (``plan``, ``headers``);
-    shard bodies are downloaded once iteration starts. Use it as a context manager
-    (or exhaust it) so the background download stops when you stop early.
+    Creating it reads the headers and plans the devices (``plan``, ``headers``) while
+    the shard bodies start downloading. Use it as a context manager (or exhaust it) so
+    the background download stops when you stop early.
     """
 
     def __init__(
@@ -174,22 +179,21 @@ class TensorStream:
         token: str | None,
         no_split: Sequence[str] | None,
         allow_pickle: bool,
+        gated: bool = False,
     ) -> None:
-        import torch
-
         self._dtype = dtype
         self._started = time.monotonic()
         self._shared = _Shared()
-        self._devices = tuple(f"cuda:{i}" for i in range(torch.cuda.device_count()))
         self._request = _Request(
             source=source,
             config=config,
             revision=revision,
             device_map=device_map,
-            budgets=_default_budgets(self._devices) if max_memory is None else max_memory,
+            max_memory=max_memory,
             token=token,
             no_split=no_split,
             allow_pickle=allow_pickle,
+            gated=gated,
         )
         self._thread = threading.Thread(
             target=self._produce_in_thread, name="shardsync-loader", daemon=True
@@ -205,8 +209,10 @@ class TensorStream:
         self._placers: dict[str, _CudaPlacer] = {}
         self._iterator: Iterator[tuple[str, torch.Tensor]] = self._iterate()
         self._lease = _lease(config, source, token)
-        self._thread.start()
+        self._thread.start()  # listing, index and headers go on while torch imports
+        self._devices: tuple[str, ...] = ()
         try:
+            self._devices = self._find_devices()
             while self._plan is None:
                 self._pump()
         except BaseException:
@@ -219,6 +225,21 @@ class TensorStream:
         self._plan_ready: float = time.monotonic() - self._started
 
     # -------------------------------------------------------------- consumer side
+
+    def _find_devices(self) -> tuple[str, ...]:
+        """The accelerators and their budgets; the first use of torch, off the network path."""
+        try:
+            import torch
+
+            devices = tuple(f"cuda:{i}" for i in range(torch.cuda.device_count()))
+            budgets = self._request.max_memory
+            if budgets is None:
+                budgets = _default_budgets(devices)
+        except BaseException as exc:
+            self._shared.devices.set_exception(exc)
+            raise
+        self._shared.devices.set_result((devices, budgets))
+        return devices
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         return self
@@ -261,8 +282,9 @@ class TensorStream:
 
     def _iterate(self) -> Iterator[tuple[str, torch.Tensor]]:
         shared = self._shared
-        if shared.loop is not None and shared.go is not None:
-            shared.loop.call_soon_threadsafe(shared.go.set)
+        if self._request.gated and shared.loop is not None and shared.go is not None:
+            with contextlib.suppress(RuntimeError):  # the producer already ended (an error)
+                shared.loop.call_soon_threadsafe(shared.go.set)
         try:
             for entry in self.manifest.shards:
                 arrived = self._wait_verified(entry.path)
@@ -389,36 +411,34 @@ class TensorStream:
                 sink=_ShardSink(self._shared, blobs),
             )
             manifest = await job.prepare(include=())
-            if _is_pickle(manifest):
-                headers: dict[str, Header] = {}
-                plan = None
-                if isinstance(request.device_map, str) and request.device_map in MODES:
-                    raise ConfigError(
-                        f"device_map={request.device_map!r} plans from safetensors headers; "
-                        "for a pickle checkpoint give a device or an explicit {prefix: device} map"
-                    )
-            else:
+            headers: dict[str, Header] = {}
+            if not _is_pickle(manifest):
                 headers = await _read_headers(engine, job, manifest)
                 if manifest.weight_map:
                     check_index(manifest.weight_map, headers)
-                sizes = [
-                    TensorSize(t.name, t.nbytes)
-                    for entry in manifest.shards
-                    for t in headers[entry.path].tensors
-                ]
-                plan = plan_device_map(
-                    sizes,
-                    request.device_map,
-                    devices=self._devices,
-                    max_memory=request.budgets or None,
-                    no_split=request.no_split,
+            elif isinstance(request.device_map, str) and request.device_map in MODES:
+                raise ConfigError(
+                    f"device_map={request.device_map!r} plans from safetensors headers; "
+                    "for a pickle checkpoint give a device or an explicit {prefix: device} map"
                 )
-            self._shared.go = asyncio.Event()
-            self._shared.events.put(("plan", (manifest, headers, plan)))
-            await self._shared.go.wait()  # nothing is downloaded until someone iterates
-            if isinstance(origin, LocalOrigin) or not await self._via_daemon(request, job):
-                await job.download()
+            try:
+                async with asyncio.TaskGroup() as tg:
+                    if not request.gated:  # the download does not need the plan: start now
+                        tg.create_task(self._download(request, origin, job))
+                    devices, budgets = await asyncio.wrap_future(self._shared.devices)
+                    plan = _plan(request, manifest, headers, devices, budgets)
+                    self._shared.go = asyncio.Event()
+                    self._shared.events.put(("plan", (manifest, headers, plan)))
+                    if request.gated:
+                        await self._shared.go.wait()  # the consumer checked the keys first
+                        await self._download(request, origin, job)
+            except BaseExceptionGroup as group:
+                raise first_error(group) from None
         self._shared.events.put(("done", None))
+
+    async def _download(self, request: _Request, origin: Origin, job: Job) -> None:
+        if isinstance(origin, LocalOrigin) or not await self._via_daemon(request, job):
+            await job.download()
 
     async def _via_daemon(self, request: _Request, job: Job) -> bool:
         """Let a running daemon download (each byte once per host); False when none answers.
@@ -455,6 +475,30 @@ def _lease(config: Config, source: str, token: str | None) -> Lease:
     about to map (blobs already mapped stay readable anyway: prune only unlinks)."""
     repo = parse_source(source, endpoint=config.endpoint, token=token).repo
     return Leases(CacheStore(config.cache_dir)).hold(repo, owner=f"load {repo.name}")
+
+
+def _plan(
+    request: _Request,
+    manifest: Manifest,
+    headers: Mapping[str, Header],
+    devices: Sequence[str],
+    budgets: Mapping[str | int, int | str],
+) -> DevicePlan | None:
+    """The device plan from the headers; None for pickle checkpoints (placed shard by shard)."""
+    if not headers:
+        return None
+    sizes = [
+        TensorSize(t.name, t.nbytes)
+        for entry in manifest.shards
+        for t in headers[entry.path].tensors
+    ]
+    return plan_device_map(
+        sizes,
+        request.device_map,
+        devices=devices,
+        max_memory=budgets or None,
+        no_split=request.no_split,
+    )
 
 
 def _is_pickle(manifest: Manifest) -> bool:
@@ -607,6 +651,37 @@ def stream(
     ...     for name, tensor in tensors:
     ...         consume(name, tensor)
     """
+    return _open(
+        source,
+        revision=revision,
+        device_map=device_map,
+        max_memory=max_memory,
+        dtype=dtype,
+        endpoint=endpoint,
+        cache_dir=cache_dir,
+        token=token,
+        no_split=no_split,
+        allow_pickle=allow_pickle,
+        config=config,
+        gated=False,
+    )
+
+
+def _open(
+    source: str,
+    *,
+    revision: str | None,
+    device_map: DeviceMap,
+    max_memory: Mapping[str | int, int | str] | None,
+    dtype: torch.dtype | None,
+    endpoint: str | None,
+    cache_dir: str | Path | None,
+    token: str | None,
+    no_split: Sequence[str] | None,
+    allow_pickle: bool,
+    config: Config | None,
+    gated: bool,
+) -> TensorStream:
     cfg = config or load_config(cache_dir=Path(cache_dir) if cache_dir else None)
     if endpoint:
         cfg = replace(cfg, endpoint=endpoint)
@@ -622,6 +697,7 @@ def stream(
         token=token,
         no_split=no_split,
         allow_pickle=allow_pickle,
+        gated=gated,
     )
 
 
@@ -648,7 +724,7 @@ def load(
     returns the missing/unexpected keys; ``strict`` raises ``LoadError`` on either,
     before a single shard is downloaded.
     """
-    tensors = stream(
+    tensors = _open(
         source,
         revision=revision,
         device_map=device_map,
@@ -660,6 +736,7 @@ def load(
         no_split=no_split,
         allow_pickle=allow_pickle,
         config=config,
+        gated=model is not None,  # the keys are checked against the model before downloading
     )
     with tensors:
         if model is None:
