@@ -525,7 +525,7 @@ class SyncClient:
         with shardsync.SyncClient() as client:
             job = client.prefetch("org/model")
             for shard in job.shards():
-                ...
+                consume(shard.file)
             print(job.wait().snapshot_path)
     """
 
