@@ -1,0 +1,149 @@
+"""A plain-HTTP origin that lies in ways the fake Hub's knobs do not cover.
+
+Each case ends byte-exact (a transient lie is retried away) or in one clear error
+(a persistent one), and nothing unverified is ever published.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+from helpers import assert_store_verified, fast_config
+
+from shardsync.errors import ProtocolError, ShardsyncError
+from shardsync.prefetch import prefetch
+from shardsync.retry import parse_content_range
+
+SHARD = b"\x08\x00\x00\x00\x00\x00\x00\x00{}      " + os.urandom(1 << 20)
+FILES = {"model.safetensors": SHARD, "config.json": b'{"model_type": "test"}'}
+ETAG = '"v1"'
+
+Lie = Callable[[web.Request, bytes, int, int], web.StreamResponse | None]
+
+
+@dataclass
+class Origin:
+    """Serves ``FILES`` with Range support; ``lie`` answers instead while ``times`` lasts."""
+
+    lie: Lie | None = None
+    times: int | None = 0  # None: forever
+    told: int = 0
+    log: list[str] = field(default_factory=list)
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        name = request.match_info["name"]
+        data = FILES.get(name)
+        if data is None:
+            return web.Response(status=404)
+        headers = {"ETag": ETAG, "Accept-Ranges": "bytes"}
+        if request.method == "HEAD":
+            return web.Response(headers={**headers, "Content-Length": str(len(data))})
+        start, end = 0, len(data) - 1
+        ranged = request.headers.get("Range")
+        if ranged:
+            first, _, last = ranged.removeprefix("bytes=").partition("-")
+            start, end = int(first), min(int(last), len(data) - 1)
+        if self.lie is not None and ranged and (self.times is None or self.told < self.times):
+            answer = self.lie(request, data, start, end)
+            if answer is not None:
+                self.told += 1
+                self.log.append(ranged)
+                return answer
+        if not ranged:
+            return web.Response(body=data, headers=headers)
+        headers["Content-Range"] = f"bytes {start}-{end}/{len(data)}"
+        return web.Response(status=206, body=data[start : end + 1], headers=headers)
+
+
+def gzip_body(request: web.Request, data: bytes, start: int, end: int) -> web.Response:
+    body = gzip.compress(data[start : end + 1])
+    return web.Response(
+        status=206,
+        body=body,
+        headers={
+            "ETag": ETAG,
+            "Content-Encoding": "gzip",
+            "Content-Range": f"bytes {start}-{end}/{len(data)}",
+        },
+    )
+
+
+def html_error_page(request: web.Request, data: bytes, start: int, end: int) -> web.Response:
+    return web.Response(
+        status=200, body=b"<html><body>Service busy</body></html>", content_type="text/html"
+    )
+
+
+def short_body(request: web.Request, data: bytes, start: int, end: int) -> web.Response:
+    half = start + (end - start + 1) // 2
+    return web.Response(
+        status=206,
+        body=data[start:half],  # a clean close after half of what Content-Range promises
+        headers={"ETag": ETAG, "Content-Range": f"bytes {start}-{end}/{len(data)}"},
+    )
+
+
+def other_length(request: web.Request, data: bytes, start: int, end: int) -> web.Response:
+    return web.Response(status=416, headers={"Content-Range": f"bytes */{len(data) + 7}"})
+
+
+@pytest.fixture
+async def origin() -> AsyncIterator[tuple[Origin, str]]:
+    state = Origin()
+    app = web.Application()
+    app.router.add_route("*", "/ckpt/{name}", state.handle)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        yield state, f"http://127.0.0.1:{port}/ckpt/"
+    finally:
+        await runner.cleanup()
+
+
+LIES = [gzip_body, html_error_page, short_body, other_length]
+
+
+@pytest.mark.parametrize("lie", LIES, ids=[lie.__name__ for lie in LIES])
+async def test_a_passing_lie_ends_byte_exact(
+    origin: tuple[Origin, str], tmp_path: Path, lie: Lie
+) -> None:
+    state, base = origin
+    state.lie, state.times = lie, 2
+    result = await prefetch(base, fast_config(tmp_path, chunk_size=256 * 1024))
+    assert state.told == 2
+    assert (result.snapshot_path / "model.safetensors").read_bytes() == SHARD
+    assert_store_verified(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("lie", "message"),
+    [(gzip_body, "Content-Encoding gzip"), (html_error_page, "200 to a Range request")],
+    ids=["gzip", "html-page"],
+)
+async def test_a_persistent_lie_is_one_clear_error(
+    origin: tuple[Origin, str], tmp_path: Path, lie: Lie, message: str
+) -> None:
+    state, base = origin
+    state.lie, state.times = lie, None
+    with pytest.raises(ShardsyncError, match=message):
+        await prefetch(base, fast_config(tmp_path, chunk_size=256 * 1024))
+    assert_store_verified(tmp_path)
+    assert _published_refs(tmp_path) == []
+
+
+def _published_refs(cache: Path) -> list[Path]:
+    return list(cache.glob("other/*/refs/*"))
+
+
+def test_content_range_parser_refuses_garbage() -> None:
+    with pytest.raises(ProtocolError):
+        parse_content_range("bytes 5-2/10")
