@@ -1,0 +1,63 @@
+"""Hostile repo ids and revisions are refused before any request; valid odd ones work."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from helpers import fast_config
+
+from shardsync.errors import ConfigError
+from shardsync.origins.hub import validate_revision
+from shardsync.prefetch import prefetch
+from shardsync.testing import FakeHub
+
+BAD_REVISIONS = [
+    "..",
+    "../main",
+    "main/../../etc",
+    "refs/pr/../../x",
+    "/abs",
+    "main\n",
+    "ma\x00in",
+    "main?x=1",
+    "main#frag",
+    "ma in",
+    "ré\u0301v",
+    "a//b",
+    "x.lock",
+    "",
+    "v" * 256,
+]
+
+
+@pytest.mark.parametrize("revision", BAD_REVISIONS, ids=repr)
+def test_bad_revisions_are_refused(revision: str) -> None:
+    with pytest.raises(ConfigError, match="invalid revision"):
+        validate_revision(revision)
+
+
+@pytest.mark.parametrize("revision", ["main", "v1.0", "refs/pr/1", "release/2024-06", "a" * 40])
+def test_good_revisions_pass(revision: str) -> None:
+    assert validate_revision(revision) == revision
+
+
+BAD_REPOS = ["../evil", "acme/../x", "acme/x\n", "acme//x", "/etc/passwd", "acme/x?y", "acme/ré"]
+
+
+@pytest.mark.parametrize("source", BAD_REPOS, ids=repr)
+async def test_bad_repo_ids_never_reach_the_network(
+    fake_hub: FakeHub, tmp_path: Path, source: str
+) -> None:
+    with pytest.raises(ConfigError):
+        await prefetch(source, fast_config(tmp_path, fake_hub.endpoint))
+    assert fake_hub.log == []
+
+
+@pytest.mark.parametrize("revision", ["../main", "main\n", "refs/pr/../x"], ids=repr)
+async def test_bad_revisions_never_reach_the_network(
+    fake_hub: FakeHub, tmp_path: Path, revision: str
+) -> None:
+    with pytest.raises(ConfigError):
+        await prefetch("acme/tiny", fast_config(tmp_path, fake_hub.endpoint), revision=revision)
+    assert fake_hub.log == []
