@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from shardsync import errors
+from shardsync.api import result_to_json
 from shardsync.cache import CacheStore
 from shardsync.config import Config, load_config, parse_duration, parse_size
 from shardsync.inventory import Inventory, inventory_to_json, scan
@@ -25,7 +26,6 @@ from shardsync.origins import LocalOrigin, parse_source
 from shardsync.prefetch import PrefetchResult, ProgressSink, prefetch
 from shardsync.progress import format_bytes, make_progress
 from shardsync.pruner import PruneReport, limits_from_config, prune_cache
-from shardsync.scheduler import result_to_json
 from shardsync.verify import EXIT_PROBLEMS, VerifyReport, verify_cache
 
 __all__ = ["EXIT_CODES", "main", "result_to_json"]

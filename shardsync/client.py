@@ -32,6 +32,7 @@ from typing import Any, Literal, Protocol, TypeVar
 
 import aiohttp
 
+from shardsync.api import JobRequest, error_class, result_from_json
 from shardsync.config import Config, Fallback, client_sockets, load_config
 from shardsync.errors import (
     DaemonError,
@@ -40,14 +41,7 @@ from shardsync.errors import (
     ShardsyncError,
 )
 from shardsync.prefetch import Engine, FileOutcome, PrefetchResult, ProgressSink
-from shardsync.scheduler import (
-    TERMINAL_EVENTS,
-    JobRequest,
-    ScheduledJob,
-    Scheduler,
-    error_class,
-    result_from_json,
-)
+from shardsync.scheduler import TERMINAL_EVENTS, ScheduledJob, Scheduler
 
 __all__ = ["Client", "Job", "Shard", "SyncClient", "SyncJob"]
 

@@ -46,6 +46,7 @@ from typing import Any
 from aiohttp import web
 
 from shardsync import __version__
+from shardsync.api import JobRequest, error_json
 from shardsync.config import Config, daemon_socket, load_config
 from shardsync.errors import (
     ConfigError,
@@ -57,13 +58,7 @@ from shardsync.errors import (
 from shardsync.journal import Journal
 from shardsync.notify import Notifier
 from shardsync.prefetch import Engine
-from shardsync.scheduler import (
-    JobRequest,
-    ScheduledJob,
-    Scheduler,
-    TokenBucket,
-    error_json,
-)
+from shardsync.scheduler import ScheduledJob, Scheduler, TokenBucket
 
 __all__ = ["API_VERSION", "Daemon", "DaemonStatistics", "cache_summary", "run_daemon"]
 

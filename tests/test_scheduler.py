@@ -13,6 +13,14 @@ import pytest
 from helpers import assert_snapshot_matches, fast_config, tmpfs
 
 from shardsync import errors
+from shardsync.api import (
+    JobRequest,
+    error_class,
+    error_code,
+    error_json,
+    result_from_json,
+    result_to_json,
+)
 from shardsync.cache import RepoRef
 from shardsync.config import Config
 from shardsync.journal import Journal
@@ -20,16 +28,10 @@ from shardsync.prefetch import Engine, prefetch
 from shardsync.scheduler import (
     EventLog,
     Histogram,
-    JobRequest,
     PriorityGate,
     ScheduledJob,
     Scheduler,
     TokenBucket,
-    error_class,
-    error_code,
-    error_json,
-    result_from_json,
-    result_to_json,
 )
 from shardsync.testing import Bandwidth, Checkpoint, FakeHub, Status, build_checkpoint
 
