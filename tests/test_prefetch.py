@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -320,11 +321,13 @@ async def test_blob_pruned_between_check_and_reuse_is_downloaded(
     await prefetch(REPO, config)
     hashed = engine._xxh3_file
     gone: list[Path] = []
+    once = threading.Lock()  # the hook runs in several worker threads at once
 
     def pruned_meanwhile(path: Path) -> tuple[str, int]:
-        if not gone:  # a concurrent prune unlinks the first shared blob we look at
-            path.unlink()
-            gone.append(path)
+        with once:
+            if not gone:  # a concurrent prune unlinks the first shared blob we look at
+                path.unlink()
+                gone.append(path)
         return hashed(path)
 
     monkeypatch.setattr(engine, "_xxh3_file", pruned_meanwhile)
