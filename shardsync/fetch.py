@@ -22,7 +22,7 @@ import json
 import os
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -73,6 +73,7 @@ __all__ = [
 MiB = 1 << 20
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
 _MAX_REDIRECTS = 5
+_MIN_SPLIT = MiB  # the smallest Range worth a connection of its own
 _SIDECAR_VERSION = 1
 _CREDENTIAL_HEADERS = ("authorization", "cookie", "proxy-authorization")
 
@@ -467,17 +468,25 @@ class Fetcher:
     async def _run_connections(
         self, request: BlobRequest, located: Located, state: _FileState, on_progress: ProgressFn
     ) -> None:
-        chunk = state.size if state.single_stream else self.config.chunk_size
+        missing = state.done.missing(state.size)
+        n = 1 if state.single_stream else self.config.connections_per_file
+        chunk = state.size if state.single_stream else self._chunk(missing, n)
         queue: asyncio.Queue[tuple[int, int]] = asyncio.Queue()
-        for start, end in state.done.missing(state.size):
+        for start, end in missing:
             for piece in split_ranges(end - start, max(chunk, 1)):
                 queue.put_nowait((start + piece[0], start + piece[1]))
-        n = 1 if state.single_stream else self.config.connections_per_file
         async with asyncio.TaskGroup() as tg:
             for _ in range(min(n, max(queue.qsize(), 1))):
                 tg.create_task(self._connection(request, located, state, queue, on_progress))
         if state.done.total() != state.size:
             raise ProtocolError(f"{request.label}: transfer ended with bytes missing")
+
+    def _chunk(self, missing: Sequence[tuple[int, int]], connections: int) -> int:
+        """``chunk_size``, or less when that would leave connections idle on a smaller file
+        (never under ``_MIN_SPLIT``: each Range costs a round trip)."""
+        left = sum(end - start for start, end in missing)
+        even = max(_MIN_SPLIT, -(-left // connections))
+        return min(self.config.chunk_size, even)
 
     async def _connection(
         self,

@@ -60,3 +60,26 @@ async def test_empty_file(tmp_path: Path) -> None:
         result = await prefetch("acme/empty", fast_config(tmp_path, hub.endpoint))
     assert (result.snapshot_path / "empty.txt").read_bytes() == b""
     assert (result.snapshot_path / "model.safetensors").read_bytes() == files["model.safetensors"]
+
+
+@pytest.mark.parametrize(
+    ("size", "connections", "ranges"),
+    [
+        (8 << 20, 4, 4),  # 8 MiB over 4 connections: 2 MiB each, not one 16 MiB chunk
+        (3 << 20, 8, 3),  # never a Range under 1 MiB
+        (64 << 20, 2, 4),  # larger than 2 x chunk_size: 16 MiB chunks
+    ],
+)
+async def test_smaller_files_are_split_across_connections(
+    tmp_path: Path, size: int, connections: int, ranges: int
+) -> None:
+    data = b"\x02\x00\x00\x00\x00\x00\x00\x00{}" + bytes(size - 10)
+    async with FakeHub() as hub:
+        hub.add_repo("acme/split", {"model.safetensors": data})
+        config = fast_config(
+            tmp_path, hub.endpoint, chunk_size=16 << 20, connections_per_file=connections
+        )
+        result = await prefetch("acme/split", config)
+        asked = [r.range for r in hub.log if r.server == "cdn" and r.range]
+    assert (result.snapshot_path / "model.safetensors").read_bytes() == data
+    assert len(asked) == ranges
