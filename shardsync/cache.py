@@ -200,8 +200,39 @@ def _os_error(exc: OSError, path: Path | str, action: str) -> CacheError:
     return CacheError(f"cannot {action} {path}: {exc.strerror or exc}")
 
 
-def _tmp_name(purpose: str) -> str:
-    return f"{purpose}.{os.getpid()}.{secrets.token_hex(8)}"
+_HOST_TAG = hashlib.sha256(os.uname().nodename.encode()).hexdigest()[:8]
+_TEMP_RE = re.compile(
+    r"(?P<purpose>[a-z]+)\.(?P<host>[0-9a-f]{8})\.(?P<pid>[0-9]{1,10})\.[0-9a-f]{16}"
+)
+
+
+def temp_name(purpose: str) -> str:
+    """A name under ``tmp/`` that says who made it (host, pid), so the next run on this host
+    can tell a crashed writer's leftovers from a live writer's files (``sweep_orphans``)."""
+    return f"{purpose}.{_HOST_TAG}.{os.getpid()}.{secrets.token_hex(8)}"
+
+
+def _temp_owner(name: str) -> Literal["live", "gone", "unknown"]:
+    """Whether the process that made a temp name still runs (known only on its own host)."""
+    found = _TEMP_RE.fullmatch(name)
+    if found is None or found["host"] != _HOST_TAG:
+        return "unknown"  # another host's (a shared cache): left to prune's stale age
+    pid = int(found["pid"])
+    if pid <= 0:
+        return "unknown"
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return "gone"
+    except (PermissionError, OverflowError):
+        return "live"  # under another uid
+    return "live"
+
+
+def is_live_temp(name: str) -> bool:
+    """A ``tmp/`` entry of a running process of this host (a download's private name lives
+    as long as the download): prune leaves it whatever its age."""
+    return _temp_owner(name) == "live"
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -578,21 +609,44 @@ class CacheStore:
             raise _os_error(exc, path, "stat") from exc
         return stat.S_ISREG(st.st_mode) and (size is None or st.st_size == size)
 
-    def publish_blob(self, tmp: Path, sha256: str) -> Path:
+    def publish_blob(
+        self, tmp: Path, sha256: str, *, identity: tuple[int, int] | None = None
+    ) -> Path:
         """Move a verified temp file into the store under its sha256; idempotent.
 
-        The caller has checked size and hash. ``link`` (not ``rename``) makes the final name
-        appear only if it is absent, so an existing blob is never replaced, even in a race;
-        the temp file is removed either way.
+        The caller has checked size and hash of the file whose ``(st_dev, st_ino)`` is
+        ``identity`` (checked again here: a file we did not verify is never linked). ``link``
+        (not ``rename``) makes the final name appear only if it is absent, so an existing blob
+        is never replaced, even in a race; the temp file is removed either way.
         """
         final = self.blob_path(sha256)
         try:
             with self._dir(self._store_parts(sha256)) as store_fd:
                 fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
                 try:
-                    if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    st = os.fstat(fd)
+                    if not stat.S_ISREG(st.st_mode):
                         raise CacheError(f"cannot publish {tmp}: not a regular file")
-                    os.fsync(fd)
+                    if identity is not None and (st.st_dev, st.st_ino) != identity:
+                        raise CacheError(f"cannot publish {tmp}: not the file that was verified")
+                    try:
+                        os.fsync(fd)
+                    except OSError as exc:
+                        # The kernel may have dropped the pages it failed to write: a read
+                        # now returns bytes the disk does not hold, so this file can never be
+                        # verified again (a resume would trust it). Download it anew.
+                        with contextlib.suppress(OSError):
+                            os.unlink(tmp)
+                        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                            raise DiskFullError(
+                                f"no space left on the device while writing {tmp}; it was "
+                                "discarded and is downloaded again on the next run"
+                            ) from exc
+                        raise CacheError(
+                            f"cannot publish blob {sha256}: fsync of the downloaded file failed "
+                            f"({exc.strerror or exc}); it was discarded and is downloaded again "
+                            "on the next run"
+                        ) from exc
                     os.fchmod(fd, _BLOB_MODE)
                 finally:
                     os.close(fd)
@@ -638,7 +692,7 @@ class CacheStore:
                 except OSError as exc:
                     if exc.errno not in (errno.ENOENT, errno.EINVAL):
                         raise
-                tmp = _tmp_name("symlink")
+                tmp = temp_name("symlink")
                 os.symlink(target, tmp, dir_fd=tmp_fd)
                 self._replace(tmp_fd, tmp, snap_fd, parts[-1])
         except OSError as exc:
@@ -660,9 +714,13 @@ class CacheStore:
                     return
             except FileNotFoundError:
                 pass
-            tmp = _tmp_name("blob")
+            tmp = temp_name("blob")
             os.link(sha256, tmp, src_dir_fd=store_fd, dst_dir_fd=tmp_fd, follow_symlinks=False)
             self._replace(tmp_fd, tmp, blobs_fd, etag)
+            # rename(2) is a no-op when both names are already links to one file (a
+            # concurrent link of the same blob): the temp name would then stay behind.
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp, dir_fd=tmp_fd)
 
     # -- refs and records ---------------------------------------------------------------
 
@@ -902,7 +960,7 @@ class CacheStore:
                 if not self._repo_is_empty(parent, dirname):
                     return False
                 with self._dir(("tmp",)) as tmp_fd:
-                    tmp = _tmp_name("evict")
+                    tmp = temp_name("evict")
                     os.rename(dirname, tmp, src_dir_fd=parent, dst_dir_fd=tmp_fd)
                     os.fsync(parent)
                     shutil.rmtree(tmp, dir_fd=tmp_fd)
@@ -974,6 +1032,23 @@ class CacheStore:
             return
         except OSError as exc:
             raise _os_error(exc, self.root / area / name, "remove") from exc
+
+    def sweep_orphans(self) -> int:
+        """Remove ``tmp/`` entries left by crashed processes of this host; how many went.
+
+        Safe without a lock: the writer is gone. Entries of other hosts sharing the cache
+        are left to ``prune`` (``stale_partial_age``), as a pid means nothing across hosts.
+        """
+        try:
+            names = os.listdir(self.root / "tmp")
+        except FileNotFoundError:
+            return 0
+        except OSError as exc:
+            raise _os_error(exc, self.root / "tmp", "list") from exc
+        orphans = [name for name in names if _temp_owner(name) == "gone"]
+        for name in orphans:
+            self.remove_junk("tmp", name)
+        return len(orphans)
 
     def unlink_snapshot_file(self, dirname: str, commit: str, relpath: str) -> bool:
         """Remove one file's symlink from a snapshot, which makes the snapshot incomplete (the
@@ -1118,7 +1193,7 @@ class CacheStore:
             return
         try:
             with self._dir(("tmp",)) as tmp_fd:
-                tmp = _tmp_name("evict")
+                tmp = temp_name("evict")
                 try:
                     os.rename(name, tmp, src_dir_fd=parent, dst_dir_fd=tmp_fd)
                 except FileNotFoundError:
@@ -1263,7 +1338,7 @@ class CacheStore:
     def _atomic_write(self, parts: Sequence[str], name: str, data: bytes) -> None:
         """Write ``root/parts/name`` via a fsynced temp file, ``os.replace`` and a dir fsync."""
         with self._dir(("tmp",)) as tmp_fd, self._dir(parts) as dir_fd:
-            tmp = _tmp_name("write")
+            tmp = temp_name("write")
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
             fd = os.open(tmp, flags, _FILE_MODE, dir_fd=tmp_fd)
             try:

@@ -31,6 +31,7 @@ from urllib.parse import urljoin, urlsplit
 import aiohttp
 import xxhash
 
+from shardsync.cache import temp_name
 from shardsync.errors import (
     AuthError,
     CacheError,
@@ -74,7 +75,7 @@ MiB = 1 << 20
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
 _MAX_REDIRECTS = 5
 _MIN_SPLIT = MiB  # the smallest Range worth a connection of its own
-_SIDECAR_VERSION = 1
+_SIDECAR_VERSION = 2
 _CREDENTIAL_HEADERS = ("authorization", "cookie", "proxy-authorization")
 
 _T = TypeVar("_T")
@@ -137,6 +138,8 @@ class FetchedBlob:
     verified: Literal["sha256", "git-sha1", "tofu"]
     downloaded: int  # bytes received over the network by this call
     resumed: int  # bytes reused from an earlier partial
+    identity: tuple[int, int]  # (st_dev, st_ino) of the file that was hashed
+    shared: Path  # the name a resume finds it by: remove it once ``path`` is published
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +175,8 @@ class _FileState:
     etag: str | None
     done: RangeSet
     single_stream: bool
+    temp_dir: Path  # where the sidecar's next version is written before its rename
+    identity: tuple[int, int]  # (st_dev, st_ino) of the file: the sidecar is bound to it
     downloaded: int = 0
     progressed: asyncio.Event = field(default_factory=asyncio.Event)
     in_flight: set[asyncio.Future[Any]] = field(default_factory=set)
@@ -186,6 +191,7 @@ class _FileState:
         future = asyncio.get_running_loop().run_in_executor(None, fn, *args)
         self.in_flight.add(future)
         future.add_done_callback(self.in_flight.discard)
+        future.add_done_callback(_mark_retrieved)
         return future
 
     async def in_thread(self, fn: Callable[..., _T], *args: object) -> _T:
@@ -195,6 +201,13 @@ class _FileState:
         """Wait for every thread still using ``fd`` (even after a cancellation)."""
         while self.in_flight:
             await asyncio.wait(set(self.in_flight))
+
+
+def _mark_retrieved(future: asyncio.Future[Any]) -> None:
+    """Its awaiter may be gone (cancelled by a sibling's error, e.g. several writes hitting
+    ENOSPC at once): the error is reported once, by the first, not logged by asyncio again."""
+    if not future.cancelled():
+        future.exception()
 
 
 class Fetcher:
@@ -345,13 +358,18 @@ class Fetcher:
         data_path: Path,
         sidecar_path: Path,
         on_progress: ProgressFn = lambda n: None,
+        *,
+        temp_dir: Path | None = None,
     ) -> FetchedBlob:
         """Download ``request`` into ``data_path``, resuming from a validated partial.
 
         Returns only when every byte is on disk and the hash matched (or was
         recorded, for origins that publish none). The temp file is left in
-        place on error so the next run can resume.
+        place on error so the next run can resume. New files are made in ``temp_dir``
+        (default: beside ``data_path``; same filesystem) and renamed into place, so a file
+        another process may still be writing is never truncated.
         """
+        scratch = data_path.parent if temp_dir is None else temp_dir
         verify_failures = 0
         single_stream = False
         setbacks = Backoff(self.config.retry)  # restarts and relocations, bounded too
@@ -366,7 +384,7 @@ class Fetcher:
             located = await self.locate(request)
             try:
                 result = await self._download(
-                    request, located, data_path, sidecar_path, progress, single_stream
+                    request, located, data_path, sidecar_path, progress, single_stream, scratch
                 )
             except (_Restart, _Relocate) as exc:
                 cause = "restart" if isinstance(exc, _Restart) else "relocate"
@@ -403,6 +421,7 @@ class Fetcher:
         sidecar_path: Path,
         on_progress: ProgressFn,
         single_stream: bool,
+        temp_dir: Path,
     ) -> FetchedBlob | None:
         size = located.size
         if size is None:
@@ -413,37 +432,52 @@ class Fetcher:
             )
         etag = located.etag if is_strong_etag(located.etag) else None
         done = _load_sidecar(sidecar_path, data_path, request, size, etag)
+        fd, private = _open_partial(data_path, size, temp_dir, resume=done.total() > 0)
+        if not private.resumed:
+            done = RangeSet()
         resumed = done.total()
-        fd = _open_partial(data_path, size, fresh=resumed == 0)
-        state = _FileState(fd=fd, size=size, etag=etag, done=done, single_stream=single_stream)
+        identity = os.fstat(fd)
+        state = _FileState(
+            fd=fd,
+            size=size,
+            etag=etag,
+            done=done,
+            single_stream=single_stream,
+            temp_dir=temp_dir,
+            identity=(identity.st_dev, identity.st_ino),
+        )
         on_progress(resumed)
+        verified: Literal["sha256", "git-sha1", "tofu"] | None = None
         try:
-            async with asyncio.TaskGroup() as tg:
-                hasher = tg.create_task(self._hash(state, request))
-                saver = tg.create_task(
-                    self._save_sidecar_periodically(sidecar_path, request, state)
-                )
-                await self._run_connections(request, located, state, on_progress)
-                saver.cancel()
-            digest, xxh, git_sha1 = hasher.result()
-        except BaseExceptionGroup as group:
-            _raise_first(group)
-            raise  # unreachable: _raise_first always raises
+            try:
+                async with asyncio.TaskGroup() as tg:
+                    hasher = tg.create_task(self._hash(state, request))
+                    saver = tg.create_task(
+                        self._save_sidecar_periodically(sidecar_path, request, state)
+                    )
+                    await self._run_connections(request, located, state, on_progress)
+                    saver.cancel()
+                digest, xxh, git_sha1 = hasher.result()
+            except BaseExceptionGroup as group:
+                _raise_first(group)
+                raise  # unreachable: _raise_first always raises
+            finally:
+                await state.drain()
+                _save_sidecar(sidecar_path, request, state)
+                os.close(fd)
+            if request.sha256 is not None:
+                verified = "sha256" if digest == request.sha256 else None
+            elif request.git_blob_id is not None:
+                verified = "git-sha1" if git_sha1 == request.git_blob_id else None
+            else:
+                verified = "tofu"
         finally:
-            await state.drain()
-            _save_sidecar(sidecar_path, request, state)
-            os.close(fd)
-        verified: Literal["sha256", "git-sha1", "tofu"] = "tofu"
-        if request.sha256 is not None:
-            if digest != request.sha256:
-                return None
-            verified = "sha256"
-        elif request.git_blob_id is not None:
-            if git_sha1 != request.git_blob_id:
-                return None
-            verified = "git-sha1"
+            if verified is None:  # the shared name keeps the bytes for a resume
+                private.path.unlink(missing_ok=True)
+        if verified is None:
+            return None
         return FetchedBlob(
-            path=data_path,
+            path=private.path,
             size=size,
             sha256=digest,
             xxh3_128=xxh,
@@ -451,6 +485,8 @@ class Fetcher:
             verified=verified,
             downloaded=state.downloaded,
             resumed=resumed,
+            identity=(identity.st_dev, identity.st_ino),
+            shared=data_path,
         )
 
     async def _probe_size(self, located: Located, label: str) -> int:
@@ -506,9 +542,9 @@ class Fetcher:
                     )
                 except (aiohttp.ClientError, TimeoutError, StalledError, ProtocolError) as exc:
                     covered = _covered_until(state.done, start)
-                    if covered > start:
-                        start = covered
+                    if self._progressed(covered - start, end - start):
                         backoff.reset()
+                    start = max(start, covered)
                     await self._backoff_or_raise(exc, request.label, backoff, None)
                     continue
                 except _RetryLater as later:
@@ -522,8 +558,21 @@ class Fetcher:
                         None,
                     )
                     continue
-                start += written
-                backoff.reset()
+                wanted, start = end - start, start + written
+                if self._progressed(written, wanted):
+                    backoff.reset()
+                elif start < end:  # a trickle per request: it must run out of attempts too
+                    await self._backoff_or_raise(
+                        ProtocolError(f"short body: {written} of {wanted} bytes"),
+                        request.label,
+                        backoff,
+                        None,
+                    )
+
+    def _progressed(self, delivered: int, wanted: int) -> bool:
+        """Progress that earns a fresh retry budget: the whole range, or one ``read_size``.
+        Less must not, or a server that sends a byte per request is never given up on."""
+        return delivered > 0 and delivered >= min(wanted, self.config.read_size)
 
     async def _get_range(
         self,
@@ -920,18 +969,75 @@ def _hash_range(fd: int, start: int, end: int, hashers: tuple[object, ...]) -> i
     return pos
 
 
-def _open_partial(path: Path, size: int, *, fresh: bool) -> int:
-    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
+@dataclass(frozen=True, slots=True)
+class _Private:
+    path: Path  # this download's own name for its file, in the temp dir
+    resumed: bool
+
+
+def _open_partial(path: Path, size: int, temp_dir: Path, *, resume: bool) -> tuple[int, _Private]:
+    """Open the file to download into, under two names: ``path`` (shared: where a later run
+    resumes from) and a private one in ``temp_dir`` (published from when verified).
+
+    A new file is made under a temp name and renamed over ``path``: truncating in place
+    would zero a published blob's second name left by a crash inside publishing, or, where
+    locks do not work, a file another process still writes. The private name means that
+    such a process replacing ``path`` never takes the verified file from under us.
+    """
+    private = temp_dir / temp_name("part")
+    flags = os.O_RDWR | getattr(os, "O_CLOEXEC", 0)
+    if resume:
+        fd = _open_to_resume(path, private, flags)
+        if fd is not None:
+            return fd, _Private(private, resumed=True)
+    shared = temp_dir / temp_name("link")
     try:
-        fd = os.open(path, flags | (os.O_TRUNC if fresh else 0), 0o644)
+        fd = os.open(private, flags | os.O_CREAT | os.O_EXCL, 0o644)
+    except OSError as exc:
+        raise _disk_error(exc, f"creating {private}") from exc
+    try:
+        os.ftruncate(fd, size)
+        os.link(private, shared)
+        os.replace(shared, path)
+    except OSError as exc:
+        os.close(fd)
+        for name in (private, shared):
+            with contextlib.suppress(OSError):
+                name.unlink()
+        raise _disk_error(exc, f"creating {path}") from exc
+    return fd, _Private(private, resumed=False)
+
+
+def _open_to_resume(path: Path, private: Path, flags: int) -> int | None:
+    """Open ``path`` and link it to ``private``; None (start afresh) if it changed meanwhile."""
+    try:
+        _make_writable(path)
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        return None
     except OSError as exc:
         raise _disk_error(exc, f"opening {path}") from exc
     try:
-        os.ftruncate(fd, size)
+        os.link(path, private)
+        here, there = os.fstat(fd), os.stat(private)
+        if (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino):
+            return fd
+        private.unlink()
+    except FileNotFoundError:
+        pass
     except OSError as exc:
         os.close(fd)
-        raise _disk_error(exc, f"sizing {path}") from exc
-    return fd
+        raise _disk_error(exc, f"linking {path}") from exc
+    os.close(fd)
+    return None
+
+
+def _make_writable(path: Path) -> None:
+    """A crash between publishing's ``chmod 0444`` and its link leaves a read-only partial
+    (its sidecar still valid): make it writable again, or every open but root's fails."""
+    with contextlib.suppress(FileNotFoundError):
+        if not os.lstat(path).st_mode & 0o200:
+            os.chmod(path, 0o644)
 
 
 def _discard(data_path: Path, sidecar_path: Path) -> None:
@@ -943,18 +1049,23 @@ def _discard(data_path: Path, sidecar_path: Path) -> None:
 def _load_sidecar(
     sidecar: Path, data: Path, request: BlobRequest, size: int, etag: str | None
 ) -> RangeSet:
-    """Trust a partial only if it names this exact object (URL, size, strong ETag, hash)."""
+    """Trust a partial only if it names this exact object (URL, size, strong ETag, hash) and
+    the record describes this very file (its inode), which no one else holds a name of: a
+    second name is a live download's private one, or a blob published just before a crash."""
     try:
         raw = json.loads(sidecar.read_bytes())
+        st = data.stat()
         ok = (
-            isinstance(raw, dict)
+            st.st_nlink == 1
+            and isinstance(raw, dict)
+            and raw.get("inode") == [st.st_dev, st.st_ino]
             and raw.get("version") == _SIDECAR_VERSION
             and raw.get("url") == request.url
             and raw.get("size") == size
             and raw.get("sha256") == request.sha256
             and etag is not None
             and raw.get("etag") == etag
-            and data.stat().st_size == size
+            and st.st_size == size
         )
         if ok:
             return RangeSet.from_list(raw["done"], size)
@@ -972,9 +1083,13 @@ def _save_sidecar(path: Path, request: BlobRequest, state: _FileState) -> None:
         "etag": state.etag,
         "size": state.size,
         "sha256": request.sha256,
+        "inode": list(state.identity),
         "done": state.done.to_list(),
     }
-    tmp = path.with_name(path.name + ".tmp")
-    with contextlib.suppress(OSError):
+    tmp = state.temp_dir / temp_name("sidecar")
+    try:
         tmp.write_text(json.dumps(payload))
         os.replace(tmp, path)
+    except OSError:  # best effort: a missing record costs a re-download, nothing more
+        with contextlib.suppress(OSError):
+            tmp.unlink()

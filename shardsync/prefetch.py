@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import errno
 import hashlib
+import os
 import time
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
@@ -22,10 +23,10 @@ from typing import Literal, Protocol
 import aiohttp
 import xxhash
 
-from shardsync.cache import CacheStore, FileRecord, RepoRef, SnapshotRecord
+from shardsync.cache import CacheStore, FileRecord, RepoRef, SnapshotRecord, temp_name
 from shardsync.config import Config
 from shardsync.errors import CacheError, DiskFullError, OfflineError, first_error
-from shardsync.fetch import Fetcher, FetchStatistics, Sleep, Throttle
+from shardsync.fetch import FetchedBlob, Fetcher, FetchStatistics, Sleep, Throttle
 from shardsync.manifest import (
     Listing,
     Manifest,
@@ -319,6 +320,9 @@ class Job:
         )
 
     async def _prepare(self, include: Sequence[str] | None, exclude: Sequence[str]) -> Manifest:
+        # A crashed run's temp names go first: one is a second name of its partial, which
+        # would otherwise look like a live download and not be resumed.
+        await asyncio.to_thread(self.cache.sweep_orphans)
         listing = await self._list()
         self.commit = listing.commit or ""
         self._load_hints()
@@ -387,9 +391,10 @@ class Job:
     async def _obtain(self, entry: ManifestEntry) -> tuple[FileRecord, FileOutcome]:
         """Reuse a cached blob or download one, under the blob's cross-process lock."""
         hit = await self._cached(entry)
-        if hit is not None:
-            return hit
         key = self._blob_key(entry)
+        if hit is not None:
+            await asyncio.to_thread(self._drop_leftover_partial, key)
+            return hit
         lock = self.cache.lock(key)
         await lock.acquire()
         try:
@@ -464,15 +469,36 @@ class Job:
         ident = f"{self.origin.repo.kind}\0{self.origin.repo.name}\0{self.commit}\0{entry.path}"
         return "p-" + hashlib.sha256(ident.encode()).hexdigest()[:40]
 
+    def _drop_leftover_partial(self, key: str) -> None:
+        """A crash between publishing's link and its unlink leaves the partial of a blob that
+        is in the store now: remove it, unless a live download holds its lock."""
+        paths = self.cache.partial_paths(key)
+        if not any(os.path.lexists(p) for p in paths):
+            return
+        lock = self.cache.lock(key)
+        if lock.try_acquire():
+            try:
+                for path in paths:
+                    path.unlink(missing_ok=True)
+            finally:
+                lock.release()
+
     def _hf_etag(self, entry: ManifestEntry, sha256: str) -> str:
         return entry.blob_id if entry.sha256 is None and entry.blob_id else sha256
 
     async def _download(self, entry: ManifestEntry, key: str) -> tuple[FileRecord, FileOutcome]:
         data, sidecar = self.cache.partial_paths(key)
+        temp_dir = self.cache.root / "tmp"
         if isinstance(self.origin, LocalOrigin):
             origin_etag = await self._origin_etag(entry)
-            copied = await asyncio.to_thread(_local_copy, self.origin, entry.path, data)
-            await asyncio.to_thread(self.cache.publish_blob, data, copied.sha256)
+            copy = temp_dir / temp_name("copy")
+            try:
+                copied = await asyncio.to_thread(_local_copy, self.origin, entry.path, copy)
+                await asyncio.to_thread(
+                    self.cache.publish_blob, copy, copied.sha256, identity=copied.identity
+                )
+            finally:
+                copy.unlink(missing_ok=True)
             self.sink.advance(entry.path, copied.size)
             record = FileRecord(
                 path=entry.path,
@@ -488,10 +514,18 @@ class Job:
             )
         request = self.origin.request_for(self.commit or None, entry)
         fetched = await self.fetcher.fetch(
-            request, data, sidecar, lambda n: self.sink.advance(entry.path, n)
+            request,
+            data,
+            sidecar,
+            lambda n: self.sink.advance(entry.path, n),
+            temp_dir=temp_dir,
         )
-        await asyncio.to_thread(self.cache.publish_blob, data, fetched.sha256)
-        sidecar.unlink(missing_ok=True)
+        try:
+            await asyncio.to_thread(
+                self.cache.publish_blob, fetched.path, fetched.sha256, identity=fetched.identity
+            )
+        finally:  # published, or failed after the fsync: never resumed from either way
+            await asyncio.to_thread(_forget_partial, fetched, sidecar)
         record = FileRecord(
             path=entry.path,
             size=fetched.size,
@@ -544,6 +578,19 @@ def _content_id(origin: Origin, files: Sequence[FileRecord]) -> str:
     for f in sorted(files, key=lambda f: f.path):
         h.update(f"{f.path}\0{f.sha256}\0".encode())
     return h.hexdigest()
+
+
+def _forget_partial(fetched: FetchedBlob, sidecar: Path) -> None:
+    """Remove the download's names but the store's: its private one, and the shared one
+    with its resume record, unless another process (no working locks) made them anew."""
+    fetched.path.unlink(missing_ok=True)
+    try:
+        st = os.stat(fetched.shared, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    if (st.st_dev, st.st_ino) == fetched.identity:
+        fetched.shared.unlink(missing_ok=True)
+        sidecar.unlink(missing_ok=True)
 
 
 def _local_copy(origin: LocalOrigin, path: str, dest: Path) -> Copied:

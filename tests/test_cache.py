@@ -25,6 +25,8 @@ from shardsync.cache import (
     FileRecord,
     RepoRef,
     SnapshotRecord,
+    is_live_temp,
+    temp_name,
 )
 from shardsync.errors import CacheError, ConfigError, DiskFullError, UnsafeNameError
 
@@ -737,3 +739,29 @@ def test_publish_across_file_systems_is_refused_and_keeps_the_partial(
         store.publish_blob(part, sha256_of(b"payload"))
     assert part.read_bytes() == b"payload"
     assert stat.S_IMODE(part.stat().st_mode) & 0o200
+
+
+def test_sweep_orphans_removes_only_dead_writers_of_this_host(tmp_path: Path) -> None:
+    store = CacheStore(tmp_path / "cache")
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    mine = temp_name("part")
+    host = mine.split(".")[1]
+    other_host = "0" * 8 if host != "0" * 8 else "1" * 8
+    names = {
+        "gone": f"part.{host}.{dead.stdout.strip()}.{'a' * 16}",
+        "live": mine,
+        "elsewhere": f"part.{other_host}.{dead.stdout.strip()}.{'b' * 16}",
+        "foreign": "something-else",
+    }
+    for name in names.values():
+        (store.root / "tmp" / name).write_bytes(b"x")
+    (store.root / "tmp" / f"evict.{host}.{dead.stdout.strip()}.{'c' * 16}").mkdir()
+    assert store.sweep_orphans() == 2
+    left = set(os.listdir(store.root / "tmp"))
+    assert left == {names["live"], names["elsewhere"], names["foreign"]}
+    assert is_live_temp(names["live"]) and not is_live_temp(names["elsewhere"])

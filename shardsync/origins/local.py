@@ -23,6 +23,7 @@ class Copied:
     size: int
     sha256: str
     xxh3_128: str
+    identity: tuple[int, int]  # (st_dev, st_ino) of the copy that was hashed
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,10 +71,16 @@ class LocalOrigin:
     def copy(self, path: str, dest: Path) -> Copied:
         """Blocking copy with sha256 and xxh3 computed in the same pass (run in a thread)."""
         sha, xxh, size = hashlib.sha256(), xxhash.xxh3_128(), 0
-        with self.source(path).open("rb") as src, dest.open("wb") as out:
+        with self.source(path).open("rb") as src, dest.open("xb") as out:
             while chunk := src.read(_STEP):
                 sha.update(chunk)
                 xxh.update(chunk)
                 out.write(chunk)
                 size += len(chunk)
-        return Copied(size=size, sha256=sha.hexdigest(), xxh3_128=xxh.hexdigest())
+            st = os.fstat(out.fileno())
+        return Copied(
+            size=size,
+            sha256=sha.hexdigest(),
+            xxh3_128=xxh.hexdigest(),
+            identity=(st.st_dev, st.st_ino),
+        )

@@ -140,6 +140,29 @@ async def test_a_persistent_lie_is_one_clear_error(
     assert _published_refs(tmp_path) == []
 
 
+def one_byte(request: web.Request, data: bytes, start: int, end: int) -> web.Response:
+    return web.Response(
+        status=206,
+        body=data[start : start + 1],  # a clean close after one byte, every time
+        headers={"ETag": ETAG, "Content-Range": f"bytes {start}-{end}/{len(data)}"},
+    )
+
+
+async def test_a_byte_per_request_runs_out_of_attempts(
+    origin: tuple[Origin, str], tmp_path: Path
+) -> None:
+    """Each answer makes progress, but too little to earn a fresh retry budget."""
+    state, base = origin
+    state.lie, state.times = one_byte, None
+    config = fast_config(tmp_path, chunk_size=256 * 1024)
+    with pytest.raises(ShardsyncError, match="short body"):
+        await prefetch(base, config)
+    chunks = -(-len(SHARD) // (256 * 1024))
+    assert state.told <= chunks * config.fetch.retry.max_attempts
+    assert_store_verified(tmp_path)
+    assert _published_refs(tmp_path) == []
+
+
 def _published_refs(cache: Path) -> list[Path]:
     return list(cache.glob("other/*/refs/*"))
 
