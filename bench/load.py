@@ -7,13 +7,17 @@ latency), in one run:
   (b) shardsync prefetch, then load_file of every shard
   (c) shardsync.load, pipelined (tensors placed while later shards download)
 
-It prints the time to all tensors on the device and the peak RSS of each (the child's own
+Each variant runs in fresh child processes that import torch, safetensors and the tool first;
+its clock starts at the first call (a training script has imported torch long before it asks
+for weights). It prints that time to all tensors on the device, the children's whole wall clock
+("process": interpreter start and imports included), the peak RSS of each (the child's own
 ``ru_maxrss``), the download-only time of shardsync, and the issue's targets:
 (c) <= 1.15 x download-only, (c) <= 0.6 x (a), and peak RSS of (c) <= model + largest shard.
 On CPU every variant hands out memory-mapped tensors (safetensors does too), so "on the
 device" means usable, not read; on CUDA the bytes are really copied.
 
-    python bench/load.py [--size 2GB] [--shards 4] [--device cpu|cuda:0] [--out bench/results]
+    python bench/load.py [--size 2GB] [--shards 4] [--device cpu|cuda:0] [--repeat 3]
+                         [--out bench/results]
 """
 
 from __future__ import annotations
@@ -22,12 +26,14 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -42,119 +48,169 @@ from download import (  # a sibling script, not a package
     serve_hub,
 )
 
-_LOAD_SHARDS = """
-import glob, json, os, sys, time, resource
+# Every child imports what it needs (torch included: any loader needs it) before its clock
+# starts, so each variant is timed from the call to the last tensor, not from interpreter start.
+_IMPORTS = """
+import glob, json, os, sys, time
+from pathlib import Path
+import torch
 from safetensors.torch import load_file
-start = time.monotonic()
-tensors = {}
-for shard in sorted(glob.glob(os.path.join(sys.argv[1], "*.safetensors"))):
-    tensors.update(load_file(shard, device=sys.argv[2]))
-print(json.dumps({"tensors": len(tensors), "seconds": time.monotonic() - start}))
+"""
+_LOAD_SHARDS = """
+def load_shards(snapshot, device):
+    tensors = {}
+    for shard in sorted(glob.glob(os.path.join(snapshot, "*.safetensors"))):
+        tensors.update(load_file(shard, device=device))
+    return tensors
 """
 _HF_THEN_LOAD = (
-    """
-import sys
-from huggingface_hub import snapshot_download
-path = snapshot_download(sys.argv[1], endpoint=sys.argv[2], cache_dir=sys.argv[3])
-sys.argv = [sys.argv[0], path, sys.argv[4]]
-"""
+    _IMPORTS
     + _LOAD_SHARDS
-)
-_SHARDSYNC_LOAD = """
-import json, sys, time
-from pathlib import Path
-import shardsync
+    + """
+from huggingface_hub import snapshot_download
 start = time.monotonic()
-tensors = shardsync.load(sys.argv[1], device_map=sys.argv[4], endpoint=sys.argv[2],
-                         cache_dir=Path(sys.argv[3]))
+path = snapshot_download(sys.argv[1], endpoint=sys.argv[2], cache_dir=sys.argv[3])
+tensors = load_shards(path, sys.argv[4])
 print(json.dumps({"tensors": len(tensors), "seconds": time.monotonic() - start}))
 """
+)
+_SHARDSYNC_PREFETCH = (
+    _IMPORTS
+    + """
+import contextlib, io
+from shardsync.cli import main
+out = io.StringIO()
+start = time.monotonic()
+with contextlib.redirect_stdout(out):
+    code = main(["prefetch", sys.argv[1], "--endpoint", sys.argv[2], "--cache-dir", sys.argv[3],
+                 "--quiet"])
+seconds = time.monotonic() - start
+if code:
+    sys.exit(code)
+print(json.dumps({"snapshot": out.getvalue().strip().splitlines()[-1], "seconds": seconds}))
+"""
+)
+_LOAD_SNAPSHOT = (
+    _IMPORTS
+    + _LOAD_SHARDS
+    + """
+start = time.monotonic()
+tensors = load_shards(sys.argv[1], sys.argv[2])
+print(json.dumps({"tensors": len(tensors), "seconds": time.monotonic() - start}))
+"""
+)
+_SHARDSYNC_LOAD = (
+    _IMPORTS
+    + """
+from shardsync import load
+start = time.monotonic()
+tensors = load(sys.argv[1], device_map=sys.argv[4], endpoint=sys.argv[2],
+               cache_dir=Path(sys.argv[3]))
+print(json.dumps({"tensors": len(tensors), "seconds": time.monotonic() - start}))
+"""
+)
 
 
 @dataclass(frozen=True, slots=True)
 class Result:
     variant: str
-    seconds: float
+    seconds: float  # from the first call to the last tensor usable, imports excluded
     download_seconds: float | None
+    process_seconds: float  # the children's wall clock, interpreter start and imports included
     peak_rss: int
     tensors: int
 
 
-def _child(argv: list[str], env: dict[str, str]) -> tuple[float, int, str]:
-    """Run one child; wall seconds, its own peak RSS in bytes, and its stdout."""
+@dataclass(frozen=True, slots=True)
+class Child:
+    wall: float
+    peak_rss: int
+    report: dict[str, Any]
+
+
+def _child(script: str, args: list[str], env: dict[str, str]) -> Child:
+    """Run one child script; its wall clock, its own peak RSS and the JSON it printed last."""
+    argv = [sys.executable, "-c", script, *args]
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         start = time.monotonic()
         proc = subprocess.Popen(argv, env=env, stdout=out, stderr=err)
         _pid, status, usage = os.wait4(proc.pid, 0)
-        seconds = time.monotonic() - start
-        proc.returncode = os.waitstatus_to_exitcode(status)
+        wall = time.monotonic() - start
+        returncode = os.waitstatus_to_exitcode(status)
         out.seek(0)
         err.seek(0)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{argv[:3]} failed: {err.read().decode()[-2000:]}")
-        return seconds, usage.ru_maxrss * 1024, out.read().decode()
+        if returncode != 0:
+            raise RuntimeError(f"child {args[:1]} failed: {err.read().decode()[-2000:]}")
+        report = json.loads(out.read().decode().splitlines()[-1])
+        return Child(wall, usage.ru_maxrss * 1024, report)
 
 
 def run_variants(endpoint: str, scratch: Path, device: str) -> list[Result]:
     env = clean_env(scratch, endpoint)
-    py = sys.executable
     results = []
 
     work = scratch / "a"
-    seconds, rss, out = _child([py, "-c", _HF_THEN_LOAD, REPO_ID, endpoint, str(work), device], env)
+    a = _child(_HF_THEN_LOAD, [REPO_ID, endpoint, str(work), device], env)
     results.append(
         Result(
             "a: snapshot_download + load_file",
-            seconds,
+            a.report["seconds"],
             None,
-            rss,
-            json.loads(out.splitlines()[-1])["tensors"],
+            a.wall,
+            a.peak_rss,
+            a.report["tensors"],
         )
     )
     shutil.rmtree(work, ignore_errors=True)
 
     work = scratch / "b"
-    shardsync = [
-        py,
-        "-m",
-        "shardsync.cli",
-        "prefetch",
-        REPO_ID,
-        "--endpoint",
-        endpoint,
-        "--cache-dir",
-        str(work),
-        "--quiet",
-    ]
-    download, rss_b1, out = _child(shardsync, env)
-    snapshot = out.strip().splitlines()[-1]
-    load_s, rss_b2, out = _child([py, "-c", _LOAD_SHARDS, snapshot, device], env)
+    fetched = _child(_SHARDSYNC_PREFETCH, [REPO_ID, endpoint, str(work)], env)
+    loaded = _child(_LOAD_SNAPSHOT, [fetched.report["snapshot"], device], env)
     results.append(
         Result(
             "b: shardsync prefetch + load_file",
-            download + load_s,
-            download,
-            max(rss_b1, rss_b2),
-            json.loads(out.splitlines()[-1])["tensors"],
+            fetched.report["seconds"] + loaded.report["seconds"],
+            fetched.report["seconds"],
+            fetched.wall + loaded.wall,
+            max(fetched.peak_rss, loaded.peak_rss),
+            loaded.report["tensors"],
         )
     )
     shutil.rmtree(work, ignore_errors=True)
 
     work = scratch / "c"
-    seconds, rss, out = _child(
-        [py, "-c", _SHARDSYNC_LOAD, REPO_ID, endpoint, str(work), device], env
-    )
+    c = _child(_SHARDSYNC_LOAD, [REPO_ID, endpoint, str(work), device], env)
     results.append(
         Result(
             "c: shardsync.load (pipelined)",
-            seconds,
+            c.report["seconds"],
             None,
-            rss,
-            json.loads(out.splitlines()[-1])["tensors"],
+            c.wall,
+            c.peak_rss,
+            c.report["tensors"],
         )
     )
     shutil.rmtree(work, ignore_errors=True)
     return results
+
+
+def medians(rounds: list[list[Result]]) -> list[Result]:
+    """Per variant: the median of each time over the rounds (variants interleave, so a slow
+    moment of the machine hits all alike), and the highest peak RSS."""
+    merged = []
+    for runs in zip(*rounds, strict=True):
+        download = [r.download_seconds for r in runs if r.download_seconds is not None]
+        merged.append(
+            Result(
+                runs[0].variant,
+                statistics.median(r.seconds for r in runs),
+                statistics.median(download) if download else None,
+                statistics.median(r.process_seconds for r in runs),
+                max(r.peak_rss for r in runs),
+                runs[0].tensors,
+            )
+        )
+    return merged
 
 
 def checks(results: list[Result], origin: Origin) -> list[tuple[str, bool, str]]:
@@ -188,8 +244,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bandwidth", type=float, default=25_000_000)
     parser.add_argument("--latency", type=float, default=0.02)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--repeat", type=int, default=3, help="rounds; the medians count")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
+    if args.repeat < 1:
+        parser.error("--repeat must be positive")
     from shardsync.config import parse_size
 
     size = parse_size(args.size)
@@ -212,17 +271,29 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="shardsync-load-bench-") as tmp:
         scratch = Path(tmp)
         with serve_hub(origin, scenario, scratch) as endpoint:
-            results = run_variants(endpoint, scratch, args.device)
+            rounds = []
+            for n in range(args.repeat):
+                rounds.append(run_variants(endpoint, scratch, args.device))
+                print(
+                    f"round {n + 1}: "
+                    + ", ".join(f"{r.variant[0]} {r.seconds:.2f} s" for r in rounds[-1]),
+                    flush=True,
+                )
+    results = medians(rounds)
     print(
         f"\n{origin.total_size / 1e9:.2f} GB, {args.shards} shards, "
         f"{args.bandwidth / 1e6:.0f} MB/s per connection, {args.latency * 1000:.0f} ms latency, "
         f"device {args.device}"
     )
-    print(f"{'variant':40} {'seconds':>8} {'download':>9} {'peak RSS':>10} {'tensors':>8}")
+    print(
+        f"{'variant':36} {'seconds':>8} {'download':>9} {'process':>8} {'peak RSS':>10} "
+        f"{'tensors':>8}"
+    )
     for r in results:
         dl = f"{r.download_seconds:.2f}" if r.download_seconds else "-"
         print(
-            f"{r.variant:40} {r.seconds:8.2f} {dl:>9} {r.peak_rss / 2**20:7.0f} MiB {r.tensors:8d}"
+            f"{r.variant:36} {r.seconds:8.2f} {dl:>9} {r.process_seconds:8.2f} "
+            f"{r.peak_rss / 2**20:7.0f} MiB {r.tensors:8d}"
         )
     verdicts = checks(results, origin)
     for target, ok, detail in verdicts:
@@ -239,7 +310,9 @@ def main(argv: list[str] | None = None) -> int:
                     "latency": args.latency,
                     "device": args.device,
                 },
+                "repeat": args.repeat,
                 "results": [asdict(r) for r in results],
+                "rounds": [[asdict(r) for r in runs] for runs in rounds],
                 "checks": [{"target": t, "pass": ok, "detail": d} for t, ok, d in verdicts],
             },
             indent=2,

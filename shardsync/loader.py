@@ -619,18 +619,6 @@ class _CudaPlacer:
         return out, event
 
 
-def _loader_config(config: Config) -> Config:
-    """Fewer files at once, more connections each: shards finish one after another in
-    index order, so loading the first overlaps downloading the rest."""
-    total = config.max_files * config.fetch.connections_per_file
-    files = min(2, config.max_files)
-    return replace(
-        config,
-        max_files=files,
-        fetch=replace(config.fetch, connections_per_file=max(1, total // files)),
-    )
-
-
 def stream(
     source: str,
     *,
@@ -689,7 +677,7 @@ def _open(
         max_memory = {k: parse_memory(v) for k, v in max_memory.items()}
     return TensorStream(
         source,
-        config=_loader_config(cfg),
+        config=cfg,
         revision=revision,
         device_map=device_map,
         max_memory=max_memory,
