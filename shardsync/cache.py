@@ -758,14 +758,35 @@ class CacheStore:
         return commit
 
     def write_snapshot_record(self, record: SnapshotRecord) -> None:
-        """Mark a snapshot complete: atomic, durable, and the last write of a download."""
+        """Mark a snapshot complete: atomic, durable, and the last write of a download.
+
+        The view's links are made durable first (``blobs/`` and every folder of the
+        snapshot), so after a power loss no record or ref names links that are gone.
+        """
         data = record.to_json()
         parts = ("state", "snapshots", record.repo.dirname)
         name = f"{record.commit}.json"
         try:
+            self._sync_view(record.repo, record.commit)
             self._atomic_write(parts, name, data)
         except OSError as exc:
             raise _os_error(exc, self.root.joinpath(*parts, name), "write") from exc
+
+    def _sync_view(self, repo: RepoRef, commit: str) -> None:
+        repo_parts = self._repo_parts(repo)
+        fd = self._walk_existing((*repo_parts, "blobs"))
+        if fd is not None:
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        top = self.snapshot_dir(repo, _check_commit(commit))
+        for folder, _dirs, _files in os.walk(top):
+            fd = os.open(folder, _DIR_FLAGS)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
     def read_snapshot_record(self, repo: RepoRef, commit: str) -> SnapshotRecord | None:
         path = self._record_path(repo, commit)

@@ -237,6 +237,9 @@ def test_a_clean_run_publishes_in_promise_order(served: Served, clean: list[str]
     assert first("link store") < first("fsync_dir store")
     assert first("link store") < first("link blobs") < first("rename blobs")
     assert first("rename blobs") < first("symlink snapshot") < first("rename snapshot")
+    # the view's folders are durable before the record says the snapshot is complete
+    assert last("rename snapshot") < last("fsync_dir blobs") < first("write record")
+    assert last("rename snapshot") < last("fsync_dir snapshot") < first("write record")
     # the snapshot is marked complete last: its record, then the ref
     tail = [
         "write record",
