@@ -89,6 +89,14 @@ def short_body(request: web.Request, data: bytes, start: int, end: int) -> web.R
     )
 
 
+def other_total(request: web.Request, data: bytes, start: int, end: int) -> web.Response:
+    return web.Response(
+        status=206,
+        body=data[start : end + 1],  # the right bytes, but the object grew meanwhile
+        headers={"ETag": ETAG, "Content-Range": f"bytes {start}-{end}/{len(data) + 4096}"},
+    )
+
+
 def other_length(request: web.Request, data: bytes, start: int, end: int) -> web.Response:
     return web.Response(status=416, headers={"Content-Range": f"bytes */{len(data) + 7}"})
 
@@ -109,7 +117,7 @@ async def origin() -> AsyncIterator[tuple[Origin, str]]:
         await runner.cleanup()
 
 
-LIES = [gzip_body, html_error_page, short_body, other_length]
+LIES = [gzip_body, html_error_page, short_body, other_total, other_length]
 
 
 @pytest.mark.parametrize("lie", LIES, ids=[lie.__name__ for lie in LIES])
@@ -126,8 +134,12 @@ async def test_a_passing_lie_ends_byte_exact(
 
 @pytest.mark.parametrize(
     ("lie", "message"),
-    [(gzip_body, "Content-Encoding gzip"), (html_error_page, "200 to a Range request")],
-    ids=["gzip", "html-page"],
+    [
+        (gzip_body, "Content-Encoding gzip"),
+        (html_error_page, "200 to a Range request"),
+        (other_total, "Content-Range"),
+    ],
+    ids=["gzip", "html-page", "total-changed"],
 )
 async def test_a_persistent_lie_is_one_clear_error(
     origin: tuple[Origin, str], tmp_path: Path, lie: Lie, message: str
