@@ -92,6 +92,7 @@ _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 _XXH3_128_RE = re.compile(r"[0-9a-f]{32}")
 _ETAG_RE = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
 _KEY_RE = re.compile(r"[a-z0-9_-]{1,128}")
+_DOWNLOAD_LOCK_RE = re.compile(r"(?:[0-9a-f]{64}|p-[0-9a-f]{40})\.lock")
 _HUB_SEGMENT_RE = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9._-]*[A-Za-z0-9_])?")
 _REF_SEGMENT_RE = re.compile(r"[A-Za-z0-9._+-]{1,255}")
 _SLUG_UNSAFE_RE = re.compile(r"[^A-Za-z0-9._]+")
@@ -469,7 +470,9 @@ class BlobLock:
     Two ``BlobLock`` objects exclude each other even inside one process. The kernel releases
     the lock when its holder dies, so a crashed holder is taken over at once. Not reentrant:
     acquiring a lock this object already holds returns at once, and one ``release`` frees it.
-    The lock file is never unlinked (unlinking would let two holders lock different inodes).
+    Only a holder unlinks a lock file (``remove_idle_locks``), and an acquirer checks after
+    locking that the path still names the file it locked, else tries again: two holders never
+    lock different inodes.
     ``shared=True`` takes a shared lock instead: shared holders coexist and an exclusive holder
     excludes them all (the prune gate: lease takers share it, a prune holds it alone).
     """
@@ -493,22 +496,32 @@ class BlobLock:
         """Take the lock if it is free; never blocks."""
         if self._fd is not None:
             return True
-        try:
-            fd = os.open(
-                self._path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, _FILE_MODE
-            )
-        except OSError as exc:
-            raise _os_error(exc, self._path, "open lock file") from exc
-        try:
-            fcntl.flock(fd, (fcntl.LOCK_SH if self._shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return False
-        except OSError as exc:
-            os.close(fd)
-            raise _os_error(exc, self._path, "lock") from exc
-        self._fd = fd
-        return True
+        while True:
+            try:
+                fd = os.open(
+                    self._path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, _FILE_MODE
+                )
+            except OSError as exc:
+                raise _os_error(exc, self._path, "open lock file") from exc
+            try:
+                mode = fcntl.LOCK_SH if self._shared else fcntl.LOCK_EX
+                fcntl.flock(fd, mode | fcntl.LOCK_NB)
+                here = os.fstat(fd)
+                there = os.stat(self._path, follow_symlinks=False)
+            except BlockingIOError:
+                os.close(fd)
+                return False
+            except FileNotFoundError:
+                os.close(fd)
+                continue  # removed by its last holder meanwhile: lock the new one
+            except OSError as exc:
+                os.close(fd)
+                raise _os_error(exc, self._path, "lock") from exc
+            if (here.st_dev, here.st_ino) != (there.st_dev, there.st_ino):
+                os.close(fd)
+                continue
+            self._fd = fd
+            return True
 
     async def acquire(
         self,
@@ -850,6 +863,33 @@ class CacheStore:
         except OSError as exc:
             raise _os_error(exc, self.root / "locks", "create") from exc
         return BlobLock(self.root / "locks" / f"{key}.lock", shared=shared)
+
+    def remove_idle_locks(self) -> int:
+        """Unlink the lock files of downloads nobody holds (one per blob ever fetched would
+        pile up otherwise); how many went. Each is removed while held (see ``BlobLock``)."""
+        try:
+            names = os.listdir(self.root / "locks")
+        except FileNotFoundError:
+            return 0
+        except OSError as exc:
+            raise _os_error(exc, self.root / "locks", "list") from exc
+        removed = 0
+        for name in names:
+            if not _DOWNLOAD_LOCK_RE.fullmatch(name):
+                continue  # the prune gate and the access log's lock stay
+            lock = BlobLock(self.root / "locks" / name)
+            if not lock.try_acquire():
+                continue
+            try:
+                os.unlink(lock.path)
+                removed += 1
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                raise _os_error(exc, lock.path, "remove") from exc
+            finally:
+                lock.release()
+        return removed
 
     # -- lifecycle: state files, eviction, quarantine (used by usage, pruner, verify) ------
 

@@ -384,6 +384,7 @@ def _execute(
             kept_bytes += leftover.nbytes  # a download's private name, however long it runs
         else:
             cache.remove_junk(leftover.kind, leftover.name)
+    cache.remove_idle_locks()
     return kept_bytes
 
 

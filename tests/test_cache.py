@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import fcntl
 import hashlib
 import json
 import os
@@ -765,3 +766,51 @@ def test_sweep_orphans_removes_only_dead_writers_of_this_host(tmp_path: Path) ->
     left = set(os.listdir(store.root / "tmp"))
     assert left == {names["live"], names["elsewhere"], names["foreign"]}
     assert is_live_temp(names["live"]) and not is_live_temp(names["elsewhere"])
+
+
+def test_idle_download_locks_are_removed_and_a_waiter_locks_the_new_file(
+    store: CacheStore,
+) -> None:
+    busy, idle = "a" * 64, "p-" + "b" * 40
+    held = store.lock(busy)
+    assert held.try_acquire()
+    first = store.lock(idle)
+    assert first.try_acquire()
+    first.release()  # the file stays behind, idle
+    waiter = store.lock(idle)
+    gate = store.lock("prune-gate")
+    assert gate.try_acquire()
+    gate.release()
+    assert store.remove_idle_locks() == 1  # not the held one, not the gate
+    assert sorted(os.listdir(store.root / "locks")) == [f"{busy}.lock", "prune-gate.lock"]
+    # an acquirer after the file went locks a fresh one
+    assert waiter.try_acquire()
+    assert (store.root / "locks" / f"{idle}.lock").exists()
+    assert not store.lock(idle).try_acquire()
+    held.release()
+    waiter.release()
+
+
+def test_a_lock_file_removed_between_open_and_flock_is_not_held(
+    store: CacheStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shardsync.cache as cache_module
+
+    key = "c" * 64
+    path = store.root / "locks" / f"{key}.lock"
+    path.touch()
+    real, raced = fcntl.flock, []
+
+    def collector_first(fd: int, op: int) -> None:
+        if not raced:  # the collector unlinks the file this acquirer just opened
+            raced.append(path)
+            path.unlink()
+        real(fd, op)
+
+    monkeypatch.setattr(cache_module.fcntl, "flock", collector_first)
+    lock = store.lock(key)
+    assert lock.try_acquire() and raced
+    monkeypatch.undo()
+    assert path.exists()
+    assert not store.lock(key).try_acquire()  # it holds the file now at the path
+    lock.release()
