@@ -203,6 +203,16 @@ class _FileState:
             await asyncio.wait(set(self.in_flight))
 
 
+def _next_page(url: str, resp: aiohttp.ClientResponse, label: str) -> str | None:
+    link = resp.links.get("next")
+    if link is None:
+        return None
+    target = urljoin(str(resp.url), str(link["url"]))
+    if _origin_of(target) != _origin_of(url):
+        raise ProtocolError(f"{label}: refusing a next page on another origin: {target}")
+    return target
+
+
 def _mark_retrieved(future: asyncio.Future[Any]) -> None:
     """Its awaiter may be gone (cancelled by a sibling's error, e.g. several writes hitting
     ENOSPC at once): the error is reported once, by the first, not logged by asyncio again."""
@@ -258,6 +268,15 @@ class Fetcher:
         self, url: str, headers: Mapping[str, str], *, max_size: int, label: str
     ) -> bytes:
         """GET a small document (API answer, listing) with the same retry policy."""
+        body, _next = await self.get_page(url, headers, max_size=max_size, label=label)
+        return body
+
+    async def get_page(
+        self, url: str, headers: Mapping[str, str], *, max_size: int, label: str
+    ) -> tuple[bytes, str | None]:
+        """``get_bytes`` for one page of a paginated listing, and the next page's URL
+        (``Link: <...>; rel="next"``), which must stay on the same scheme, host and port:
+        the request carries credentials."""
         backoff = Backoff(self.config.retry)
         while True:
             try:
@@ -271,7 +290,7 @@ class Fetcher:
                             body += piece
                             if len(body) > max_size:
                                 raise ProtocolError(f"{label}: body exceeds {max_size} bytes")
-                        return bytes(body)
+                        return bytes(body), _next_page(url, resp, label)
                     await self._raise_for_status(resp, label)
             except _RetryLater as later:
                 await self._backoff_or_raise(later, label, backoff, later.after)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import aiohttp
 import pytest
+from aiohttp import web
 from helpers import fast_config
 
 from shardsync.errors import ProtocolError
-from shardsync.fetch import _follow
+from shardsync.fetch import Fetcher, _follow
 from shardsync.prefetch import prefetch
 from shardsync.testing import FakeHub
 
@@ -83,3 +85,36 @@ async def test_smaller_files_are_split_across_connections(
         asked = [r.range for r in hub.log if r.server == "cdn" and r.range]
     assert (result.snapshot_path / "model.safetensors").read_bytes() == data
     assert len(asked) == ranges
+
+
+async def test_a_large_repo_is_listed_through_the_paginated_tree(tmp_path: Path) -> None:
+    """The Hub may cut ``siblings`` short for a large repo: the tree API lists it all."""
+    files = {"model.safetensors": b"\x02\x00\x00\x00\x00\x00\x00\x00{}"}
+    files |= {f"data/{i:04d}.txt": f"row {i}\n".encode() for i in range(1200)}
+    async with FakeHub(siblings_cap=1000, tree_page_size=250) as hub:
+        hub.add_repo("acme/big", files)
+        result = await prefetch("acme/big", fast_config(tmp_path, hub.endpoint), include=["data/*"])
+        pages = [r for r in hub.log if "/tree/" in r.path]
+    assert len(pages) == 5  # 1201 files and one folder, 250 entries a page
+    for name, data in files.items():
+        assert (result.snapshot_path / name).read_bytes() == data
+
+
+async def test_a_next_page_on_another_origin_is_refused(tmp_path: Path) -> None:
+    async def page(request: web.Request) -> web.Response:
+        return web.json_response([], headers={"Link": '<http://127.0.0.2:9/steal>; rel="next"'})
+
+    app = web.Application()
+    app.router.add_get("/list", page)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}/list"
+        async with aiohttp.ClientSession() as session:
+            fetcher = Fetcher(session, fast_config(tmp_path).fetch)
+            with pytest.raises(ProtocolError, match="next page on another origin"):
+                await fetcher.get_page(url, {"Authorization": "Bearer t"}, max_size=1000, label="x")
+    finally:
+        await runner.cleanup()

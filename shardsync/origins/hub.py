@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from urllib.parse import quote, urlsplit
 
 import huggingface_hub
@@ -12,14 +12,24 @@ from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
 from shardsync.cache import RepoRef
-from shardsync.errors import ConfigError
+from shardsync.errors import ConfigError, ManifestError
 from shardsync.fetch import BlobRequest, Fetcher
-from shardsync.manifest import Listing, ManifestEntry, RemoteFile, parse_hub_revision
+from shardsync.manifest import (
+    Listing,
+    ManifestEntry,
+    RemoteFile,
+    parse_hub_revision,
+    parse_hub_tree,
+)
 
 __all__ = ["DEFAULT_ENDPOINT", "HubOrigin", "validate_revision"]
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 _MAX_API_ANSWER = 64 << 20
+# Below this many siblings the revision answer is taken as complete; huggingface_hub itself
+# lists large repos with the paginated tree API.
+_SIBLINGS_COMPLETE_BELOW = 1000
+_MAX_TREE_PAGES = 10_000
 _REVISION = re.compile(r"[A-Za-z0-9._\-/]{1,255}")
 
 
@@ -66,16 +76,32 @@ class HubOrigin:
         return {"Authorization": f"Bearer {self.token}"} if self.token else {}
 
     async def list_files(self, fetcher: Fetcher, revision: str) -> Listing:
-        """One API call: commit hash plus every file with size and LFS sha256."""
+        """Commit hash plus every file with size and LFS sha256: one API call, or for a large
+        repo (whose ``siblings`` the Hub may cut short) the paginated tree at that commit."""
         validate_revision(revision)
+        label = f"{self.repo_id}@{revision}"
         url = (
             f"{self.endpoint}/api/models/{self.repo_id}/revision/"
             f"{quote(revision, safe='')}?blobs=true"
         )
         payload = await fetcher.get_bytes(
-            url, self.auth_headers, max_size=_MAX_API_ANSWER, label=f"{self.repo_id}@{revision}"
+            url, self.auth_headers, max_size=_MAX_API_ANSWER, label=label
         )
-        return parse_hub_revision(payload)
+        listing = parse_hub_revision(payload)
+        if len(listing.files) < _SIBLINGS_COMPLETE_BELOW or listing.commit is None:
+            return listing
+        files: list[RemoteFile] = []
+        page: str | None = (
+            f"{self.endpoint}/api/models/{self.repo_id}/tree/{listing.commit}?recursive=true"
+        )
+        for _ in range(_MAX_TREE_PAGES):
+            if page is None:
+                return replace(listing, files=tuple(files))
+            payload, page = await fetcher.get_page(
+                page, self.auth_headers, max_size=_MAX_API_ANSWER, label=f"{label} tree"
+            )
+            files.extend(parse_hub_tree(payload))
+        raise ManifestError(f"{label}: the tree listing has more than {_MAX_TREE_PAGES} pages")
 
     def request_for(self, commit: str | None, entry: ManifestEntry | RemoteFile) -> BlobRequest:
         url = huggingface_hub.hf_hub_url(

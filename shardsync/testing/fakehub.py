@@ -15,7 +15,8 @@ checks both our client and our assumptions about the protocol::
 
 The routes served:
 
-- ``GET /api/models/{org}/{name}[/revision/{rev}][?blobs=true]``: repo info with ``siblings``.
+- ``GET /api/models/{org}/{name}[/revision/{rev}][?blobs=true]``: repo info with ``siblings``
+  (at most ``siblings_cap`` of them, as the Hub may cut a large repo's list short).
 - ``GET /api/models/{org}/{name}/tree/{rev}[/{path}][?recursive=true&limit=N&cursor=C]``: file
   listing, paginated with a ``Link: <...>; rel="next"`` header.
 - ``HEAD|GET /{org}/{name}/resolve/{rev}/{path}``: ``X-Repo-Commit`` and ``ETag`` always; LFS
@@ -401,12 +402,15 @@ class FakeHub:
         port: int = 0,
         cdn_port: int = 0,
         tree_page_size: int = _DEFAULT_TREE_PAGE_SIZE,
+        siblings_cap: int | None = None,
         seed: int = 0,
     ) -> None:
         self.host = host
         self.cdn_host = cdn_host
         self.tree_page_size = tree_page_size
         """Entries per tree-listing page (a ``limit`` query parameter can only lower it)."""
+        self.siblings_cap = siblings_cap
+        """List at most this many ``siblings`` in repo info, as the Hub may for large repos."""
         self.faults = FaultPlan(seed=seed)
         self._ports = (port, cdn_port)
         self._lock = threading.Lock()
@@ -640,7 +644,7 @@ class FakeHub:
         if kind == "revision":
             if found.path:
                 return _error(404, f"Invalid rev id: {rest}", code="RevisionNotFound")
-            info = found.info(blobs=_flag(request, "blobs"))
+            info = found.info(blobs=_flag(request, "blobs"), cap=self.siblings_cap)
             return await self._send_json(request, exchange, info)
         entries = found.commit.tree(found.path, recursive=_flag(request, "recursive"))
         if found.path and not entries:
@@ -829,7 +833,7 @@ class _Target:
     gated: bool
     private: bool
 
-    def info(self, *, blobs: bool) -> dict[str, Any]:
+    def info(self, *, blobs: bool, cap: int | None = None) -> dict[str, Any]:
         """The ``/api/models/{repo_id}/revision/{rev}`` document huggingface_hub parses."""
         author = self.repo_id.split("/")[0]
         return {
@@ -846,7 +850,9 @@ class _Target:
             "downloads": 0,
             "likes": 0,
             "tags": [],
-            "siblings": [_sibling(file, blobs=blobs) for file in self.commit.files.values()],
+            "siblings": [
+                _sibling(file, blobs=blobs) for file in list(self.commit.files.values())[:cap]
+            ],
             "usedStorage": sum(file.size for file in self.commit.files.values()),
         }
 
