@@ -64,7 +64,10 @@ class HubOrigin:
         if urlsplit(base).scheme not in ("http", "https"):
             raise ConfigError(f"endpoint must be an http(s) URL, got {base!r}")
         if token is None:
-            token = huggingface_hub.get_token()  # HF_TOKEN, then the token file
+            try:
+                token = huggingface_hub.get_token()  # HF_TOKEN, then the token file
+            except OSError as exc:
+                raise ConfigError(f"cannot read the Hugging Face token file: {exc}") from exc
         return cls(repo_id=repo_id, endpoint=base, token=token or None)
 
     @property

@@ -8,6 +8,7 @@ import pytest
 from helpers import fast_config
 
 from shardsync.errors import ConfigError
+from shardsync.origins import parse_source
 from shardsync.origins.hub import validate_revision
 from shardsync.prefetch import prefetch
 from shardsync.testing import FakeHub
@@ -61,3 +62,14 @@ async def test_bad_revisions_never_reach_the_network(
     with pytest.raises(ConfigError):
         await prefetch("acme/tiny", fast_config(tmp_path, fake_hub.endpoint), revision=revision)
     assert fake_hub.log == []
+
+
+def test_an_unreadable_token_file_is_one_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import huggingface_hub.constants
+
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path))  # a folder
+    with pytest.raises(ConfigError, match="cannot read the Hugging Face token file"):
+        parse_source("acme/tiny", endpoint="http://127.0.0.1:9", token=None)
