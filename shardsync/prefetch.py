@@ -491,14 +491,9 @@ class Job:
         temp_dir = self.cache.root / "tmp"
         if isinstance(self.origin, LocalOrigin):
             origin_etag = await self._origin_etag(entry)
-            copy = temp_dir / temp_name("copy")
-            try:
-                copied = await asyncio.to_thread(_local_copy, self.origin, entry.path, copy)
-                await asyncio.to_thread(
-                    self.cache.publish_blob, copy, copied.sha256, identity=copied.identity
-                )
-            finally:
-                copy.unlink(missing_ok=True)
+            copied = await asyncio.to_thread(
+                _copy_and_publish, self.cache, self.origin, entry.path, temp_dir
+            )
             self.sink.advance(entry.path, copied.size)
             record = FileRecord(
                 path=entry.path,
@@ -520,12 +515,7 @@ class Job:
             lambda n: self.sink.advance(entry.path, n),
             temp_dir=temp_dir,
         )
-        try:
-            await asyncio.to_thread(
-                self.cache.publish_blob, fetched.path, fetched.sha256, identity=fetched.identity
-            )
-        finally:  # published, or failed after the fsync: never resumed from either way
-            await asyncio.to_thread(_forget_partial, fetched, sidecar)
+        await asyncio.to_thread(_publish_fetched, self.cache, fetched, sidecar)
         record = FileRecord(
             path=entry.path,
             size=fetched.size,
@@ -580,6 +570,16 @@ def _content_id(origin: Origin, files: Sequence[FileRecord]) -> str:
     return h.hexdigest()
 
 
+def _publish_fetched(cache: CacheStore, fetched: FetchedBlob, sidecar: Path) -> None:
+    """Publish, then drop the download's own names: one thread keeps that order even when
+    the awaiting task is cancelled meanwhile. Never resumed from either way (after a failed
+    ``fsync`` its pages may be gone)."""
+    try:
+        cache.publish_blob(fetched.path, fetched.sha256, identity=fetched.identity)
+    finally:
+        _forget_partial(fetched, sidecar)
+
+
 def _forget_partial(fetched: FetchedBlob, sidecar: Path) -> None:
     """Remove the download's names but the store's: its private one, and the shared one
     with its resume record, unless another process (no working locks) made them anew."""
@@ -591,6 +591,18 @@ def _forget_partial(fetched: FetchedBlob, sidecar: Path) -> None:
     if (st.st_dev, st.st_ino) == fetched.identity:
         fetched.shared.unlink(missing_ok=True)
         sidecar.unlink(missing_ok=True)
+
+
+def _copy_and_publish(cache: CacheStore, origin: LocalOrigin, path: str, temp_dir: Path) -> Copied:
+    """Copy a local file into a temp file of our own, publish it, remove the temp name: in
+    one thread, so a cancelled caller never removes it under a publish still running."""
+    copy = temp_dir / temp_name("copy")
+    try:
+        copied = _local_copy(origin, path, copy)
+        cache.publish_blob(copy, copied.sha256, identity=copied.identity)
+    finally:
+        copy.unlink(missing_ok=True)
+    return copied
 
 
 def _local_copy(origin: LocalOrigin, path: str, dest: Path) -> Copied:
