@@ -28,6 +28,8 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 from urllib.parse import urljoin, urlsplit
 
+import aiofiles
+import aiofiles.os
 import aiohttp
 import xxhash
 
@@ -481,9 +483,11 @@ class Fetcher:
                 _raise_first(group)
                 raise  # unreachable: _raise_first always raises
             finally:
-                await state.drain()
-                _save_sidecar(sidecar_path, request, state)
-                os.close(fd)
+                await state.drain()  # no thread may still use ``fd`` when it closes
+                try:
+                    await _save_sidecar(sidecar_path, request, state)
+                finally:
+                    os.close(fd)
             if request.sha256 is not None:
                 verified = "sha256" if digest == request.sha256 else None
             elif request.git_blob_id is not None:
@@ -756,7 +760,7 @@ class Fetcher:
         """Bound what a ``kill -9`` loses to one interval of progress (cancelled at the end)."""
         while True:
             await asyncio.sleep(self.config.sidecar_interval)  # wall time, not the retry clock
-            _save_sidecar(path, request, state)
+            await _save_sidecar(path, request, state)
 
     # ------------------------------------------------------------------ HTTP plumbing
 
@@ -1093,7 +1097,9 @@ def _load_sidecar(
     return RangeSet()
 
 
-def _save_sidecar(path: Path, request: BlobRequest, state: _FileState) -> None:
+async def _save_sidecar(path: Path, request: BlobRequest, state: _FileState) -> None:
+    """Record the progress (taken on the loop, so it is consistent); written through aiofiles
+    so a slow disk never stalls the transfers sharing the event loop."""
     if state.etag is None:
         return  # without a strong validator a partial can never be resumed safely
     payload = {
@@ -1106,9 +1112,15 @@ def _save_sidecar(path: Path, request: BlobRequest, state: _FileState) -> None:
         "done": state.done.to_list(),
     }
     tmp = state.temp_dir / temp_name("sidecar")
+    # shielded: a cancelled transfer must not leave the temp file half written behind
+    await asyncio.shield(_write_sidecar(path, tmp, json.dumps(payload)))
+
+
+async def _write_sidecar(path: Path, tmp: Path, text: str) -> None:
     try:
-        tmp.write_text(json.dumps(payload))
-        os.replace(tmp, path)
+        async with aiofiles.open(tmp, "w") as f:
+            await f.write(text)
+        await aiofiles.os.replace(tmp, path)
     except OSError:  # best effort: a missing record costs a re-download, nothing more
         with contextlib.suppress(OSError):
-            tmp.unlink()
+            await aiofiles.os.remove(tmp)
