@@ -16,7 +16,7 @@ import pytest
 from shardsync.config import Config, DaemonConfig
 from shardsync.fetch import FetchConfig
 from shardsync.retry import RetryPolicy
-from shardsync.testing import Checkpoint
+from shardsync.testing import Checkpoint, FakeHub, serve_in_thread
 
 
 def fast_config(cache_dir: Path, endpoint: str | None = None, **fetch: object) -> Config:
@@ -77,6 +77,17 @@ class SleepRecorder:
 
 
 Sleep = Callable[[float], Awaitable[None]]
+
+
+@contextlib.contextmanager
+def serving(checkpoints: dict[str, Checkpoint]) -> Iterator[FakeHub]:
+    """A fake Hub holding each checkpoint under its repo id, served from a background thread
+    (for tests whose clients are real processes or blocking calls)."""
+    fake = FakeHub()
+    for repo, checkpoint in checkpoints.items():
+        fake.add_checkpoint(repo, checkpoint)
+    with serve_in_thread(fake) as running:
+        yield running
 
 
 @contextlib.contextmanager

@@ -11,10 +11,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import assert_snapshot_matches, assert_store_verified, tmpfs
+from helpers import assert_snapshot_matches, assert_store_verified, serving, tmpfs
 from nginx import access_log, serve_directory
 
-from shardsync.testing import Bandwidth, Checkpoint, FakeHub, build_checkpoint, serve_in_thread
+from shardsync.testing import Bandwidth, Checkpoint, FakeHub, build_checkpoint
 
 REPO = "acme/cli"
 
@@ -28,9 +28,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
 
 @pytest.fixture
 def hub(checkpoint: Checkpoint) -> Iterator[FakeHub]:
-    fake = FakeHub()
-    fake.add_checkpoint(REPO, checkpoint)
-    with serve_in_thread(fake) as running:
+    with serving({REPO: checkpoint}) as running:
         yield running
 
 

@@ -19,12 +19,12 @@ from typing import Any
 import aiohttp
 import pytest
 from daemons import DaemonProcess, api, cli, daemon_in_loop, short_tmp, write_config
-from helpers import assert_snapshot_matches, assert_store_verified, fast_config
+from helpers import assert_snapshot_matches, assert_store_verified, fast_config, serving
 
 from shardsync import errors
 from shardsync.client import Client
 from shardsync.daemon import Daemon
-from shardsync.testing import Bandwidth, Checkpoint, FakeHub, build_checkpoint, serve_in_thread
+from shardsync.testing import Bandwidth, Checkpoint, FakeHub, build_checkpoint
 
 REPO = "acme/daemon"
 
@@ -243,9 +243,7 @@ def big_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
 
 @pytest.fixture
 def hub(big_checkpoint: Checkpoint) -> Iterator[FakeHub]:
-    fake = FakeHub()
-    fake.add_checkpoint(REPO, big_checkpoint)
-    with serve_in_thread(fake) as running:
+    with serving({REPO: big_checkpoint}) as running:
         yield running
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import fast_config
+from helpers import fast_config, serving
 from huggingface_hub import save_torch_state_dict
 from safetensors.torch import load_file
 
@@ -49,9 +49,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
 
 @pytest.fixture
 def hub(checkpoint: Checkpoint) -> Iterator[FakeHub]:
-    fake = FakeHub()
-    fake.add_checkpoint(REPO, checkpoint)
-    with serve_in_thread(fake) as running:
+    with serving({REPO: checkpoint}) as running:
         yield running
 
 

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 import xxhash
-from helpers import assert_snapshot_matches, assert_store_verified, fast_config
+from helpers import assert_snapshot_matches, assert_store_verified, fast_config, serving
 from huggingface_hub import hf_hub_download, scan_cache_dir
 from huggingface_hub.errors import LocalEntryNotFoundError
 
 from shardsync.cache import CacheStore, RepoRef
 from shardsync.prefetch import prefetch
-from shardsync.testing import Checkpoint, FakeHub, build_checkpoint, serve_in_thread
+from shardsync.testing import Checkpoint, FakeHub, build_checkpoint
 from shardsync.verify import EXIT_PROBLEMS, verify_cache
 
 REPO = "acme/v"
@@ -32,10 +32,8 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
 
 @pytest.fixture
 def hub(checkpoint: Checkpoint) -> Iterator[FakeHub]:
-    fake = FakeHub()
-    fake.add_checkpoint(REPO, checkpoint)
-    fake.add_checkpoint("acme/twin", checkpoint)  # the same bytes under another name
-    with serve_in_thread(fake) as running:
+    # the twin: the same bytes under another name
+    with serving({REPO: checkpoint, "acme/twin": checkpoint}) as running:
         yield running
 
 

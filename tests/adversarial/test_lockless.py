@@ -27,10 +27,10 @@ from pathlib import Path
 
 import pytest
 from daemons import DaemonProcess, api, short_tmp, write_config
-from helpers import assert_snapshot_matches, assert_store_verified
+from helpers import assert_snapshot_matches, assert_store_verified, serving
 
 from shardsync.cache import CacheStore, RepoRef
-from shardsync.testing import Bandwidth, Checkpoint, FakeHub, build_checkpoint, serve_in_thread
+from shardsync.testing import Bandwidth, Checkpoint, FakeHub, build_checkpoint
 
 REPO = "acme/lockless"
 LATE_CLIENTS = 2
@@ -60,9 +60,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
 
 @pytest.fixture
 def hub(checkpoint: Checkpoint) -> Iterator[FakeHub]:
-    fake = FakeHub()
-    fake.add_checkpoint(REPO, checkpoint)
-    with serve_in_thread(fake) as running:
+    with serving({REPO: checkpoint}) as running:
         yield running
 
 
