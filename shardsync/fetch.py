@@ -1032,16 +1032,19 @@ def _open_partial(path: Path, size: int, temp_dir: Path, *, resume: bool) -> tup
 
 
 def _open_to_resume(path: Path, private: Path, flags: int) -> int | None:
-    """Open ``path`` and link it to ``private``; None (start afresh) if it changed meanwhile."""
+    """Open ``path`` and link it to ``private``; None (start afresh) if it changed meanwhile
+    or is not a regular file of ours (a symlink planted there is never followed)."""
     try:
         _make_writable(path)
-        fd = os.open(path, flags)
+        fd = os.open(path, flags | os.O_NOFOLLOW)
     except FileNotFoundError:
         return None
     except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return None
         raise _disk_error(exc, f"opening {path}") from exc
     try:
-        os.link(path, private)
+        os.link(path, private, follow_symlinks=False)
         here, there = os.fstat(fd), os.stat(private)
         if (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino):
             return fd
@@ -1077,7 +1080,7 @@ def _load_sidecar(
     second name is a live download's private one, or a blob published just before a crash."""
     try:
         raw = json.loads(sidecar.read_bytes())
-        st = data.stat()
+        st = data.lstat()  # a symlink planted there is not the file it names
         ok = (
             st.st_nlink == 1
             and isinstance(raw, dict)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
 from pathlib import Path
 
 import pytest
 from helpers import fast_config
 
+from shardsync.cache import CacheStore
 from shardsync.errors import ConfigError
 from shardsync.origins import parse_source
 from shardsync.origins.hub import validate_revision
@@ -73,3 +76,17 @@ def test_an_unreadable_token_file_is_one_clear_error(
     monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path))  # a folder
     with pytest.raises(ConfigError, match="cannot read the Hugging Face token file"):
         parse_source("acme/tiny", endpoint="http://127.0.0.1:9", token=None)
+
+
+async def test_a_symlink_planted_as_a_partial_is_never_written_through(tmp_path: Path) -> None:
+    data = b"\x02\x00\x00\x00\x00\x00\x00\x00{}" + os.urandom(2 << 20)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    cache = tmp_path / "cache"
+    CacheStore(cache)
+    (cache / "partial" / f"{hashlib.sha256(data).hexdigest()}.part").symlink_to(victim)
+    async with FakeHub() as hub:
+        hub.add_repo("acme/planted", {"model.safetensors": data})
+        result = await prefetch("acme/planted", fast_config(cache, hub.endpoint))
+    assert victim.read_bytes() == b"precious"
+    assert (result.snapshot_path / "model.safetensors").read_bytes() == data
