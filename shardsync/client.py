@@ -272,7 +272,11 @@ class _DaemonTransport:
                     if event.get("event") in TERMINAL_EVENTS:
                         return
         except aiohttp.ClientError as exc:
-            raise DaemonError(f"lost the daemon while following job {job_id}: {exc!r}") from exc
+            reason = str(exc) or type(exc).__name__
+            raise DaemonError(
+                f"lost the daemon while following job {job_id} ({reason}); it may have stopped "
+                "or crashed: `shardsync status` tells, and the job resumes when it is back"
+            ) from exc
         raise DaemonError(f"the daemon closed the event stream of job {job_id} before it ended")
 
 
