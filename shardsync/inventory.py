@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shardsync.cache import CacheStore, SnapshotRecord
+from shardsync.cache import CacheStore, SnapshotRecord, is_live_temp
 from shardsync.errors import CacheError, ConfigError
 from shardsync.prune import Leftover, matches
 from shardsync.usage import AccessLog, LeaseInfo, Leases
@@ -331,6 +331,8 @@ def _partials(directory: Path) -> tuple[Leftover, ...]:
 def _junk(directory: Path, kind: str) -> tuple[Leftover, ...]:
     found = []
     for name in _names(directory):
+        if kind == "tmp" and is_live_temp(name):
+            continue  # a running download's own name for its file: work, not junk
         path = directory / name
         with contextlib.suppress(OSError):
             st = os.lstat(path)

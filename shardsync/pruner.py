@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from shardsync.cache import CacheStore, is_live_temp
+from shardsync.cache import CacheStore
 from shardsync.config import PruneConfig
 from shardsync.errors import CacheError, DiskFullError
 from shardsync.inventory import Inventory, scan
@@ -380,8 +380,6 @@ def _execute(
     for leftover in plan.leftovers:
         if leftover.kind == "partial":
             kept_bytes += _remove_partial(cache, leftover.name, now - stale_age, leftover.nbytes)
-        elif leftover.kind == "tmp" and is_live_temp(leftover.name):
-            kept_bytes += leftover.nbytes  # a download's private name, however long it runs
         else:
             cache.remove_junk(leftover.kind, leftover.name)
     cache.remove_idle_locks()
