@@ -864,15 +864,19 @@ class CacheStore:
             raise _os_error(exc, self.root / "locks", "create") from exc
         return BlobLock(self.root / "locks" / f"{key}.lock", shared=shared)
 
+    def _list_area(self, area: str) -> list[str]:
+        """The names in a top-level folder of the cache; none when it does not exist."""
+        try:
+            return os.listdir(self.root / area)
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            raise _os_error(exc, self.root / area, "list") from exc
+
     def remove_idle_locks(self) -> int:
         """Unlink the lock files of downloads nobody holds (one per blob ever fetched would
         pile up otherwise); how many went. Each is removed while held (see ``BlobLock``)."""
-        try:
-            names = os.listdir(self.root / "locks")
-        except FileNotFoundError:
-            return 0
-        except OSError as exc:
-            raise _os_error(exc, self.root / "locks", "list") from exc
+        names = self._list_area("locks")
         removed = 0
         for name in names:
             if not _DOWNLOAD_LOCK_RE.fullmatch(name):
@@ -1100,12 +1104,7 @@ class CacheStore:
         Safe without a lock: the writer is gone. Entries of other hosts sharing the cache
         are left to ``prune`` (``stale_partial_age``), as a pid means nothing across hosts.
         """
-        try:
-            names = os.listdir(self.root / "tmp")
-        except FileNotFoundError:
-            return 0
-        except OSError as exc:
-            raise _os_error(exc, self.root / "tmp", "list") from exc
+        names = self._list_area("tmp")
         orphans = [name for name in names if _temp_owner(name) == "gone"]
         for name in orphans:
             self.remove_junk("tmp", name)
