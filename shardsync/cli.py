@@ -22,7 +22,7 @@ from shardsync.api import result_to_json
 from shardsync.cache import CacheStore
 from shardsync.config import Config, load_config, parse_duration, parse_size
 from shardsync.inventory import Inventory, inventory_to_json, scan
-from shardsync.origins import LocalOrigin, parse_source
+from shardsync.origins import parse_source
 from shardsync.prefetch import PrefetchResult, ProgressSink, prefetch
 from shardsync.progress import format_bytes, make_progress
 from shardsync.pruner import PruneReport, limits_from_config, prune_cache
@@ -192,7 +192,7 @@ async def _prefetch_somewhere(
 ) -> PrefetchResult:
     """Through the daemon when one answers and serves what was asked; else in-process."""
     use_daemon = not (args.no_daemon or args.offline)
-    if use_daemon and isinstance(parse_source(args.source, endpoint=config.endpoint), LocalOrigin):
+    if use_daemon and parse_source(args.source, endpoint=config.endpoint).caller_only:
         use_daemon = False  # the daemon never reads a client's directories
     if use_daemon:
         result = await _prefetch_via_daemon(args, config, progress)

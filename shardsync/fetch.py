@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
-from urllib.parse import urljoin, urlsplit
+from urllib.parse import urljoin, urlsplit, urlunsplit
 
 import aiofiles
 import aiofiles.os
@@ -69,8 +69,11 @@ __all__ = [
     "FetchedBlob",
     "Fetcher",
     "Located",
+    "Locator",
     "Sleep",
     "Throttle",
+    "Validator",
+    "redact_url",
 ]
 
 MiB = 1 << 20
@@ -78,10 +81,11 @@ _REDIRECTS = frozenset({301, 302, 303, 307, 308})
 _MAX_REDIRECTS = 5
 _MIN_SPLIT = MiB  # the smallest Range worth a connection of its own
 _SIDECAR_VERSION = 2
-_CREDENTIAL_HEADERS = ("authorization", "cookie", "proxy-authorization")
+_CREDENTIAL_HEADERS = ("authorization", "cookie", "proxy-authorization", "x-amz-security-token")
 
 _T = TypeVar("_T")
 Sleep = Callable[[float], Awaitable[None]]
+Validator = Literal["If-Range", "If-Match"]
 Throttle = Callable[[int], Awaitable[None]]
 """Awaited with each body read's size: a shared bandwidth budget (the daemon's token bucket)."""
 ProgressFn = Callable[[int], None]
@@ -116,9 +120,19 @@ class Located:
     commit: str | None  # X-Repo-Commit
 
 
+Locator = Callable[[], Awaitable[Located]]
+"""Finds where a file's bytes are now (e.g. signs a fresh URL); asked again after a 401/403."""
+
+
 @dataclass(frozen=True, slots=True)
 class BlobRequest:
-    """One file to fetch: its origin URL and what we already know about it."""
+    """One file to fetch: its origin URL and what we already know about it.
+
+    ``url`` names the object (a resume record is bound to it). Without a ``locator`` the
+    fetcher finds the bytes by a HEAD of ``url``, following redirects. ``validator`` is the
+    header that ties each Range request to the ETag first seen: ``If-Range`` (a changed
+    object answers 200) or ``If-Match`` (it answers 412; for stores without ``If-Range``).
+    """
 
     url: str
     headers: Mapping[str, str]
@@ -126,6 +140,8 @@ class BlobRequest:
     size: int | None = None
     sha256: str | None = None
     git_blob_id: str | None = None
+    locator: Locator | None = None
+    validator: Validator = "If-Range"
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +158,7 @@ class FetchedBlob:
     resumed: int  # bytes reused from an earlier partial
     identity: tuple[int, int]  # (st_dev, st_ino) of the file that was hashed
     shared: Path  # the name a resume finds it by: remove it once ``path`` is published
+    source: Literal["network", "local"] = "network"
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,7 +228,9 @@ def _next_page(url: str, resp: aiohttp.ClientResponse, label: str) -> str | None
         return None
     target = urljoin(str(resp.url), str(link["url"]))
     if _origin_of(target) != _origin_of(url):
-        raise ProtocolError(f"{label}: refusing a next page on another origin: {target}")
+        raise ProtocolError(
+            f"{label}: refusing a next page on another origin: {redact_url(target)}"
+        )
     return target
 
 
@@ -342,6 +361,8 @@ class Fetcher:
                 await self._backoff_or_raise(exc, request.label, backoff, None)
 
     async def _locate_once(self, request: BlobRequest) -> Located:
+        if request.locator is not None:
+            return await request.locator()
         url, headers = request.url, dict(request.headers)
         commit = linked = None
         linked_size: int | None = None
@@ -612,7 +633,7 @@ class Fetcher:
         if not whole:
             headers["Range"] = format_range(start, end - 1)
             if state.etag is not None:
-                headers["If-Range"] = state.etag
+                headers[request.validator] = state.etag
         async with self._request("GET", located.url, headers) as resp:
             if resp.status == 206 and not whole:
                 self._check_partial(resp, request.label, state, start, end)
@@ -783,7 +804,7 @@ class Fetcher:
             finally:
                 self._active -= 1
             url, hdrs = _follow(url, hdrs, location)
-        raise ProtocolError(f"more than {_MAX_REDIRECTS} redirects for {url}")
+        raise ProtocolError(f"more than {_MAX_REDIRECTS} redirects for {redact_url(url)}")
 
     async def _raise_for_status(
         self, resp: aiohttp.ClientResponse, label: str, *, relocatable: bool = False
@@ -855,6 +876,15 @@ def _with_defaults(headers: Mapping[str, str]) -> dict[str, str]:
     return merged
 
 
+def redact_url(url: str) -> str:
+    """A URL fit for messages: no query (signed URLs carry credentials there), no userinfo."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    host = f"[{host}]" if ":" in host else host
+    netloc = f"{host}:{parts.port}" if parts.port else host
+    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+
+
 def _origin_of(url: str) -> tuple[str, str, int | None]:
     parts = urlsplit(url)
     port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
@@ -864,13 +894,13 @@ def _origin_of(url: str) -> tuple[str, str, int | None]:
 def _follow(url: str, headers: dict[str, str], location: str | None) -> tuple[str, dict[str, str]]:
     """Resolve a redirect; drop credentials when it leaves the origin; refuse https->http."""
     if not location:
-        raise ProtocolError(f"redirect without Location from {url}")
+        raise ProtocolError(f"redirect without Location from {redact_url(url)}")
     target = urljoin(url, location)
     old, new = _origin_of(url), _origin_of(target)
     if new[0] not in ("http", "https"):
         raise ProtocolError(f"refusing redirect to {new[0]!r} URL")
     if old[0] == "https" and new[0] == "http":
-        raise ProtocolError(f"refusing https -> http redirect to {target}")
+        raise ProtocolError(f"refusing https -> http redirect to {redact_url(target)}")
     if old != new:
         headers = {k: v for k, v in headers.items() if k.lower() not in _CREDENTIAL_HEADERS}
     return target, headers

@@ -24,7 +24,7 @@ import resource
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import TracebackType
@@ -35,7 +35,7 @@ from shardsync.config import Config, load_config
 from shardsync.devicemap import MODES, DevicePlan, TensorSize, parse_memory, plan_device_map
 from shardsync.errors import ConfigError, HeaderError, LoadError, first_error
 from shardsync.manifest import Manifest, ManifestEntry
-from shardsync.origins import LocalOrigin, Origin, parse_source
+from shardsync.origins import Origin, parse_source
 from shardsync.prefetch import Engine, FileOutcome, Job
 from shardsync.safetensors_header import (
     Header,
@@ -437,7 +437,7 @@ class TensorStream:
         self._shared.events.put(("done", None))
 
     async def _download(self, request: _Request, origin: Origin, job: Job) -> None:
-        if isinstance(origin, LocalOrigin) or not await self._via_daemon(request, job):
+        if origin.caller_only or not await self._via_daemon(request, job):
             await job.download()
 
     async def _via_daemon(self, request: _Request, job: Job) -> bool:
@@ -512,14 +512,14 @@ async def _read_headers(engine: Engine, job: Job, manifest: Manifest) -> dict[st
         if entry.sha256 is not None and engine.cache.has_blob(entry.sha256, entry.size):
             blob = engine.cache.blob_path(entry.sha256)
             return entry.path, await asyncio.to_thread(_header_from_file, blob, entry.path)
-        if isinstance(job.origin, LocalOrigin):
-            source = job.origin.source(entry.path)
-            return entry.path, await asyncio.to_thread(_header_from_file, source, entry.path)
-        request = job.origin.request_for(job.commit or None, entry)
-        prefix = await engine.fetcher.read_range(request, 0, _HEADER_PROBE)
+
+        def read(start: int, end: int) -> Awaitable[bytes]:
+            return job.origin.read_range(engine.fetcher, job.commit or None, entry, start, end)
+
+        prefix = await read(0, _HEADER_PROBE)
         n = header_length(prefix, shard=entry.path, file_size=entry.size)
         if len(prefix) < 8 + n:
-            prefix += await engine.fetcher.read_range(request, len(prefix), 8 + n)
+            prefix += await read(len(prefix), 8 + n)
         if len(prefix) < 8 + n:
             raise HeaderError(f"{entry.path}: file ends inside its header")
         return entry.path, parse_header(prefix[8 : 8 + n], shard=entry.path, file_size=entry.size)

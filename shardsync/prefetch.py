@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import hashlib
 import os
 import time
@@ -23,9 +22,9 @@ from typing import Literal, Protocol
 import aiohttp
 import xxhash
 
-from shardsync.cache import CacheStore, FileRecord, RepoRef, SnapshotRecord, temp_name
+from shardsync.cache import CacheStore, FileRecord, RepoRef, SnapshotRecord
 from shardsync.config import Config
-from shardsync.errors import CacheError, DiskFullError, OfflineError, first_error
+from shardsync.errors import CacheError, OfflineError, first_error
 from shardsync.fetch import FetchedBlob, Fetcher, FetchStatistics, Sleep, Throttle
 from shardsync.manifest import (
     Listing,
@@ -35,9 +34,7 @@ from shardsync.manifest import (
     parse_index,
     select_weights,
 )
-from shardsync.origins import LocalOrigin, Origin, UrlOrigin, parse_source
-from shardsync.origins.local import Copied
-from shardsync.retry import is_strong_etag
+from shardsync.origins import Origin, Slot, parse_source
 from shardsync.usage import AccessLog, Lease, Leases
 
 __all__ = [
@@ -142,6 +139,7 @@ class Engine:
         self._throttle = throttle
         self._session: aiohttp.ClientSession | None = None
         self._fetcher: Fetcher | None = None
+        self._origins: dict[tuple[str, str | None], Origin] = {}
 
     async def __aenter__(self) -> Engine:
         connector = aiohttp.TCPConnector(
@@ -157,9 +155,14 @@ class Engine:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
-        if self._session is not None:
-            await self._session.close()
-        self._session = self._fetcher = None
+        origins, self._origins = self._origins, {}
+        try:
+            for origin in origins.values():
+                await origin.aclose()
+        finally:
+            if self._session is not None:
+                await self._session.close()
+            self._session = self._fetcher = None
 
     @property
     def fetcher(self) -> Fetcher:
@@ -168,9 +171,16 @@ class Engine:
         return self._fetcher
 
     def origin(self, source: str, *, token: str | None = None) -> Origin:
-        return parse_source(
-            source, endpoint=self.config.endpoint, token=token, environ=self._environ
-        )
+        """The origin ``source`` names: one per source and token for the engine's life (a
+        daemon asks again for every job), closed when the engine closes."""
+        key = (source, token)
+        origin = self._origins.get(key)
+        if origin is None:
+            origin = parse_source(
+                source, endpoint=self.config.endpoint, token=token, environ=self._environ
+            )
+            self._origins[key] = origin
+        return origin
 
     def job(
         self,
@@ -354,8 +364,6 @@ class Job:
         return tuple(self._outcomes[e.path] for e in manifest.entries)
 
     async def _list(self) -> Listing:
-        if isinstance(self.origin, LocalOrigin):
-            return await asyncio.to_thread(self.origin.list_files, self.revision)
         return await self.origin.list_files(self.fetcher, self.revision)
 
     def _load_hints(self) -> None:
@@ -451,17 +459,7 @@ class Job:
             return hint.etag == entry.blob_id
         if hint.origin_etag is None:
             return False
-        return await self._origin_etag(entry) == hint.origin_etag
-
-    async def _origin_etag(self, entry: ManifestEntry) -> str | None:
-        """How the origin names this version of a file: a strong ETag, or stat for a local file."""
-        if isinstance(self.origin, LocalOrigin):
-            st = await asyncio.to_thread(self.origin.source(entry.path).stat)
-            return f"{st.st_ino}-{st.st_size}-{st.st_mtime_ns}"
-        if isinstance(self.origin, UrlOrigin):
-            located = await self.fetcher.locate(self.origin.request_for(None, entry))
-            return located.etag if is_strong_etag(located.etag) else None
-        return None
+        return await self.origin.version(self.fetcher, entry) == hint.origin_etag
 
     def _blob_key(self, entry: ManifestEntry) -> str:
         if entry.sha256 is not None:
@@ -488,32 +486,12 @@ class Job:
 
     async def _download(self, entry: ManifestEntry, key: str) -> tuple[FileRecord, FileOutcome]:
         data, sidecar = self.cache.partial_paths(key)
-        temp_dir = self.cache.root / "tmp"
-        if isinstance(self.origin, LocalOrigin):
-            origin_etag = await self._origin_etag(entry)
-            copied = await asyncio.to_thread(
-                _copy_and_publish, self.cache, self.origin, entry.path, temp_dir
-            )
-            self.sink.advance(entry.path, copied.size)
-            record = FileRecord(
-                path=entry.path,
-                size=copied.size,
-                sha256=copied.sha256,
-                xxh3_128=copied.xxh3_128,
-                etag=copied.sha256,
-                verified="tofu",
-                origin_etag=origin_etag,
-            )
-            return record, FileOutcome(
-                entry.path, copied.size, copied.sha256, "tofu", "local", 0, 0
-            )
-        request = self.origin.request_for(self.commit or None, entry)
-        fetched = await self.fetcher.fetch(
-            request,
-            data,
-            sidecar,
+        fetched = await self.origin.download(
+            self.fetcher,
+            self.commit or None,
+            entry,
+            Slot(data=data, sidecar=sidecar, temp_dir=self.cache.root / "tmp"),
             lambda n: self.sink.advance(entry.path, n),
-            temp_dir=temp_dir,
         )
         await asyncio.to_thread(_publish_fetched, self.cache, fetched, sidecar)
         record = FileRecord(
@@ -523,14 +501,14 @@ class Job:
             xxh3_128=fetched.xxh3_128,
             etag=self._hf_etag(entry, fetched.sha256),
             verified=fetched.verified,
-            origin_etag=fetched.etag if isinstance(self.origin, UrlOrigin) else None,
+            origin_etag=fetched.etag,
         )
         outcome = FileOutcome(
             entry.path,
             fetched.size,
             fetched.sha256,
             fetched.verified,
-            "network",
+            fetched.source,
             fetched.downloaded,
             fetched.resumed,
         )
@@ -591,27 +569,6 @@ def _forget_partial(fetched: FetchedBlob, sidecar: Path) -> None:
     if (st.st_dev, st.st_ino) == fetched.identity:
         fetched.shared.unlink(missing_ok=True)
         sidecar.unlink(missing_ok=True)
-
-
-def _copy_and_publish(cache: CacheStore, origin: LocalOrigin, path: str, temp_dir: Path) -> Copied:
-    """Copy a local file into a temp file of our own, publish it, remove the temp name: in
-    one thread, so a cancelled caller never removes it under a publish still running."""
-    copy = temp_dir / temp_name("copy")
-    try:
-        copied = _local_copy(origin, path, copy)
-        cache.publish_blob(copy, copied.sha256, identity=copied.identity)
-    finally:
-        copy.unlink(missing_ok=True)
-    return copied
-
-
-def _local_copy(origin: LocalOrigin, path: str, dest: Path) -> Copied:
-    try:
-        return origin.copy(path, dest)
-    except OSError as exc:
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise DiskFullError(f"no space left copying {path} into the cache") from exc
-        raise CacheError(f"copying {path}: {exc}") from exc
 
 
 def _read_capped(path: Path, cap: int) -> bytes:

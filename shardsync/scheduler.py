@@ -40,7 +40,7 @@ from shardsync.errors import (
 )
 from shardsync.journal import Journal
 from shardsync.manifest import Manifest, ManifestEntry
-from shardsync.origins import LocalOrigin, Origin
+from shardsync.origins import Origin
 from shardsync.prefetch import Engine, FileGate, FileOutcome, Job, PrefetchResult
 from shardsync.pruner import ensure_free, limits_from_config, needs_prune, prune_cache
 
@@ -505,7 +505,7 @@ class Scheduler:
         if self._stopping is not None:
             raise DaemonStoppingError(str(self._stopping))
         origin = self.engine.origin(request.source)
-        if isinstance(origin, LocalOrigin) and not self._allow_local:
+        if origin.caller_only and not self._allow_local:
             raise ConfigError(
                 "the daemon does not read local directories on a client's behalf; "
                 "prefetch them in-process (shardsync prefetch --no-daemon)"

@@ -1,7 +1,7 @@
-"""Origins: how to list and name files at the place a checkpoint comes from.
+"""Origins: where a checkpoint comes from, all behind the one ``Origin`` protocol.
 
-An origin never downloads shard bytes itself (the fetcher does); it turns a
-repo path into a URL plus the credentials for that URL's host only.
+Network origins never move shard bytes themselves (the fetcher does); they turn a repo
+path into a request plus the credentials for that request's host only.
 """
 
 from __future__ import annotations
@@ -10,13 +10,12 @@ import os
 from collections.abc import Mapping
 
 from shardsync.errors import ConfigError
+from shardsync.origins.base import Origin, Slot
 from shardsync.origins.http import UrlOrigin
 from shardsync.origins.hub import HubOrigin
 from shardsync.origins.local import LocalOrigin
 
-__all__ = ["HubOrigin", "LocalOrigin", "Origin", "UrlOrigin", "parse_source"]
-
-Origin = HubOrigin | UrlOrigin | LocalOrigin
+__all__ = ["HubOrigin", "LocalOrigin", "Origin", "Slot", "UrlOrigin", "parse_source"]
 
 
 def parse_source(

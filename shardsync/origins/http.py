@@ -9,8 +9,10 @@ from urllib.parse import quote, urlsplit
 
 from shardsync.cache import RepoRef
 from shardsync.errors import ConfigError, EntryNotFoundError, ManifestError, first_error
-from shardsync.fetch import BlobRequest, Fetcher
+from shardsync.fetch import BlobRequest, FetchedBlob, Fetcher
 from shardsync.manifest import Listing, ManifestEntry, RemoteFile, validate_name
+from shardsync.origins.base import Entry, Progress, Slot, fetch_over_http
+from shardsync.retry import is_strong_etag
 
 __all__ = ["PROBED_FILES", "UrlOrigin"]
 
@@ -50,6 +52,10 @@ class UrlOrigin:
         return RepoRef(kind="url", name=self.base)
 
     @property
+    def caller_only(self) -> bool:
+        return False
+
+    @property
     def auth_headers(self) -> Mapping[str, str]:
         return {"Authorization": f"Bearer {self.token}"} if self.token else {}
 
@@ -79,7 +85,7 @@ class UrlOrigin:
             raise ManifestError(f"no model.safetensors[.index.json] under {self.base}")
         return Listing(commit=None, files=files, exhaustive=False)
 
-    def request_for(self, commit: str | None, entry: ManifestEntry | RemoteFile) -> BlobRequest:
+    def request_for(self, entry: Entry) -> BlobRequest:
         return BlobRequest(
             url=self.url_for(entry.path),
             headers=self.auth_headers,
@@ -87,3 +93,28 @@ class UrlOrigin:
             size=entry.size,
             sha256=entry.sha256,
         )
+
+    async def version(self, fetcher: Fetcher, entry: Entry) -> str | None:
+        located = await fetcher.locate(self.request_for(entry))
+        return located.etag if is_strong_etag(located.etag) else None
+
+    async def read_range(
+        self, fetcher: Fetcher, commit: str | None, entry: Entry, start: int, end: int
+    ) -> bytes:
+        return await fetcher.read_range(self.request_for(entry), start, end)
+
+    async def download(
+        self,
+        fetcher: Fetcher,
+        commit: str | None,
+        entry: ManifestEntry,
+        slot: Slot,
+        progress: Progress,
+    ) -> FetchedBlob:
+        """The server's strong ETag is the version recorded: no hash comes with the file."""
+        return await fetch_over_http(
+            fetcher, self.request_for(entry), slot, progress, record_etag=True
+        )
+
+    async def aclose(self) -> None:
+        return None

@@ -13,7 +13,7 @@ from huggingface_hub.utils import validate_repo_id
 
 from shardsync.cache import RepoRef
 from shardsync.errors import ConfigError, ManifestError
-from shardsync.fetch import BlobRequest, Fetcher
+from shardsync.fetch import BlobRequest, FetchedBlob, Fetcher
 from shardsync.manifest import (
     Listing,
     ManifestEntry,
@@ -21,6 +21,7 @@ from shardsync.manifest import (
     parse_hub_revision,
     parse_hub_tree,
 )
+from shardsync.origins.base import Entry, Progress, Slot, fetch_over_http
 
 __all__ = ["DEFAULT_ENDPOINT", "HubOrigin", "validate_revision"]
 
@@ -75,6 +76,10 @@ class HubOrigin:
         return RepoRef(kind="hub", name=self.repo_id)
 
     @property
+    def caller_only(self) -> bool:
+        return False
+
+    @property
     def auth_headers(self) -> Mapping[str, str]:
         return {"Authorization": f"Bearer {self.token}"} if self.token else {}
 
@@ -106,7 +111,7 @@ class HubOrigin:
             files.extend(parse_hub_tree(payload))
         raise ManifestError(f"{label}: the tree listing has more than {_MAX_TREE_PAGES} pages")
 
-    def request_for(self, commit: str | None, entry: ManifestEntry | RemoteFile) -> BlobRequest:
+    def request_for(self, commit: str | None, entry: Entry) -> BlobRequest:
         url = huggingface_hub.hf_hub_url(
             self.repo_id, entry.path, revision=commit, endpoint=self.endpoint
         )
@@ -118,3 +123,26 @@ class HubOrigin:
             sha256=entry.sha256,
             git_blob_id=None if entry.sha256 else entry.blob_id,
         )
+
+    async def version(self, fetcher: Fetcher, entry: Entry) -> str | None:
+        return None  # the Hub names every version by its sha256 or git blob id
+
+    async def read_range(
+        self, fetcher: Fetcher, commit: str | None, entry: Entry, start: int, end: int
+    ) -> bytes:
+        return await fetcher.read_range(self.request_for(commit, entry), start, end)
+
+    async def download(
+        self,
+        fetcher: Fetcher,
+        commit: str | None,
+        entry: ManifestEntry,
+        slot: Slot,
+        progress: Progress,
+    ) -> FetchedBlob:
+        return await fetch_over_http(
+            fetcher, self.request_for(commit, entry), slot, progress, record_etag=False
+        )
+
+    async def aclose(self) -> None:
+        return None

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import errno
 import hashlib
 import os
 from dataclasses import dataclass
@@ -9,21 +12,15 @@ from pathlib import Path
 
 import xxhash
 
-from shardsync.cache import RepoRef
-from shardsync.errors import ConfigError, EntryNotFoundError
-from shardsync.manifest import Listing, RemoteFile, validate_name
+from shardsync.cache import RepoRef, temp_name
+from shardsync.errors import CacheError, ConfigError, DiskFullError, EntryNotFoundError
+from shardsync.fetch import FetchedBlob, Fetcher
+from shardsync.manifest import Listing, ManifestEntry, RemoteFile, validate_name
+from shardsync.origins.base import Entry, Progress, Slot
 
-__all__ = ["Copied", "LocalOrigin"]
+__all__ = ["LocalOrigin"]
 
 _STEP = 8 << 20
-
-
-@dataclass(frozen=True, slots=True)
-class Copied:
-    size: int
-    sha256: str
-    xxh3_128: str
-    identity: tuple[int, int]  # (st_dev, st_ino) of the copy that was hashed
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,9 +41,16 @@ class LocalOrigin:
     def repo(self) -> RepoRef:
         return RepoRef(kind="local", name=str(self.root))
 
-    def list_files(self, revision: str) -> Listing:
+    @property
+    def caller_only(self) -> bool:
+        return True
+
+    async def list_files(self, fetcher: Fetcher, revision: str) -> Listing:
         if revision != self.default_revision:
             raise ConfigError("a local directory has no revisions")
+        return await asyncio.to_thread(self._walk)
+
+    def _walk(self) -> Listing:
         files: list[RemoteFile] = []
         for dirpath, dirnames, filenames in os.walk(self.root):
             dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
@@ -61,6 +65,7 @@ class LocalOrigin:
         return Listing(commit=None, files=tuple(files), exhaustive=True)
 
     def source(self, path: str) -> Path:
+        """The file behind a repo path, refusing names and symlinks that leave the root."""
         full = (self.root / validate_name(path)).resolve()
         if not full.is_relative_to(self.root):
             raise ConfigError(f"{path!r} points outside {self.root}")
@@ -68,19 +73,67 @@ class LocalOrigin:
             raise EntryNotFoundError(f"{path}: not found under {self.root}")
         return full
 
-    def copy(self, path: str, dest: Path) -> Copied:
-        """Blocking copy with sha256 and xxh3 computed in the same pass (run in a thread)."""
+    async def version(self, fetcher: Fetcher, entry: Entry) -> str | None:
+        st = await asyncio.to_thread(self.source(entry.path).stat)
+        return f"{st.st_ino}-{st.st_size}-{st.st_mtime_ns}"
+
+    async def read_range(
+        self, fetcher: Fetcher, commit: str | None, entry: Entry, start: int, end: int
+    ) -> bytes:
+        return await asyncio.to_thread(self._read, entry.path, start, end)
+
+    def _read(self, path: str, start: int, end: int) -> bytes:
+        with self.source(path).open("rb") as f:
+            f.seek(start)
+            return f.read(max(end - start, 0))
+
+    async def download(
+        self,
+        fetcher: Fetcher,
+        commit: str | None,
+        entry: ManifestEntry,
+        slot: Slot,
+        progress: Progress,
+    ) -> FetchedBlob:
+        """Copy into a temp file of our own with sha256 and xxh3 in the same pass. The
+        version is taken first: a file changed during the copy is copied again next run."""
+        version = await self.version(fetcher, entry)
+        fetched = await asyncio.to_thread(self._copy, entry.path, slot.temp_dir, version)
+        progress(fetched.size)
+        return fetched
+
+    def _copy(self, path: str, temp_dir: Path, version: str | None) -> FetchedBlob:
+        dest = temp_dir / temp_name("copy")
         sha, xxh, size = hashlib.sha256(), xxhash.xxh3_128(), 0
-        with self.source(path).open("rb") as src, dest.open("xb") as out:
-            while chunk := src.read(_STEP):
-                sha.update(chunk)
-                xxh.update(chunk)
-                out.write(chunk)
-                size += len(chunk)
-            st = os.fstat(out.fileno())
-        return Copied(
+        try:
+            with self.source(path).open("rb") as src, dest.open("xb") as out:
+                while chunk := src.read(_STEP):
+                    sha.update(chunk)
+                    xxh.update(chunk)
+                    out.write(chunk)
+                    size += len(chunk)
+                st = os.fstat(out.fileno())
+        except BaseException as exc:
+            with contextlib.suppress(OSError):
+                dest.unlink()
+            if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise DiskFullError(f"no space left copying {path} into the cache") from exc
+            if isinstance(exc, OSError):
+                raise CacheError(f"copying {path}: {exc}") from exc
+            raise
+        return FetchedBlob(
+            path=dest,
             size=size,
             sha256=sha.hexdigest(),
             xxh3_128=xxh.hexdigest(),
+            etag=version,
+            verified="tofu",
+            downloaded=0,
+            resumed=0,
             identity=(st.st_dev, st.st_ino),
+            shared=dest,
+            source="local",
         )
+
+    async def aclose(self) -> None:
+        return None

@@ -1,0 +1,103 @@
+"""The one protocol every origin implements, and the HTTP behaviour most of them share.
+
+The engine, loader, scheduler and CLI talk to an ``Origin`` and never ask which kind it
+is: an origin lists the files at a revision, says how one entry's bytes are read (a
+Range, or the whole file into a download slot), and names the version a cached copy or a
+partial file is checked against. A new origin is a new class here, not an engine edit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Protocol
+
+from shardsync.cache import RepoRef
+from shardsync.fetch import BlobRequest, FetchedBlob, Fetcher
+from shardsync.manifest import Listing, ManifestEntry, RemoteFile
+from shardsync.retry import is_strong_etag
+
+__all__ = ["Origin", "Progress", "Slot", "fetch_over_http"]
+
+Progress = Callable[[int], None]
+Entry = ManifestEntry | RemoteFile
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """Where one download lives until it is published: the shared partial a later run
+    resumes from, its resume record, and the folder for private temp names."""
+
+    data: Path
+    sidecar: Path
+    temp_dir: Path
+
+
+class Origin(Protocol):
+    """Where a checkpoint comes from (the Hub, a base URL, an S3 prefix, a directory)."""
+
+    @property
+    def repo(self) -> RepoRef:
+        """Names the origin in the cache (its snapshots live under ``repo.dirname``)."""
+        ...
+
+    @property
+    def default_revision(self) -> str: ...
+
+    @property
+    def caller_only(self) -> bool:
+        """True when only the calling process may read it (a local path): the daemon
+        refuses such a source on a client's behalf, and the loader never hands it over."""
+        ...
+
+    async def list_files(self, fetcher: Fetcher, revision: str) -> Listing:
+        """Every file at ``revision``: the commit (None when the origin has none), sizes,
+        and sha256 where the origin publishes one."""
+        ...
+
+    async def version(self, fetcher: Fetcher, entry: Entry) -> str | None:
+        """What the origin calls the current version of ``entry`` (a strong ETag, a stat
+        stamp), or None when it has none worth trusting. A cached copy recorded under this
+        version is reused only while the origin still says the same."""
+        ...
+
+    async def read_range(
+        self, fetcher: Fetcher, commit: str | None, entry: Entry, start: int, end: int
+    ) -> bytes:
+        """Bytes ``[start, end)`` of one file (a safetensors header), short at its end."""
+        ...
+
+    async def download(
+        self,
+        fetcher: Fetcher,
+        commit: str | None,
+        entry: ManifestEntry,
+        slot: Slot,
+        progress: Progress,
+    ) -> FetchedBlob:
+        """The whole file into a private temp name under ``slot``, verified against the
+        origin's hash when it has one; ``FetchedBlob.etag`` is ``version`` at download time
+        (recorded, so later runs can reuse the copy)."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release what the origin opened (clients, sessions); called once by its engine."""
+        ...
+
+
+async def fetch_over_http(
+    fetcher: Fetcher,
+    request: BlobRequest,
+    slot: Slot,
+    progress: Progress,
+    *,
+    record_etag: bool,
+) -> FetchedBlob:
+    """Download through the fetcher; keep the ETag as the recorded version only when the
+    origin names versions by it (a strong one), not when a hash already does."""
+    fetched = await fetcher.fetch(
+        request, slot.data, slot.sidecar, progress, temp_dir=slot.temp_dir
+    )
+    etag = fetched.etag if record_etag and is_strong_etag(fetched.etag) else None
+    return replace(fetched, etag=etag)
