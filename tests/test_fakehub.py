@@ -31,6 +31,9 @@ from shardsync.testing import (
     FlipByte,
     IgnoreRange,
     Latency,
+    NoEtag,
+    ReplaceObject,
+    ShiftedRange,
     SlowDrip,
     Stall,
     Status,
@@ -584,6 +587,92 @@ async def test_wrong_content_range(hub: FakeHub, session: aiohttp.ClientSession)
     reply = await fetch(session, url, headers={"Range": "bytes=100-199"})
     assert (reply.status, reply.body) == (206, WEIGHTS[100:200])
     assert reply.headers["Content-Range"] == f"bytes 101-200/{len(WEIGHTS)}"
+
+
+@pytest.mark.parametrize("shift", [-40, 40])
+async def test_shifted_range_sends_the_bytes_of_another_range(
+    hub: FakeHub, session: aiohttp.ClientSession, shift: int
+) -> None:
+    url = await cdn_url(hub, session, "weights.safetensors")
+    hub.faults.add(ShiftedRange(shift))
+    reply = await fetch(session, url, headers={"Range": "bytes=100-199"})
+    first = 100 + shift
+    assert reply.status == 206
+    assert reply.body == WEIGHTS[first : first + 100] != WEIGHTS[100:200]
+    assert reply.headers["Content-Range"] == f"bytes {first}-{first + 99}/{len(WEIGHTS)}"
+    again = await fetch(session, url, headers={"Range": "bytes=100-199"})
+    assert again.body == WEIGHTS[100:200]  # used up
+
+
+async def test_shifted_range_stays_inside_the_file(
+    hub: FakeHub, session: aiohttp.ClientSession
+) -> None:
+    url = await cdn_url(hub, session, "weights.safetensors")
+    hub.faults.add(ShiftedRange(-500))
+    reply = await fetch(session, url, headers={"Range": "bytes=100-199"})
+    assert (reply.status, reply.body) == (206, WEIGHTS[0:1])  # clipped, never empty
+    assert reply.headers["Content-Range"] == f"bytes 0-0/{len(WEIGHTS)}"
+
+
+async def test_replace_object_serves_new_content_under_a_new_etag(
+    hub: FakeHub, session: aiohttp.ClientSession
+) -> None:
+    url = await cdn_url(hub, session, "weights.safetensors")
+    resolve = f"{hub.endpoint}/{REPO}/resolve/main/weights.safetensors"
+    old = (await fetch(session, url, method="HEAD")).headers["ETag"]
+    new_content = bytes(b ^ 0x55 for b in WEIGHTS[:1000])
+    rule = hub.faults.add(ReplaceObject(new_content, path="weights.safetensors", after=1))
+    assert (await fetch(session, url, method="HEAD")).headers["ETag"] == old  # waits for a body
+    first = await fetch(session, url, headers={"Range": "bytes=0-99"})
+    assert (first.body, first.headers["ETag"]) == (WEIGHTS[:100], old)
+    # from now on the URL serves the new object: HEAD, Range, If-Range and the Hub's headers
+    head = await fetch(session, url, method="HEAD")
+    new = hashlib.sha256(new_content).hexdigest()
+    assert head.headers["ETag"] == f'"{new}"' and head.headers["Content-Length"] == "1000"
+    stale = await fetch(session, url, headers={"Range": "bytes=100-", "If-Range": old})
+    assert (stale.status, stale.body) == (200, new_content)
+    ranged = await fetch(session, url, headers={"Range": "bytes=100-199"})
+    assert (ranged.status, ranged.body) == (206, new_content[100:200])
+    assert ranged.headers["Content-Range"] == "bytes 100-199/1000"
+    redirect = await fetch(session, resolve, method="HEAD")
+    assert redirect.headers["X-Linked-Etag"] == f'"{new}"'
+    assert redirect.headers["X-Linked-Size"] == "1000"
+    assert rule.fired >= 4 and not rule.exhausted
+
+
+async def test_replace_object_on_a_small_file_served_by_the_hub(
+    hub: FakeHub, session: aiohttp.ClientSession
+) -> None:
+    notes = f"{hub.endpoint}/{REPO}/resolve/main/notes.txt"
+    old = (await fetch(session, notes, method="HEAD")).headers["ETag"]
+    hub.faults.add(ReplaceObject(b"replaced", path="notes.txt"))
+    reply = await fetch(session, notes)
+    assert reply.body == b"replaced" and reply.headers["ETag"] not in (old, None)
+
+
+@pytest.mark.parametrize(("weak", "expected"), [(False, None), (True, "W/")])
+async def test_no_etag_takes_the_validator_away(
+    hub: FakeHub, session: aiohttp.ClientSession, weak: bool, expected: str | None
+) -> None:
+    url = await cdn_url(hub, session, "weights.safetensors")
+    old = (await fetch(session, url, method="HEAD")).headers["ETag"]
+    hub.faults.add(NoEtag(weak=weak))
+    reply = await fetch(session, url, headers={"Range": "bytes=0-9"})
+    etag = reply.headers.get("ETag")
+    assert (etag[:2] if etag else None) == expected
+    # an If-Range with the old strong ETag no longer matches anything: the full body
+    stale = await fetch(session, url, headers={"Range": "bytes=0-9", "If-Range": old})
+    assert stale.status == 200
+
+
+async def test_flip_byte_in_a_small_file_served_by_the_hub(
+    hub: FakeHub, session: aiohttp.ClientSession
+) -> None:
+    notes = f"{hub.endpoint}/{REPO}/resolve/main/notes.txt"
+    hub.faults.add(FlipByte(offset=3, server="hub", path="notes.txt"))
+    reply = await fetch(session, notes)
+    assert reply.body != NOTES and reply.body[3] == NOTES[3] ^ 0xFF
+    assert (await fetch(session, notes)).body == NOTES
 
 
 async def test_stall_sends_headers_then_nothing(

@@ -26,9 +26,10 @@ The routes served:
 
 Revisions are branch or tag names (``refs/pr/1`` too, URL-encoded or not) or 40-hex commits.
 Bodies honour ``Range`` (``a-b``, ``a-``, ``-n``; a multi-range is ignored), strong-ETag
-``If-Range``, answer 206 with ``Content-Range`` or 416 with ``bytes */N``, and are never
-compressed. File names are served verbatim, hostile ones included, so that a client's name
-validation can be tested against a server that lies.
+``If-Range`` (compared with the ETag of the object the URL serves *now*, see `ReplaceObject`),
+answer 206 with ``Content-Range`` or 416 with ``bytes */N``, and are never compressed. File
+names are served verbatim, hostile ones included, so that a client's name validation can be
+tested against a server that lies.
 """
 
 from __future__ import annotations
@@ -377,6 +378,19 @@ def _flag(request: web.BaseRequest, name: str) -> bool:
     return request.query.get(name, "").lower() in ("1", "true")
 
 
+def _replaced(effects: Effects, blob: _Blob) -> _Blob:
+    """What the URL serves now: a `ReplaceObject` fault's content, or the stored blob."""
+    return blob if effects.replacement is None else _MemoryBlob(effects.replacement.content)
+
+
+def _shifted(span: _Span, shift: int, size: int) -> _Span:
+    """`span` moved by `shift` bytes and clipped to a `size`-byte body (never empty)."""
+    if shift == 0:
+        return span
+    start = min(max(span.start + shift, 0), size - 1)
+    return _Span(start, min(max(span.stop + shift, start + 1), size))
+
+
 def _flipped(data: bytes | memoryview, index: int) -> bytes:
     changed = bytearray(data)
     changed[index] ^= 0xFF
@@ -693,12 +707,19 @@ class FakeHub:
         if isinstance(effects, web.Response):
             return effects
         if not file.lfs:
+            blob = _replaced(effects, file.blob)
             return await self._send_body(
-                request, exchange, file.blob, effects, headers=headers, etag=file.etag, ranged=True
+                request, exchange, blob, effects, headers=headers, etag=file.etag, ranged=True
             )
-        headers["ETag"] = effects.etag(file.etag)
-        headers["X-Linked-Etag"] = f'"{file.sha256}"'
-        headers["X-Linked-Size"] = str(file.size)
+        etag = effects.etag(file.etag)
+        if etag is not None:
+            headers["ETag"] = etag
+        if effects.replacement is not None:
+            headers["X-Linked-Etag"] = effects.replacement.etag
+            headers["X-Linked-Size"] = str(len(effects.replacement.content))
+        else:
+            headers["X-Linked-Etag"] = f'"{file.sha256}"'
+            headers["X-Linked-Size"] = str(file.size)
         headers["Location"] = self._cdn_url(found.commit, file)
         return web.Response(status=302, headers=headers)
 
@@ -740,7 +761,13 @@ class FakeHub:
             f'filename="{quote(name)}";',
         }
         return await self._send_body(
-            request, exchange, blob, effects, headers=headers, etag=f'"{parts[2]}"', ranged=True
+            request,
+            exchange,
+            _replaced(effects, blob),
+            effects,
+            headers=headers,
+            etag=f'"{parts[2]}"',
+            ranged=True,
         )
 
     async def _take_faults(self, fault_request: FaultRequest) -> Effects | web.Response:
@@ -790,7 +817,8 @@ class FakeHub:
         span, status = _Span(0, blob.size), 200
         if etag is not None:
             etag = effects.etag(etag)
-            out["ETag"] = etag
+            if etag is not None:
+                out["ETag"] = etag
         if ranged:
             out["Accept-Ranges"] = "bytes"
             range_header = request.headers.get("Range")
@@ -805,7 +833,7 @@ class FakeHub:
                     out["Content-Range"] = f"bytes */{blob.size}"
                     return web.Response(status=416, headers=out)
                 if isinstance(parsed, _Span):
-                    span, status = parsed, 206
+                    span, status = _shifted(parsed, effects.range_shift, blob.size), 206
                     first = span.start + effects.content_range_shift
                     last = span.stop - 1 + effects.content_range_shift
                     out["Content-Range"] = f"bytes {first}-{last}/{blob.size}"

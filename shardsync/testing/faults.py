@@ -6,6 +6,13 @@ A test describes faults as small frozen values and adds them to the hub's `Fault
     hub.faults.add(Status(429, retry_after="3"))               # next CDN answer is a 429
     hub.faults.add(Bandwidth(4 << 20, server="any"))           # every body paced at 4 MiB/s
 
+Some faults change what the origin *holds*, not just how a response travels, so that a client
+that skips a check publishes bytes that differ from the origin's: `ShiftedRange` answers a Range
+request with the bytes of another range (and says so), `ReplaceObject` swaps the object at a URL
+for new content with a new ETag (mid-download with ``after``, or between runs), `NoEtag` takes
+away the validator a client could resume with, and `FlipByte` on ``server="hub"`` corrupts a
+small file the Hub serves directly (no CDN, no sha256 in the listing: only its git blob id).
+
 Every fault selects requests by ``server`` (``"cdn"`` by default, ``"hub"`` or ``"any"``) and by
 ``path``, an `fnmatch` glob on the repository file path (API calls have the path ``""``, which
 only ``"*"`` matches). ``times`` is how many matching responses it affects before it is used
@@ -28,6 +35,7 @@ thread, see `serve_in_thread`) consumes them.
 from __future__ import annotations
 
 import enum
+import hashlib
 import random
 import threading
 import time
@@ -47,9 +55,12 @@ __all__ = [
     "FlipByte",
     "IgnoreRange",
     "Latency",
+    "NoEtag",
     "Pacer",
+    "ReplaceObject",
     "Rule",
     "Server",
+    "ShiftedRange",
     "SlowDrip",
     "Stall",
     "Status",
@@ -264,6 +275,72 @@ class WrongContentRange(_Fault):
             raise ValueError("a WrongContentRange shift of 0 would be right")
 
 
+@dataclass(frozen=True, slots=True)
+class ShiftedRange(_Fault):
+    """Answer 206 with the bytes of the asked range moved by `shift` (clipped to the file),
+    and a ``Content-Range`` that truthfully names the bytes sent.
+
+    A negative shift is a 206 that starts early, a positive one a 206 that starts late: what a
+    buggy cache or proxy in front of the origin sends. A client that writes the body at the
+    offset it asked for, instead of checking where the answer starts, stores the wrong bytes.
+    """
+
+    shift: int = -4096
+
+    scope: ClassVar[_Scope] = _Scope.RANGE
+
+    def __post_init__(self) -> None:
+        _Fault.__post_init__(self)
+        if self.shift == 0:
+            raise ValueError("a ShiftedRange shift of 0 would be right")
+
+
+@dataclass(frozen=True, slots=True)
+class ReplaceObject(_Fault):
+    """The object at the matching paths is replaced by `content`, at the same URL, with a new
+    strong ETag (the sha256 of `content`): every later answer (HEAD, GET, ranges, the Hub's
+    ``X-Linked-*`` headers) describes and serves the new object.
+
+    The first `after` responses carrying a body still get the old object, so ``after=1``
+    replaces the object *mid-download* (one range is old, the rest new); ``after=0`` replaces
+    it at once (between two runs). The Hub's listing (its sha256 and git blob ids) is left
+    alone: on the Hub, content at a commit never changes, so there the client's hash check must
+    refuse the new bytes; on a plain URL origin, only the ETag and ``If-Range`` tell.
+    """
+
+    content: bytes = field(repr=False)
+    after: int = field(default=0, kw_only=True)
+    times: int | None = field(default=None, kw_only=True)
+    server: Server = field(default="any", kw_only=True)
+
+    scope: ClassVar[_Scope] = _Scope.ANY
+    role: ClassVar[_Role] = _Role.AMBIENT
+
+    def __post_init__(self) -> None:
+        _Fault.__post_init__(self)
+        if self.after < 0:
+            raise ValueError(f"after must be >= 0, not {self.after}")
+
+    @property
+    def etag(self) -> str:
+        """The replacement's strong ETag, quoted."""
+        return f'"{hashlib.sha256(self.content).hexdigest()}"'
+
+
+@dataclass(frozen=True, slots=True)
+class NoEtag(_Fault):
+    """Send no ``ETag`` at all (or, with `weak`, only a weak ``W/`` one), as many servers of
+    generated or proxied content do: the client has no validator for ``If-Range`` or a resume,
+    and only the ``Content-Range`` total can tell that the object changed size."""
+
+    weak: bool = False
+    times: int | None = field(default=None, kw_only=True)
+    server: Server = field(default="any", kw_only=True)
+
+    scope: ClassVar[_Scope] = _Scope.ANY
+    role: ClassVar[_Role] = _Role.AMBIENT
+
+
 Fault = (
     Bandwidth
     | Latency
@@ -275,23 +352,36 @@ Fault = (
     | SlowDrip
     | IgnoreRange
     | WrongContentRange
+    | ShiftedRange
+    | ReplaceObject
+    | NoEtag
 )
 
 
 class Rule:
     """A fault added to a plan, with its use count; returned by `FaultPlan.add`."""
 
-    __slots__ = ("_remaining", "fault", "fired")
+    __slots__ = ("_passed", "_remaining", "fault", "fired")
 
     def __init__(self, fault: Fault) -> None:
         self.fault = fault
         self.fired = 0
+        self._passed = 0
         self._remaining = fault.times
 
     @property
     def exhausted(self) -> bool:
         """True once the fault has affected `times` responses."""
         return self._remaining == 0
+
+    def _waits(self, request: FaultRequest) -> bool:
+        """True while a `ReplaceObject` still lets responses pass (counting those with a body)."""
+        after = self.fault.after if isinstance(self.fault, ReplaceObject) else 0
+        if self._passed >= after:
+            return False
+        if request.has_body:
+            self._passed += 1
+        return True
 
     def _use(self) -> None:
         self.fired += 1
@@ -328,6 +418,11 @@ class Effects:
     ignore_range: bool = False
     change_etag: bool = False
     content_range_shift: int = 0
+    range_shift: int = 0
+    """Serve the bytes of the asked range moved by this much (`ShiftedRange`)."""
+    replacement: ReplaceObject | None = None
+    """The object now at this URL (`ReplaceObject`), or None for the original."""
+    no_etag: NoEtag | None = None
 
     def cut_after(self, length: int) -> int | None:
         """Bytes of a `length`-byte body to send before closing, or None to send it all."""
@@ -337,12 +432,19 @@ class Effects:
         """Body offset of the byte to invert, or None."""
         return self.flip.resolve(length) if self.flip is not None and length > 0 else None
 
-    def etag(self, etag: str) -> str:
-        """The ETag to report for an object whose true ETag is `etag` (quoted)."""
-        if not self.change_etag:
-            return etag
-        bare = etag.strip('"')
-        return f'"{bare}-changed"'
+    def etag(self, etag: str) -> str | None:
+        """The ETag to report for an object whose true ETag is `etag` (quoted); None: send none.
+
+        A replaced object has its own ETag, whatever `etag` says.
+        """
+        if self.replacement is not None:
+            etag = self.replacement.etag
+        if self.change_etag:
+            bare = etag.strip('"')
+            etag = f'"{bare}-changed"'
+        if self.no_etag is not None:
+            return f"W/{etag}" if self.no_etag.weak else None
+        return etag
 
     def pacer(self) -> Pacer | None:
         """A pacer for the body, or None when it may go at full speed."""
@@ -414,8 +516,9 @@ class FaultPlan:
         with self._lock:
             first: dict[type[_Fault], Rule] = {}
             for rule in self._rules:
-                if not rule.exhausted and rule.fault.matches(request):
-                    first.setdefault(type(rule.fault), rule)
+                if rule.exhausted or not rule.fault.matches(request) or rule._waits(request):
+                    continue
+                first.setdefault(type(rule.fault), rule)
             fired = self._select(first)
             for rule in fired:
                 rule._use()
@@ -439,7 +542,9 @@ class FaultPlan:
         cut: _Position | None = None
         flip: _Position | None = None
         ignore_range = change_etag = False
-        shift = 0
+        shift = range_shift = 0
+        replacement: ReplaceObject | None = None
+        no_etag: NoEtag | None = None
         for fault in faults:
             match fault:
                 case Latency(seconds=seconds):
@@ -462,6 +567,12 @@ class FaultPlan:
                     change_etag = True
                 case WrongContentRange(shift=value):
                     shift = value
+                case ShiftedRange(shift=value):
+                    range_shift = value
+                case ReplaceObject():
+                    replacement = fault
+                case NoEtag():
+                    no_etag = fault
         return Effects(
             latency=latency,
             status=status,
@@ -473,4 +584,7 @@ class FaultPlan:
             ignore_range=ignore_range,
             change_etag=change_etag,
             content_range_shift=shift,
+            range_shift=range_shift,
+            replacement=replacement,
+            no_etag=no_etag,
         )
