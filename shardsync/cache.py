@@ -245,11 +245,14 @@ def _write_all(fd: int, data: bytes) -> None:
 # --------------------------------------------------------------------------- values
 
 
+OriginKind = Literal["hub", "url", "local", "s3"]
+
+
 @dataclass(frozen=True, slots=True)
 class RepoRef:
     """Where a snapshot comes from; its ``dirname`` names it inside the cache."""
 
-    kind: Literal["hub", "url", "local"]
+    kind: OriginKind
     name: str
 
     def __post_init__(self) -> None:
@@ -260,6 +263,9 @@ class RepoRef:
         elif self.kind == "local":
             if not os.path.isabs(self.name):
                 raise ConfigError(f"a local origin needs an absolute path, got {self.name!r}")
+        elif self.kind == "s3":
+            if not self.name.startswith("s3://"):
+                raise ConfigError(f"an S3 origin name starts with s3://, got {self.name!r}")
         elif self.kind != "url":
             raise ConfigError(f"unknown origin kind {self.kind!r}")
 
@@ -373,7 +379,7 @@ def _optional_str(obj: dict[str, object], key: str) -> str | None:
 _RECORD_KEYS = frozenset({"format", "repo", "revision", "commit", "completed_at", "files"})
 _REPO_KEYS = frozenset({"kind", "name"})
 _FILE_KEYS = frozenset({"path", "size", "sha256", "xxh3_128", "etag", "verified", "origin_etag"})
-_KINDS: dict[str, Literal["hub", "url", "local"]] = {"hub": "hub", "url": "url", "local": "local"}
+_KINDS: dict[str, OriginKind] = {"hub": "hub", "url": "url", "local": "local", "s3": "s3"}
 _VERIFICATIONS: dict[str, Verification] = {
     "sha256": "sha256",
     "git-sha1": "git-sha1",

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from shardsync.errors import ConfigError
 from shardsync.fetch import FetchConfig
@@ -25,6 +26,7 @@ __all__ = [
     "Config",
     "DaemonConfig",
     "PruneConfig",
+    "S3Config",
     "client_sockets",
     "daemon_socket",
     "default_cache_dir",
@@ -145,6 +147,25 @@ class PruneConfig:
     high_water: int | None = None
 
 
+Addressing = Literal["auto", "path", "virtual"]
+
+
+@dataclass(frozen=True, slots=True)
+class S3Config:
+    """The ``[s3]`` section: overrides of the standard AWS chain for every S3 request.
+
+    None keeps what the chain says (``AWS_ENDPOINT_URL``, ``AWS_REGION``, ``AWS_PROFILE``,
+    ``~/.aws/config``); credentials always come from the chain, never from this file.
+    ``addressing = "path"`` suits stores without per-bucket host names (MinIO, SeaweedFS,
+    Ceph RGW on a bare IP).
+    """
+
+    endpoint: str | None = None
+    region: str | None = None
+    addressing: Addressing = "auto"
+    profile: str | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class Config:
     """Everything the engine needs; see ``config.example.toml`` for each key."""
@@ -155,6 +176,7 @@ class Config:
     fetch: FetchConfig = field(default_factory=FetchConfig)
     daemon: DaemonConfig = field(default_factory=DaemonConfig)
     prune: PruneConfig = field(default_factory=PruneConfig)
+    s3: S3Config = field(default_factory=S3Config)
 
 
 def daemon_socket(daemon: DaemonConfig, environ: Mapping[str, str]) -> Path:
@@ -242,7 +264,7 @@ def load_config(
             raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path}: {exc}") from None
-    known = {"cache", "download", "retry", "hub", "daemon", "prune"}
+    known = {"cache", "download", "retry", "hub", "daemon", "prune", "s3"}
     for key in data:
         if key not in known:
             raise ConfigError(f"unknown config section or key {key!r}")
@@ -257,6 +279,7 @@ def load_config(
         ("hub", {"endpoint"}),
         ("daemon", set(_DAEMON_KEYS)),
         ("prune", set(_PRUNE_KEYS)),
+        ("s3", {"endpoint", "region", "addressing", "profile"}),
     ):
         for key in _section(data, section):
             if key not in allowed:
@@ -307,6 +330,7 @@ def load_config(
                 f"of {fetch.min_throughput} B/s (needs at least {floor} B/s)"
             )
     prune = _prune_config(_section(data, "prune"))
+    s3 = _s3_config(_section(data, "s3"))
     return Config(
         cache_dir=cache_dir,
         endpoint=endpoint,
@@ -314,6 +338,27 @@ def load_config(
         fetch=fetch,
         daemon=daemon,
         prune=prune,
+        s3=s3,
+    )
+
+
+def _s3_config(section: Mapping[str, Any]) -> S3Config:
+    def text(key: str) -> str | None:
+        value = section.get(key)
+        if value is not None and (not isinstance(value, str) or not value):
+            raise ConfigError(f"s3.{key} must be a non-empty string (got {value!r})")
+        return value
+
+    endpoint = text("endpoint")
+    if endpoint is not None:
+        parts = urlsplit(endpoint)
+        if parts.scheme not in ("http", "https") or not parts.hostname or parts.query:
+            raise ConfigError(f"s3.endpoint must be an http(s) URL, got {endpoint!r}")
+    addressing = section.get("addressing", "auto")
+    if addressing not in ("auto", "path", "virtual"):
+        raise ConfigError(f's3.addressing must be "auto", "path" or "virtual" (got {addressing!r})')
+    return S3Config(
+        endpoint=endpoint, region=text("region"), addressing=addressing, profile=text("profile")
     )
 
 

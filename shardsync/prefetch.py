@@ -35,6 +35,7 @@ from shardsync.manifest import (
     select_weights,
 )
 from shardsync.origins import Origin, Slot, parse_source
+from shardsync.s3 import S3Client
 from shardsync.usage import AccessLog, Lease, Leases
 
 __all__ = [
@@ -140,6 +141,7 @@ class Engine:
         self._session: aiohttp.ClientSession | None = None
         self._fetcher: Fetcher | None = None
         self._origins: dict[tuple[str, str | None], Origin] = {}
+        self.s3 = S3Client(config.s3)  # opened on first use: by S3 origins and the tier
 
     async def __aenter__(self) -> Engine:
         connector = aiohttp.TCPConnector(
@@ -159,6 +161,7 @@ class Engine:
         try:
             for origin in origins.values():
                 await origin.aclose()
+            await self.s3.aclose()
         finally:
             if self._session is not None:
                 await self._session.close()
@@ -177,7 +180,11 @@ class Engine:
         origin = self._origins.get(key)
         if origin is None:
             origin = parse_source(
-                source, endpoint=self.config.endpoint, token=token, environ=self._environ
+                source,
+                endpoint=self.config.endpoint,
+                token=token,
+                environ=self._environ,
+                s3=self.s3,
             )
             self._origins[key] = origin
         return origin

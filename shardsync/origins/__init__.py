@@ -14,8 +14,18 @@ from shardsync.origins.base import Origin, Slot
 from shardsync.origins.http import UrlOrigin
 from shardsync.origins.hub import HubOrigin
 from shardsync.origins.local import LocalOrigin
+from shardsync.origins.s3 import S3Origin
+from shardsync.s3 import S3Client
 
-__all__ = ["HubOrigin", "LocalOrigin", "Origin", "Slot", "UrlOrigin", "parse_source"]
+__all__ = [
+    "HubOrigin",
+    "LocalOrigin",
+    "Origin",
+    "S3Origin",
+    "Slot",
+    "UrlOrigin",
+    "parse_source",
+]
 
 
 def parse_source(
@@ -24,15 +34,19 @@ def parse_source(
     endpoint: str | None = None,
     token: str | None = None,
     environ: Mapping[str, str] | None = None,
+    s3: S3Client | None = None,
 ) -> Origin:
-    """Pick the origin a user means: an http(s) URL, an existing directory, or a Hub repo id."""
+    """Pick the origin a user means: an http(s) URL, an ``s3://`` prefix, an existing
+    directory, or a Hub repo id. S3 origins share ``s3`` when given (else own a client)."""
     env = os.environ if environ is None else environ
     if source.startswith(("http://", "https://")):
         return UrlOrigin.from_url(source, token=token)
+    if source.startswith("s3://"):
+        return S3Origin.from_url(source, client=s3)
     if source.startswith(("/", "./", "../", "~")) or os.path.isdir(source):
         return LocalOrigin.from_path(source)
     if "://" in source:
         raise ConfigError(
-            f"unsupported source {source!r}: use ORG/NAME, an http(s) URL or a directory"
+            f"unsupported source {source!r}: use ORG/NAME, an http(s) or s3:// URL, or a directory"
         )
     return HubOrigin.create(source, endpoint=endpoint or env.get("HF_ENDPOINT"), token=token)

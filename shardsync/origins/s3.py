@@ -1,0 +1,131 @@
+"""An S3 prefix (``s3://BUCKET/PREFIX/``) holding a checkpoint, like an HTTP base URL.
+
+Listing and metadata go through ``shardsync.s3``; the bytes go through the fetcher on a
+presigned GET, so several Range requests per file, a resume bound to the object's ETag
+(``If-Match``: a replaced object answers 412 and the file restarts) and streaming hashes
+work as for every origin. A file is verified against the SHA-256 the store keeps for it
+when there is one (``ChecksumMode=ENABLED``), else trusted on first use (``tofu``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from shardsync.cache import RepoRef
+from shardsync.config import S3Config
+from shardsync.errors import ConfigError, ManifestError
+from shardsync.fetch import BlobRequest, FetchedBlob, Fetcher, Located
+from shardsync.manifest import Listing, ManifestEntry, RemoteFile, validate_name
+from shardsync.origins.base import Entry, Progress, Slot, fetch_over_http
+from shardsync.s3 import ObjectInfo, S3Client, S3Location, parse_s3_url
+
+__all__ = ["S3Origin"]
+
+_MAX_KEYS = 100_000
+_HEAD_ALL_UP_TO = 256  # objects under a prefix whose checksums are asked one by one ...
+_HEAD_LARGE_FROM = 1 << 20  # ... beyond that, only for objects this large
+_HEADS_AT_ONCE = 16
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class S3Origin:
+    """Objects under one prefix; no commit, so snapshots are named by their content."""
+
+    location: S3Location
+    client: S3Client = field(repr=False)
+    owns_client: bool = field(default=False, repr=False)
+    default_revision: str = "main"
+
+    @classmethod
+    def from_url(
+        cls, url: str, *, client: S3Client | None = None, config: S3Config | None = None
+    ) -> S3Origin:
+        location = parse_s3_url(url)
+        if client is not None:
+            return cls(location=location, client=client)
+        return cls(location=location, client=S3Client(config), owns_client=True)
+
+    @property
+    def repo(self) -> RepoRef:
+        return RepoRef(kind="s3", name=self.location.url)
+
+    @property
+    def caller_only(self) -> bool:
+        return False
+
+    async def list_files(self, fetcher: Fetcher, revision: str) -> Listing:
+        """Every object under the prefix; SHA-256 from the store where it keeps one."""
+        if revision != self.default_revision:
+            raise ConfigError("an S3 prefix has no revisions")
+        objects = await self.client.list(self.location, max_keys=_MAX_KEYS)
+        wanted: list[tuple[str, ObjectInfo]] = []
+        for obj in objects:
+            rel = obj.key[len(self.location.prefix) :]
+            if not rel or rel.endswith("/") or any(p.startswith(".") for p in rel.split("/")):
+                continue  # folder markers and hidden files, as for a local directory
+            wanted.append((validate_name(rel), obj))
+        if not wanted:
+            raise ManifestError(f"no objects under {self.location.url}")
+        limit = asyncio.Semaphore(_HEADS_AT_ONCE)
+        # Stores that list checksums say which objects have one; for the others, HEAD every
+        # object of a usual checkpoint, or only the large ones of a repo of many files.
+        listed = any(o.sha256_listed for _, o in wanted)
+        head_all = not listed and len(wanted) <= _HEAD_ALL_UP_TO
+
+        async def describe(path: str, obj: ObjectInfo) -> RemoteFile:
+            sha256 = None
+            if obj.sha256_listed or head_all or (not listed and obj.size >= _HEAD_LARGE_FROM):
+                async with limit:
+                    head = await self.client.head(self.location.bucket, obj.key)
+                sha256 = head.sha256 if head.size == obj.size else None
+            return RemoteFile(path=path, size=obj.size, sha256=sha256)
+
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(describe(p, o)) for p, o in wanted]
+        return Listing(commit=None, files=tuple(t.result() for t in tasks), exhaustive=True)
+
+    def request_for(self, entry: Entry) -> BlobRequest:
+        key = self.location.key_for(validate_name(entry.path))
+
+        async def locate() -> Located:
+            head = await self.client.head(self.location.bucket, key, checksum=False)
+            url = await self.client.presign_get(self.location.bucket, key)
+            return Located(
+                url=url, headers={}, size=head.size, etag=head.etag, linked_etag=None, commit=None
+            )
+
+        return BlobRequest(
+            url=f"s3://{self.location.bucket}/{key}",
+            headers={},
+            label=entry.path,
+            size=entry.size,
+            sha256=entry.sha256,
+            locator=locate,
+            validator="If-Match",
+        )
+
+    async def version(self, fetcher: Fetcher, entry: Entry) -> str | None:
+        key = self.location.key_for(validate_name(entry.path))
+        return (await self.client.head(self.location.bucket, key, checksum=False)).etag or None
+
+    async def read_range(
+        self, fetcher: Fetcher, commit: str | None, entry: Entry, start: int, end: int
+    ) -> bytes:
+        return await fetcher.read_range(self.request_for(entry), start, end)
+
+    async def download(
+        self,
+        fetcher: Fetcher,
+        commit: str | None,
+        entry: ManifestEntry,
+        slot: Slot,
+        progress: Progress,
+    ) -> FetchedBlob:
+        return await fetch_over_http(
+            fetcher, self.request_for(entry), slot, progress, record_etag=True
+        )
+
+    async def aclose(self) -> None:
+        if self.owns_client:
+            await self.client.aclose()

@@ -1,0 +1,402 @@
+"""S3 access through aiobotocore: list, head, presign, put, conditional put, delete.
+
+The only module that imports aiobotocore. It never streams large objects itself: an S3
+origin (or the shared tier) hands the fetcher a presigned GET, so S3 downloads get the
+same Range connections, validated resume and streaming hashes as every other origin.
+
+Credentials come from the standard AWS chain (environment, ``AWS_PROFILE``, the shared
+config and credentials files, instance metadata), with ``[s3]`` overriding endpoint,
+region, addressing style and profile. No message built here contains a credential or a
+signed URL: errors name the bucket, key, operation and the store's error code only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextlib
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from shardsync.config import S3Config
+from shardsync.errors import (
+    AuthError,
+    ConfigError,
+    EntryNotFoundError,
+    OriginError,
+    RepoNotFoundError,
+    ShardsyncError,
+    TransferError,
+)
+
+_Client = Any  # aiobotocore's client is typed at run time only
+
+__all__ = [
+    "MAX_SINGLE_PUT",
+    "ObjectInfo",
+    "PreconditionFailed",
+    "S3Client",
+    "S3Location",
+    "parse_s3_url",
+]
+
+_T = TypeVar("_T")
+MAX_SINGLE_PUT = 5 << 30  # S3's limit for one PutObject; larger objects go multipart
+_PART_SIZE = 512 << 20
+_PRESIGN_SECONDS = 3600  # a 403 after expiry makes the fetcher ask for a fresh one
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9.\-_]{1,61}[a-z0-9]", re.IGNORECASE)
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_AUTH_CODES = frozenset(
+    {
+        "AccessDenied",
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "ExpiredToken",
+        "InvalidToken",
+        "TokenRefreshRequired",
+        "AllAccessDisabled",
+        "403",
+        "401",
+    }
+)
+_MISSING_CODES = frozenset({"NoSuchKey", "NotFound", "404"})
+_PRECONDITION_CODES = frozenset({"PreconditionFailed", "412", "ConditionalRequestConflict"})
+
+
+class PreconditionFailed(OriginError):
+    """A conditional request lost (``If-None-Match: *`` on a key that exists, ``If-Match``
+    on one that changed): someone else wrote first."""
+
+
+@dataclass(frozen=True, slots=True)
+class S3Location:
+    """``s3://BUCKET/PREFIX/``: the prefix is empty or ends with ``/``."""
+
+    bucket: str
+    prefix: str
+
+    @property
+    def url(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}"
+
+    def key_for(self, path: str) -> str:
+        return self.prefix + path
+
+
+def parse_s3_url(url: str) -> S3Location:
+    """Validate an ``s3://`` URL; a prefix names a folder, so it gains a trailing ``/``."""
+    if not url.startswith("s3://"):
+        raise ConfigError(f"not an s3:// URL: {url!r}")
+    bucket, _, prefix = url[len("s3://") :].partition("/")
+    if not _BUCKET.fullmatch(bucket) or ".." in bucket:
+        raise ConfigError(f"invalid S3 bucket name {bucket!r} in {url!r}")
+    if _CONTROL.search(prefix) or "?" in prefix or "#" in prefix or len(prefix) > 900:
+        raise ConfigError(f"invalid S3 prefix in {url!r}")
+    parts = [p for p in prefix.split("/") if p]
+    if any(p in (".", "..") for p in parts):
+        raise ConfigError(f"an S3 prefix must not contain '.' or '..' segments: {url!r}")
+    return S3Location(bucket=bucket, prefix="".join(p + "/" for p in parts))
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    """One object as the store describes it. ``sha256`` is set only when the store keeps a
+    SHA-256 of the whole object (not a multipart composite, which hashes the parts)."""
+
+    key: str
+    size: int
+    etag: str  # as served, quoted
+    sha256: str | None = None
+    sha256_listed: bool = False  # the listing says a SHA-256 checksum exists (HEAD for it)
+
+
+class S3Client:
+    """One aiobotocore client, opened on first use and shared by every caller.
+
+    ``aclose`` releases it; an unused instance owns nothing, so making one is free.
+    """
+
+    def __init__(self, config: S3Config | None = None) -> None:
+        self.config = config or S3Config()
+        self._stack: contextlib.AsyncExitStack | None = None
+        self._client: _Client | None = None
+        self._opening = asyncio.Lock()
+
+    async def _get(self) -> _Client:
+        if self._client is not None:
+            return self._client
+        async with self._opening:
+            if self._client is None:
+                self._client = await self._open()
+        return self._client
+
+    async def _open(self) -> _Client:
+        # imported here: botocore's import costs ~0.3 s that Hub-only runs never pay
+        from aiobotocore.config import AioConfig
+        from aiobotocore.session import AioSession
+
+        cfg = self.config
+        session = AioSession(profile=cfg.profile)
+        client_config = AioConfig(
+            s3={"addressing_style": cfg.addressing},
+            retries={"max_attempts": 4, "mode": "standard"},
+            connect_timeout=10,
+            read_timeout=60,
+            # checksums only where S3 requires them; ours are passed explicitly
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+        )
+        stack = contextlib.AsyncExitStack()
+        try:
+            client = await stack.enter_async_context(
+                session.create_client(
+                    "s3",
+                    endpoint_url=cfg.endpoint,
+                    region_name=cfg.region,
+                    config=client_config,
+                )
+            )
+        except Exception as exc:
+            await stack.aclose()
+            raise _mapped(exc, "open an S3 client", "") from None
+        self._stack = stack
+        return client
+
+    async def aclose(self) -> None:
+        stack, self._stack, self._client = self._stack, None, None
+        if stack is not None:
+            await stack.aclose()
+
+    async def _call(self, what: str, where: str, call: Callable[[_Client], Awaitable[_T]]) -> _T:
+        client = await self._get()
+        try:
+            return await call(client)
+        except ShardsyncError:
+            raise
+        except Exception as exc:
+            raise _mapped(exc, what, where) from None
+
+    # ------------------------------------------------------------------ reading
+
+    async def list(self, where: S3Location, *, max_keys: int) -> list[ObjectInfo]:
+        """Every object under the prefix (recursively), at most ``max_keys``."""
+        found: list[ObjectInfo] = []
+
+        async def run(client: _Client) -> None:
+            paginator = client.get_paginator("list_objects_v2")
+            pages: AsyncIterator[dict[str, Any]] = paginator.paginate(
+                Bucket=where.bucket, Prefix=where.prefix
+            )
+            async for page in pages:
+                for obj in page.get("Contents", ()):
+                    if len(found) >= max_keys:
+                        raise OriginError(f"{where.url}: more than {max_keys} objects")
+                    algorithms = obj.get("ChecksumAlgorithm") or ()
+                    found.append(
+                        ObjectInfo(
+                            key=str(obj["Key"]),
+                            size=int(obj["Size"]),
+                            etag=str(obj.get("ETag", "")),
+                            sha256_listed="SHA256" in algorithms
+                            and obj.get("ChecksumType", "FULL_OBJECT") == "FULL_OBJECT",
+                        )
+                    )
+
+        await self._call("list", where.url, run)
+        return found
+
+    async def head(self, bucket: str, key: str, *, checksum: bool = True) -> ObjectInfo:
+        """Size, ETag and (asked with ``ChecksumMode=ENABLED``) the whole-object SHA-256."""
+
+        async def run(client: _Client) -> dict[str, Any]:
+            kwargs: dict[str, Any] = {"Bucket": bucket, "Key": key}
+            if checksum:
+                kwargs["ChecksumMode"] = "ENABLED"
+            return dict(await client.head_object(**kwargs))
+
+        answer = await self._call("head", f"s3://{bucket}/{key}", run)
+        return ObjectInfo(
+            key=key,
+            size=int(answer["ContentLength"]),
+            etag=str(answer.get("ETag", "")),
+            sha256=_whole_object_sha256(answer),
+        )
+
+    async def presign_get(self, bucket: str, key: str) -> str:
+        """A GET URL that carries its own signature (valid for an hour)."""
+
+        async def run(client: _Client) -> str:
+            return str(
+                await client.generate_presigned_url(
+                    "get_object",
+                    Params={"Bucket": bucket, "Key": key},
+                    ExpiresIn=_PRESIGN_SECONDS,
+                )
+            )
+
+        return await self._call("sign", f"s3://{bucket}/{key}", run)
+
+    async def get_small(self, bucket: str, key: str, *, max_size: int) -> tuple[bytes, str]:
+        """A small object's bytes and ETag (claims, markers); larger ones are refused."""
+
+        async def run(client: _Client) -> tuple[bytes, str]:
+            answer = await client.get_object(Bucket=bucket, Key=key)
+            async with answer["Body"] as body:
+                if int(answer.get("ContentLength", 0)) > max_size:
+                    raise OriginError(f"s3://{bucket}/{key}: larger than {max_size} bytes")
+                data = await body.read()
+            return bytes(data), str(answer.get("ETag", ""))
+
+        return await self._call("get", f"s3://{bucket}/{key}", run)
+
+    # ------------------------------------------------------------------ writing
+
+    async def put_bytes(
+        self,
+        bucket: str,
+        key: str,
+        data: bytes,
+        *,
+        if_none_match: bool = False,
+        if_match: str | None = None,
+    ) -> str:
+        """Write a small object; conditional writes raise ``PreconditionFailed`` on losing."""
+
+        async def run(client: _Client) -> str:
+            kwargs: dict[str, Any] = {"Bucket": bucket, "Key": key, "Body": data}
+            if if_none_match:
+                kwargs["IfNoneMatch"] = "*"
+            if if_match is not None:
+                kwargs["IfMatch"] = if_match
+            answer = await client.put_object(**kwargs)
+            return str(answer.get("ETag", ""))
+
+        return await self._call("put", f"s3://{bucket}/{key}", run)
+
+    async def put_file(self, bucket: str, key: str, path: Path, *, sha256: str, size: int) -> None:
+        """Upload a verified file, telling the store its SHA-256 (a store that checks it
+        refuses a body that does not match). Multipart above ``MAX_SINGLE_PUT``."""
+        if size > MAX_SINGLE_PUT:
+            await self._put_multipart(bucket, key, path, size)
+            return
+        checksum = base64.b64encode(bytes.fromhex(sha256)).decode()
+
+        async def run(client: _Client) -> None:
+            with path.open("rb") as body:
+                await client.put_object(
+                    Bucket=bucket,
+                    Key=key,
+                    Body=body,
+                    ContentLength=size,
+                    ChecksumSHA256=checksum,
+                )
+
+        await self._call("put", f"s3://{bucket}/{key}", run)
+
+    async def _put_multipart(self, bucket: str, key: str, path: Path, size: int) -> None:
+        where = f"s3://{bucket}/{key}"
+
+        async def start(client: _Client) -> str:
+            answer = await client.create_multipart_upload(Bucket=bucket, Key=key)
+            return str(answer["UploadId"])
+
+        upload_id = await self._call("start upload", where, start)
+        try:
+            parts: list[dict[str, Any]] = []
+            with path.open("rb") as f:
+                for number, offset in enumerate(range(0, size, _PART_SIZE), start=1):
+                    chunk = await asyncio.to_thread(_read_at, f, offset, _PART_SIZE)
+
+                    async def part(client: _Client, n: int = number, body: bytes = chunk) -> str:
+                        answer = await client.upload_part(
+                            Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=n, Body=body
+                        )
+                        return str(answer["ETag"])
+
+                    etag = await self._call("upload part", where, part)
+                    parts.append({"ETag": etag, "PartNumber": number})
+
+            async def complete(client: _Client) -> None:
+                await client.complete_multipart_upload(
+                    Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts}
+                )
+
+            await self._call("complete upload", where, complete)
+        except BaseException:
+            with contextlib.suppress(Exception):
+
+                async def abort(client: _Client) -> None:
+                    await client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload_id)
+
+                await self._call("abort upload", where, abort)
+            raise
+
+    async def delete(self, bucket: str, key: str) -> None:
+        async def run(client: _Client) -> None:
+            await client.delete_object(Bucket=bucket, Key=key)
+
+        await self._call("delete", f"s3://{bucket}/{key}", run)
+
+
+def _read_at(f: Any, offset: int, n: int) -> bytes:
+    f.seek(offset)
+    return bytes(f.read(n))
+
+
+def _whole_object_sha256(answer: dict[str, Any]) -> str | None:
+    """The hex SHA-256 of the whole object, when the store says it has one."""
+    value = answer.get("ChecksumSHA256")
+    if not isinstance(value, str) or "-" in value:
+        return None  # absent, or a composite of the parts
+    if answer.get("ChecksumType", "FULL_OBJECT") != "FULL_OBJECT":
+        return None
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        return None
+    return raw.hex() if len(raw) == 32 else None
+
+
+def _mapped(exc: Exception, what: str, where: str) -> ShardsyncError:
+    """botocore's errors in our tree; the message names the object and the store's code,
+    never a credential (botocore puts none in ``Error.Code``/``Message``)."""
+    from botocore import exceptions as bx
+
+    target = f"{where}: " if where else ""
+    if isinstance(exc, bx.NoCredentialsError | bx.PartialCredentialsError):
+        return AuthError(
+            f"{target}no AWS credentials found for S3 (set AWS_ACCESS_KEY_ID and "
+            "AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or ~/.aws/credentials)"
+        )
+    if isinstance(exc, bx.ProfileNotFound):
+        return ConfigError(f"AWS profile not found: {exc.kwargs.get('profile')!r}")
+    if isinstance(exc, bx.ClientError):
+        error = exc.response.get("Error", {})
+        code = str(error.get("Code", ""))
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        codes = {code, str(status)}
+        detail = f"{target}S3 {what} failed: HTTP {status} {code}".rstrip()
+        if codes & _PRECONDITION_CODES:
+            return PreconditionFailed(detail)
+        if code == "NoSuchBucket":
+            return RepoNotFoundError(detail)
+        if codes & _MISSING_CODES:
+            return EntryNotFoundError(detail)
+        if codes & _AUTH_CODES:
+            return AuthError(
+                f"{detail} (the store refused the credentials: check the AWS chain or [s3] profile)"
+            )
+        if isinstance(status, int) and (status >= 500 or status == 429):
+            return TransferError(detail)
+        return OriginError(detail)
+    if isinstance(exc, bx.ParamValidationError):
+        return ConfigError(f"{target}invalid S3 request: {exc}")
+    if isinstance(exc, bx.EndpointConnectionError | bx.ConnectionError | bx.HTTPClientError):
+        return TransferError(f"{target}cannot reach the S3 endpoint ({type(exc).__name__})")
+    if isinstance(exc, bx.BotoCoreError | OSError | asyncio.TimeoutError):
+        return TransferError(f"{target}S3 {what} failed ({type(exc).__name__})")
+    return OriginError(f"{target}S3 {what} failed ({type(exc).__name__})")
