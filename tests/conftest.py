@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from s3server import S3Server, S3ServerUnavailable, run_seaweedfs
 
 from shardsync.testing import Checkpoint, FakeHub, build_checkpoint
 
@@ -42,3 +44,20 @@ def hf_cache(tmp_path: Path) -> Path:
     path = tmp_path / "hf-cache"
     path.mkdir()
     return path
+
+
+@pytest.fixture(scope="session")
+def s3server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    """One real SeaweedFS S3 gateway for the session (skips when `weed` is absent or stuck)."""
+    with contextlib.ExitStack() as stack:
+        try:
+            server = stack.enter_context(run_seaweedfs(tmp_path_factory.mktemp("seaweedfs")))
+        except S3ServerUnavailable as exc:
+            pytest.skip(str(exc))
+        yield server
+
+
+@pytest.fixture
+def s3bucket(s3server: S3Server, request: pytest.FixtureRequest) -> str:
+    """A fresh, empty bucket on `s3server`, named after the test."""
+    return s3server.new_bucket(request.node.name)
