@@ -7,7 +7,7 @@ import contextlib
 import hashlib
 import os
 import subprocess
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
 
@@ -58,11 +58,51 @@ def assert_snapshot_matches(snapshot: Path, checkpoint: Checkpoint) -> None:
         assert got.read_bytes() == checkpoint.path(rel).read_bytes(), f"{rel} differs"
 
 
-def assert_store_verified(cache_dir: Path) -> None:
-    """Promise 1: every blob under its final name hashes to that name."""
+OriginBytes = Checkpoint | Path | bytes | Mapping[str, bytes | Path]
+"""What an origin served: a checkpoint, one file or directory, some bytes, or ``{path: bytes}``."""
+
+
+def origin_digests(*origins: OriginBytes) -> frozenset[str]:
+    """The sha256 of every file the origins hold, computed from the origin's side."""
+    digests: set[str] = set()
+
+    def add(item: bytes | Path) -> None:
+        if isinstance(item, bytes):
+            digests.add(hashlib.sha256(item).hexdigest())
+        elif item.is_dir():
+            for path in item.rglob("*"):
+                if path.is_file() and not path.is_symlink():
+                    digests.add(sha256_file(path))
+        else:
+            digests.add(sha256_file(item))
+
+    for origin in origins:
+        if isinstance(origin, Checkpoint):
+            for rel in origin.files:
+                add(origin.path(rel))
+        elif isinstance(origin, Mapping):
+            for item in origin.values():
+                add(item)
+        else:
+            add(origin)
+    return frozenset(digests)
+
+
+def assert_store_verified(cache_dir: Path, *origins: OriginBytes) -> None:
+    """Promise 1, checked against the origin: every blob under its final name is byte for byte
+    one of the files the origin served (given as `origins`), and hashes to its name.
+
+    Hashing each blob against its own name alone proves nothing: blobs are named by the digest
+    of the bytes received, so a download that skipped its verification still "matches".
+    """
+    if not origins:
+        raise TypeError("assert_store_verified needs the origin's files to compare with")
+    expected = origin_digests(*origins)
     store = cache_dir / "store" / "sha256"
     for blob in store.glob("*/*"):
-        assert sha256_file(blob) == blob.name, f"published blob {blob} has the wrong content"
+        digest = sha256_file(blob)
+        assert digest == blob.name, f"published blob {blob} has the wrong content"
+        assert digest in expected, f"published blob {blob} is none of the origin's files"
 
 
 class SleepRecorder:

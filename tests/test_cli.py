@@ -130,7 +130,7 @@ def test_kill_9_then_rerun_refetches_little(
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (cache / "hub" / "models--acme--cli" / "refs" / "main").exists()
-    assert_store_verified(cache)
+    assert_store_verified(cache, checkpoint)
     hub.faults.remove(rule)
     out = _run(
         tmp_path, "prefetch", REPO, "--endpoint", hub.endpoint, "--cache-dir", str(cache), "--json"
@@ -180,7 +180,7 @@ def test_disk_full_is_a_clear_error_and_keeps_the_partial(
         assert "partial download is kept" in last
         partials = [p for p in (cache / "partial").iterdir() if p.suffix == ".part"]
         assert partials and any(p.stat().st_blocks > 0 for p in partials)
-        assert_store_verified(cache)
+        assert_store_verified(cache, checkpoint)
         assert not (cache / "hub" / "models--acme--cli" / "refs" / "main").exists()
 
 

@@ -128,7 +128,7 @@ def test_prune_prefetch_and_load_at_once(
         assert_snapshot_matches(
             cache.root / "hub" / repo.dirname / "snapshots" / snap.commit, models[repo.repo[-1]]
         )
-    assert_store_verified(cache_dir)
+    assert_store_verified(cache_dir, *models.values())
     assert scan_cache_dir(cache_dir / "hub").warnings == []
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache_dir / "hub")}
     offline = subprocess.run(

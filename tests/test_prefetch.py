@@ -65,7 +65,7 @@ async def test_clean_prefetch_is_byte_identical(
 ) -> None:
     result = await prefetch(REPO, fast_config(tmp_path, hub.endpoint))
     assert_snapshot_matches(result.snapshot_path, checkpoint)
-    assert_store_verified(tmp_path)
+    assert_store_verified(tmp_path, checkpoint)
     shards = [f for f in result.files if f.path.endswith(".safetensors")]
     assert [f.path for f in shards] == list(checkpoint.shards)  # index order
     assert {f.verified for f in shards} == {"sha256"}
@@ -131,7 +131,7 @@ async def test_faults_end_byte_identical(
     config = fast_config(tmp_path, hub.endpoint, read_timeout=0.5)
     result = await prefetch(REPO, config, sleep=sleep)
     assert_snapshot_matches(result.snapshot_path, checkpoint)
-    assert_store_verified(tmp_path)
+    assert_store_verified(tmp_path, checkpoint)
     assert all(rule.exhausted for rule in hub.faults.rules if rule.fault.times is not None)
     if name == "429-retry-after":
         assert max(sleep.delays) >= 2.0  # the server's Retry-After was honoured
@@ -157,7 +157,7 @@ async def test_flipped_byte_refetches_only_that_file(
     hub.faults.add(FlipByte(times=1, path=bad))
     result = await prefetch(REPO, fast_config(tmp_path, hub.endpoint))
     assert_snapshot_matches(result.snapshot_path, checkpoint)
-    assert_store_verified(tmp_path)
+    assert_store_verified(tmp_path, checkpoint)
     size = checkpoint.path(bad).stat().st_size
     assert hub.bytes_served(bad) == 2 * size
     for other in checkpoint.shards:
@@ -173,7 +173,7 @@ async def test_persistent_corruption_is_a_clear_error(
     hub.faults.add(FlipByte(path=bad, times=None))
     with pytest.raises(IntegrityError, match=f"{bad}: hash mismatch after 3 downloads"):
         await prefetch(REPO, fast_config(tmp_path, hub.endpoint))
-    assert_store_verified(tmp_path)
+    assert_store_verified(tmp_path, checkpoint)
     assert not (tmp_path / "hub" / "models--acme--tiny" / "refs" / "main").exists()
 
 

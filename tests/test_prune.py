@@ -361,7 +361,7 @@ def test_lru_with_a_cap_that_fits_one(
     assert remaining(cache) == ["acme/a"]
     assert_snapshot_matches(snapshots["a"], models["a"])  # shared small blobs stayed
     assert not snapshots["b"].exists() and not (cache_dir / "hub" / "models--acme--b").exists()
-    assert_store_verified(cache_dir)
+    assert_store_verified(cache_dir, *models.values())
     assert_hf_clean(cache_dir)
     offline = hf_hub_download(
         "acme/a", "config.json", cache_dir=cache_dir / "hub", local_files_only=True

@@ -124,7 +124,7 @@ def test_flipped_byte_is_quarantined_and_repaired_by_one_download(
     assert fetched == {shard}  # exactly the quarantined blob, nothing else
     assert hub.bytes_served() == checkpoint.path(shard).stat().st_size
     assert_snapshot_matches(snapshot, checkpoint)
-    assert_store_verified(cache_dir)
+    assert_store_verified(cache_dir, checkpoint)
     again = run_cli(cache_dir)
     assert again.returncode == 0, again.stdout + again.stderr
     assert "all intact" in again.stdout

@@ -163,7 +163,7 @@ def _git_blob_id(data: bytes) -> str:
 def assert_consistent(served: Served, cache: Path, done: list[str] | None) -> None:
     """What any reader may find after a crash; ``done`` (the steps that ran) says exactly
     which of record, ref and store blobs must exist; None: the snapshot must be complete."""
-    assert_store_verified(cache)
+    assert_store_verified(cache, served.checkpoint)
     repo_dir = cache / "hub" / DIRNAME
     for blob in repo_dir.glob("blobs/*"):
         data = blob.read_bytes()
@@ -409,7 +409,7 @@ def test_a_crash_inside_publish_never_wedges_a_rerun(served: Served, mode: str) 
         out = _rerun_unprivileged(served, work, cache)
         assert out.returncode == 0, out.stderr
         assert_snapshot_matches(Path(out.stdout.strip()), served.checkpoint)
-        assert_store_verified(cache)
+        assert_store_verified(cache, served.checkpoint)
 
 
 def test_a_local_copy_never_writes_through_a_published_blob(served: Served, tmp_path: Path) -> None:
@@ -422,7 +422,7 @@ def test_a_local_copy_never_writes_through_a_published_blob(served: Served, tmp_
     (edited,) = [p for p in source.iterdir() if p.read_bytes() == linked.read_bytes()]
     edited.write_bytes(edited.read_bytes() + b"\n")  # the index, still valid JSON
     asyncio.run(prefetch(str(source), fast_config(cache)))
-    assert_store_verified(cache)
+    assert_store_verified(cache, served.checkpoint, source)
 
 
 # --------------------------------------------------------------------------- the daemon

@@ -208,7 +208,7 @@ async def test_retry_after_is_clamped_or_ignored_and_the_download_completes(
     sleep = SleepRecorder()
     result = await prefetch(f"{base}/ckpt/", _config(tmp_path), sleep=sleep)
     assert (result.snapshot_path / SHARD_NAME).read_bytes() == SHARD
-    assert_store_verified(tmp_path)
+    assert_store_verified(tmp_path, FILES)
     # two refused HEADs (origin probe) and two refused Range GETs: one sleep each, no more
     assert len(sleep.delays) == 4, sleep.delays
     low, high = expected
@@ -262,7 +262,7 @@ async def test_a_503_storm_gives_up_after_a_bounded_number_of_attempts(
     assert sleep.delays and set(sleep.delays) == {POLICY.max_retry_after}
     assert len(sleep.delays) <= most_sleeps
     assert sum(sleep.delays) <= most_sleeps * POLICY.max_retry_after
-    assert_store_verified(tmp_path)
+    assert_store_verified(tmp_path, FILES)
     assert not _shard_in_store(tmp_path)
     assert _published_refs(tmp_path) == []
 
@@ -313,7 +313,7 @@ async def test_a_503_storm_through_the_daemon_fails_every_waiting_client(
         status, daemon_status = await api(daemon.socket_path, "GET", "/v1/status")
         assert status == 200 and daemon_status["jobs"]["failed"] == 1
         assert daemon_status["jobs"]["done"] == 1
-    assert_store_verified(workdir / "cache")
+    assert_store_verified(workdir / "cache", FILES)
 
 
 # ------------------------------------------------------------------------ 3. cross-host redirect
@@ -347,7 +347,7 @@ async def test_the_token_never_follows_a_redirect_to_another_host(
 
     result = await prefetch(f"{base}/ckpt/", _config(tmp_path), token=TOKEN)
     assert (result.snapshot_path / SHARD_NAME).read_bytes() == SHARD
-    assert_store_verified(tmp_path)
+    assert_store_verified(tmp_path, FILES)
     # the origin got the token on every request, including the ones it redirected
     assert origin.seen("HEAD") and origin.seen("HEAD", "config.json")
     assert all(s.headers.get("Authorization") == f"Bearer {TOKEN}" for s in origin.log)
@@ -418,7 +418,7 @@ async def test_https_to_https_on_another_port_works_with_the_ca_trusted(
     shard = Path(answer["snapshot_path"]) / SHARD_NAME
     assert sha256_file(shard) == _SHARD_SHA and shard.read_bytes() == SHARD
     assert origin.seen("HEAD") and data_server.seen("GET")
-    assert_store_verified(cache)
+    assert_store_verified(cache, FILES)
 
 
 async def test_https_to_http_redirect_is_refused_before_any_plain_request(
@@ -439,6 +439,6 @@ async def test_https_to_http_redirect_is_refused_before_any_plain_request(
     assert "Traceback" not in stderr
     assert origin.seen("HEAD")  # the TLS origin was reached and answered the redirect
     assert plain.log == []  # not one byte went over plain HTTP
-    assert_store_verified(cache)
+    assert_store_verified(cache, FILES)
     assert not _shard_in_store(cache)
     assert _published_refs(cache) == []

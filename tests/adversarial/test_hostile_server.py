@@ -129,7 +129,7 @@ async def test_a_passing_lie_ends_byte_exact(
     result = await prefetch(base, fast_config(tmp_path, chunk_size=256 * 1024))
     assert state.told == 2
     assert (result.snapshot_path / "model.safetensors").read_bytes() == SHARD
-    assert_store_verified(tmp_path)
+    assert_store_verified(tmp_path, FILES)
 
 
 @pytest.mark.parametrize(
@@ -148,7 +148,7 @@ async def test_a_persistent_lie_is_one_clear_error(
     state.lie, state.times = lie, None
     with pytest.raises(ShardsyncError, match=message):
         await prefetch(base, fast_config(tmp_path, chunk_size=256 * 1024))
-    assert_store_verified(tmp_path)
+    assert_store_verified(tmp_path, FILES)
     assert _published_refs(tmp_path) == []
 
 
@@ -171,7 +171,7 @@ async def test_a_byte_per_request_runs_out_of_attempts(
         await prefetch(base, config)
     chunks = -(-len(SHARD) // (256 * 1024))
     assert state.told <= chunks * config.fetch.retry.max_attempts
-    assert_store_verified(tmp_path)
+    assert_store_verified(tmp_path, FILES)
     assert _published_refs(tmp_path) == []
 
 

@@ -142,7 +142,7 @@ def test_no_op_locks_duplicate_work_but_never_break_the_cache(
     snapshot = Path(results[0]["snapshot_path"])
     assert {r["snapshot_path"] for r in results} == {str(snapshot)}
     assert_snapshot_matches(snapshot, checkpoint)
-    assert_store_verified(cache)
+    assert_store_verified(cache, checkpoint)
     blobs = list((cache / "store" / "sha256").glob("*/*"))
     assert len(blobs) == len(checkpoint.files)  # one blob per file, no duplicates
     assert {stat.S_IMODE(p.stat().st_mode) for p in blobs} == {0o444}

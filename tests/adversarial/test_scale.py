@@ -189,7 +189,7 @@ def test_ten_thousand_small_files(
     assert sum(1 for p in snapshot.rglob("*") if not p.is_dir()) == len(many_files.files)
     blobs = list((cache / "store" / "sha256").glob("*/*"))
     assert len(blobs) == len(many_files.files) - 1  # the duplicate is stored once
-    assert_store_verified(cache)
+    assert_store_verified(cache, many_files)
     assert not list((cache / "partial").iterdir())
     measured.assert_bounded()
 
@@ -245,7 +245,7 @@ def test_a_thousand_shards_prefetch_and_load(
     assert {f["verified"] for f in files if f["path"] in weights} == {"sha256"}
     snapshot = Path(str(measured.result["snapshot_path"]))
     assert_snapshot_matches(snapshot, many_shards)
-    assert_store_verified(cache)
+    assert_store_verified(cache, many_shards)
     assert not list((cache / "partial").iterdir())
     measured.assert_bounded()
 
