@@ -28,6 +28,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -202,6 +203,7 @@ def weed_command(weed: str, work: Path, config: Path, ports: dict[str, int]) -> 
     data.mkdir(parents=True, exist_ok=True)
     return [
         weed,
+        "-logtostderr",  # the log file beside the data, not glog files in /tmp
         "server",
         f"-dir={data}",
         "-ip=127.0.0.1",
@@ -290,6 +292,12 @@ def run_seaweedfs(work: Path, timeout: float = START_TIMEOUT_S) -> Iterator[S3Se
         yield server
     finally:
         _kill_group(proc)
+        # weed puts a local gRPC socket per service in /tmp, named by port
+        for port in (master, volume, filer, s3):
+            for leftover in Path(tempfile.gettempdir()).glob(
+                f"seaweedfs-*-grpc-{port + 10000}.sock"
+            ):
+                leftover.unlink(missing_ok=True)
 
 
 def _wait_ready(

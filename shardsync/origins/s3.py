@@ -62,9 +62,11 @@ class S3Origin:
         wanted: list[tuple[str, ObjectInfo]] = []
         for obj in objects:
             rel = obj.key[len(self.location.prefix) :]
-            if not rel or rel.endswith("/") or any(p.startswith(".") for p in rel.split("/")):
-                continue  # folder markers and hidden files, as for a local directory
-            wanted.append((validate_name(rel), obj))
+            if not rel or rel.endswith("/"):
+                continue  # folder markers
+            if any(p.startswith(".") for p in validate_name(rel).split("/")):
+                continue  # hidden files, as for a local directory
+            wanted.append((rel, obj))
         if not wanted:
             raise ManifestError(f"no objects under {self.location.url}")
         limit = asyncio.Semaphore(_HEADS_AT_ONCE)

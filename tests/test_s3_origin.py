@@ -1,0 +1,334 @@
+"""``s3://BUCKET/PREFIX/`` as a source, against a real SeaweedFS on loopback.
+
+Every check compares what landed in the cache with the bytes put into the store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+from daemons import daemon_in_loop, short_tmp
+from helpers import assert_snapshot_matches, assert_store_verified, fast_config
+from s3server import S3Server
+
+from shardsync.client import Client
+from shardsync.config import Config, S3Config
+from shardsync.errors import AuthError, ConfigError, UnsafeNameError
+from shardsync.prefetch import Engine, FileOutcome, prefetch
+from shardsync.testing import Checkpoint, build_checkpoint
+
+PREFIX = "models/tiny"
+_T = TypeVar("_T")
+Throttle = Callable[[int], Awaitable[None]]
+
+
+@pytest.fixture(scope="module")
+def s3_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
+    """Three shards of ~1 MiB each: several Range requests per shard with `fast_config`."""
+    return build_checkpoint(tmp_path_factory.mktemp("s3ck"), total_bytes=3 << 20, n_shards=3)
+
+
+@pytest.fixture
+def aws_env(s3server: S3Server, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The standard AWS chain points at the test store, and at nothing on this machine."""
+    for name in list(os.environ):
+        if name.startswith("AWS_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3server.access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3server.secret_key)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+
+
+def s3_config(cache_dir: Path, server: S3Server) -> Config:
+    s3 = S3Config(endpoint=server.endpoint, region=server.region, addressing="path")
+    return replace(fast_config(cache_dir), s3=s3)
+
+
+def upload(
+    server: S3Server, bucket: str, checkpoint: Checkpoint, *, checksums: bool, prefix: str = PREFIX
+) -> None:
+    """Put every file of the checkpoint under ``prefix``; with ``checksums`` the store keeps
+    each object's SHA-256 (as ``aws s3 cp --checksum-algorithm SHA256`` would)."""
+    for rel in checkpoint.files:
+        put(server, bucket, f"{prefix}/{rel}", checkpoint.path(rel).read_bytes(), checksums)
+
+
+def put(
+    server: S3Server,
+    bucket: str,
+    key: str,
+    data: bytes,
+    checksum: bool = False,
+) -> None:
+    """A blocking PutObject (usable from inside a running event loop, as a fault); with
+    ``checksum`` the store keeps the object's SHA-256 (it refuses a body that differs)."""
+    kwargs = {}
+    if checksum:
+        kwargs["ChecksumSHA256"] = base64.b64encode(hashlib.sha256(data).digest()).decode()
+    _sync_client(server).put_object(Bucket=bucket, Key=key, Body=data, **kwargs)
+
+
+_CLIENTS: dict[str, Any] = {}
+
+
+def _sync_client(server: S3Server) -> Any:
+    import botocore.session
+
+    if server.endpoint not in _CLIENTS:
+        session = botocore.session.get_session()
+        _CLIENTS[server.endpoint] = session.create_client("s3", **server.client_kwargs())
+    return _CLIENTS[server.endpoint]
+
+
+def test_prefetch_from_s3_is_byte_exact_and_says_tofu_without_checksums(
+    s3server: S3Server, s3bucket: str, s3_checkpoint: Checkpoint, aws_env: None, tmp_path: Path
+) -> None:
+    upload(s3server, s3bucket, s3_checkpoint, checksums=False)
+    config = s3_config(tmp_path / "cache", s3server)
+    result = _run(prefetch(f"s3://{s3bucket}/{PREFIX}/", config))
+    assert_snapshot_matches(result.snapshot_path, s3_checkpoint)
+    assert_store_verified(config.cache_dir, s3_checkpoint)
+    assert {f.verified for f in result.files} == {"tofu"}
+    assert {f.path for f in result.files} == set(s3_checkpoint.files)
+    assert result.repo.kind == "s3"
+    again = _run(prefetch(f"s3://{s3bucket}/{PREFIX}", config))  # no slash: the same prefix
+    assert again.snapshot_path == result.snapshot_path
+    assert again.bytes_downloaded == 0
+
+
+def test_store_checksums_verify_every_shard(
+    s3server: S3Server, s3bucket: str, s3_checkpoint: Checkpoint, aws_env: None, tmp_path: Path
+) -> None:
+    upload(s3server, s3bucket, s3_checkpoint, checksums=True)
+    config = s3_config(tmp_path / "cache", s3server)
+    result = _run(prefetch(f"s3://{s3bucket}/{PREFIX}/", config))
+    assert_snapshot_matches(result.snapshot_path, s3_checkpoint)
+    verified = {f.path: f.verified for f in result.files}
+    assert {verified[s] for s in s3_checkpoint.shards} == {"sha256"}
+
+
+def test_load_from_s3_gives_the_exact_tensors(
+    s3server: S3Server, s3bucket: str, s3_checkpoint: Checkpoint, aws_env: None, tmp_path: Path
+) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    import shardsync
+
+    upload(s3server, s3bucket, s3_checkpoint, checksums=True)
+    config = s3_config(tmp_path / "cache", s3server)
+    tensors = shardsync.load(f"s3://{s3bucket}/{PREFIX}/", config=config, device_map="cpu")
+    expected: dict[str, Any] = {}
+    for shard in s3_checkpoint.shards:
+        expected.update(load_file(s3_checkpoint.path(shard)))
+    assert set(tensors) == set(expected)
+    for name, tensor in expected.items():
+        assert tensors[name].dtype == tensor.dtype
+        assert tensors[name].view(-1).view(torch.uint8).numpy().tobytes() == (
+            tensor.view(-1).view(torch.uint8).numpy().tobytes()
+        )
+
+
+def test_cli_prefetch_reads_the_standard_aws_chain(
+    s3server: S3Server, s3bucket: str, s3_checkpoint: Checkpoint, aws_env: None, tmp_path: Path
+) -> None:
+    """Endpoint from AWS_ENDPOINT_URL, keys from the environment; only path-style addressing
+    comes from ``[s3]`` (a bare IP has no per-bucket host names)."""
+    upload(s3server, s3bucket, s3_checkpoint, checksums=False)
+    conf = tmp_path / "shardsync.toml"
+    conf.write_text('[s3]\naddressing = "path"\nregion = "us-east-1"\n')
+    env = {**os.environ, "AWS_ENDPOINT_URL": s3server.endpoint}
+    cache = tmp_path / "cache"
+    out = subprocess.run(
+        [sys.executable, "-m", "shardsync.cli", "--config", str(conf), "prefetch",
+         f"s3://{s3bucket}/{PREFIX}/", "--cache-dir", str(cache), "--no-daemon", "--json",
+         "--quiet"],
+        env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert_snapshot_matches(Path(report["snapshot_path"]), s3_checkpoint)
+
+
+def test_wrong_credentials_are_one_clear_error_without_secrets(
+    s3server: S3Server,
+    s3bucket: str,
+    s3_checkpoint: Checkpoint,
+    aws_env: None,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    upload(s3server, s3bucket, s3_checkpoint, checksums=False)
+    secret = "wrong-" + s3server.secret_key[::-1]
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+    config = s3_config(tmp_path / "cache", s3server)
+    with pytest.raises(AuthError) as caught:
+        _run(prefetch(f"s3://{s3bucket}/{PREFIX}/", config))
+    text = "".join(str(e) for e in _chain(caught.value))
+    assert secret not in text and s3server.access_key not in text
+    assert not any(p.is_file() for p in (config.cache_dir / "store").rglob("*"))
+
+
+def test_no_credentials_at_all_is_an_auth_error(
+    s3server: S3Server,
+    s3bucket: str,
+    aws_env: None,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    with pytest.raises(AuthError):
+        _run(prefetch(f"s3://{s3bucket}/{PREFIX}/", s3_config(tmp_path / "c", s3server)))
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["s3://", "s3://a/x", "s3://bucket/../etc", "s3://bucket/a/./b", "s3://bu/x?y", "s3://b\x00k/"],
+)
+def test_hostile_s3_urls_are_refused_before_any_request(url: str, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError):
+        _run(prefetch(url, fast_config(tmp_path / "c")))
+
+
+def test_a_hostile_key_under_the_prefix_is_refused(
+    s3server: S3Server, s3bucket: str, s3_checkpoint: Checkpoint, aws_env: None, tmp_path: Path
+) -> None:
+    upload(s3server, s3bucket, s3_checkpoint, checksums=False)
+    put(s3server, s3bucket, f"{PREFIX}/sub/..%2f..%2fescape.json", b"{}")
+    config = s3_config(tmp_path / "cache", s3server)
+    with pytest.raises(UnsafeNameError):
+        _run(prefetch(f"s3://{s3bucket}/{PREFIX}/", config))
+    assert not (tmp_path / "escape.json").exists()
+
+
+class _Interrupted(Exception):
+    """Stands in for a kill: the transfer stops, the partial and its record stay on disk."""
+
+
+def _interrupt_after(limit: int) -> Throttle:
+    seen = 0
+
+    async def throttle(n: int) -> None:
+        nonlocal seen
+        seen += n
+        if seen > limit:
+            raise _Interrupted
+
+    return throttle
+
+
+async def _download_with(
+    config: Config, source: str, throttle: Throttle | None = None
+) -> tuple[Path, tuple[FileOutcome, ...]]:
+    async with Engine(config, throttle=throttle) as engine:
+        job = engine.job(engine.origin(source))
+        await job.prepare()
+        files = await job.download()
+        return job.snapshot_path, files
+
+
+def test_resume_after_an_interruption_reuses_the_partial(
+    s3server: S3Server, s3bucket: str, s3_checkpoint: Checkpoint, aws_env: None, tmp_path: Path
+) -> None:
+    upload(s3server, s3bucket, s3_checkpoint, checksums=False)
+    config = replace(s3_config(tmp_path / "cache", s3server), max_files=1)
+    source = f"s3://{s3bucket}/{PREFIX}/"
+    total = sum(s3_checkpoint.path(s).stat().st_size for s in s3_checkpoint.shards)
+    with pytest.raises(_Interrupted):
+        _run(_download_with(config, source, _interrupt_after(int(total * 0.4))))
+    snapshot, files = _run(_download_with(config, source))
+    assert_snapshot_matches(snapshot, s3_checkpoint)
+    assert sum(f.resumed for f in files) > 0
+
+
+def test_an_object_replaced_between_runs_is_never_mixed_with_its_partial(
+    s3server: S3Server, s3bucket: str, s3_checkpoint: Checkpoint, aws_env: None, tmp_path: Path
+) -> None:
+    """The resume record is bound to the ETag: a replaced object (same size, new bytes, no
+    checksum to catch a mix) restarts from zero and the new bytes are published."""
+    upload(s3server, s3bucket, s3_checkpoint, checksums=False)
+    config = replace(s3_config(tmp_path / "cache", s3server), max_files=1)
+    config = replace(config, fetch=replace(config.fetch, connections_per_file=1))
+    source = f"s3://{s3bucket}/{PREFIX}/"
+    first = s3_checkpoint.shards[0]
+    size = s3_checkpoint.path(first).stat().st_size
+    with pytest.raises(_Interrupted):
+        _run(_download_with(config, source, _interrupt_after(int(size * 0.6))))
+    assert (config.cache_dir / "partial").is_dir()
+    new = _same_size_other_bytes(s3_checkpoint.path(first).read_bytes())
+    put(s3server, s3bucket, f"{PREFIX}/{first}", new)
+    snapshot, _files = _run(_download_with(config, source))
+    assert (snapshot / first).read_bytes() == new
+
+
+def test_an_object_replaced_mid_download_restarts_on_412(
+    s3server: S3Server, s3bucket: str, s3_checkpoint: Checkpoint, aws_env: None, tmp_path: Path
+) -> None:
+    upload(s3server, s3bucket, s3_checkpoint, checksums=False)
+    config = replace(s3_config(tmp_path / "cache", s3server), max_files=1)
+    config = replace(config, fetch=replace(config.fetch, connections_per_file=1))
+    first = s3_checkpoint.shards[0]
+    original = s3_checkpoint.path(first).read_bytes()
+    new = _same_size_other_bytes(original)
+    seen, replaced = 0, False
+
+    async def replace_at_40_percent(n: int) -> None:
+        nonlocal seen, replaced
+        seen += n
+        if not replaced and seen > len(original) * 0.4:
+            replaced = True
+            put(s3server, s3bucket, f"{PREFIX}/{first}", new)
+
+    snapshot, _files = _run(
+        _download_with(config, f"s3://{s3bucket}/{PREFIX}/", replace_at_40_percent)
+    )
+    assert replaced
+    assert (snapshot / first).read_bytes() == new
+
+
+@pytest.fixture
+def workdir() -> Iterator[Path]:
+    with short_tmp() as path:
+        yield path
+
+
+async def test_a_daemon_job_and_the_client_take_s3_sources(
+    s3server: S3Server, s3bucket: str, s3_checkpoint: Checkpoint, aws_env: None, workdir: Path
+) -> None:
+    upload(s3server, s3bucket, s3_checkpoint, checksums=True)
+    config = s3_config(workdir / "cache", s3server)
+    async with daemon_in_loop(config, workdir / "d" / "d.sock") as running:
+        client_config = replace(config, daemon=running.config.daemon)
+        async with Client(client_config, fallback="error") as client:
+            job = await client.prefetch(f"s3://{s3bucket}/{PREFIX}/")
+            result = await job.wait()
+    assert_snapshot_matches(result.snapshot_path, s3_checkpoint)
+
+
+def _same_size_other_bytes(data: bytes) -> bytes:
+    return bytes((b + 1) & 0xFF for b in data)
+
+
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    seen: BaseException | None = exc
+    while seen is not None:
+        yield seen
+        seen = seen.__cause__ or seen.__context__
+
+
+def _run(coro: Coroutine[Any, Any, _T]) -> _T:
+    return asyncio.run(coro)
