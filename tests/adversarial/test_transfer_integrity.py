@@ -1,0 +1,367 @@
+"""Transfer integrity (promises 1 and 3), judged by the origin's bytes, for every origin kind.
+
+Each test makes the server change the bytes the way real servers do (a 206 of another range, a
+full 200 to a Range request, an object replaced at the same URL mid-download or between two
+runs, a flipped byte in a small Hub file, no ETag at all), then compares what got published
+with what the origin holds: the checkpoint builder's files, or the replacement's bytes. Never
+with the cache's own names: a blob is named by the digest of what was received, so a skipped
+check still "matches" its name.
+
+On the Hub, the listing's sha256 or git blob id catches a wrong byte; plain-URL and local
+origins publish no hash (trust on first use), so there only the transfer's own checks (where a
+206 starts, its total, the ETag with ``If-Range``, the resume record) stand between a lying or
+changing server and a corrupt snapshot. ``bench/mutants.py`` plants a bug in each of those
+checks and shows that a test here fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from helpers import assert_snapshot_matches, assert_store_verified, fast_config
+from nginx import serve_directory
+
+from shardsync.errors import ShardsyncError
+from shardsync.prefetch import PrefetchResult, prefetch
+from shardsync.retry import RetryPolicy
+from shardsync.testing import (
+    Checkpoint,
+    CutBody,
+    FakeHub,
+    FlipByte,
+    IgnoreRange,
+    NoEtag,
+    ReplaceObject,
+    ShiftedRange,
+    build_checkpoint,
+)
+
+REPO = "acme/integrity"
+HTTP_KINDS = ["hub", "url"]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
+    """Two shards of ~1.5 MiB: six 256 KiB ranges each with `fast_config`."""
+    return build_checkpoint(
+        tmp_path_factory.mktemp("integrity"), total_bytes=3 << 20, n_shards=2, seed=14
+    )
+
+
+@pytest.fixture
+async def hub(checkpoint: Checkpoint) -> AsyncIterator[FakeHub]:
+    async with FakeHub() as hub:
+        hub.add_checkpoint(REPO, checkpoint)
+        yield hub
+
+
+def source(hub: FakeHub, kind: str) -> str:
+    """The Hub repo id, or the same files as a plain base URL (no hash published: tofu)."""
+    return REPO if kind == "hub" else f"{hub.endpoint}/{REPO}/resolve/main/"
+
+
+def other_object(data: bytes) -> bytes:
+    """Another valid shard of the same size: same safetensors header, every data byte changed."""
+    data_start = 8 + int.from_bytes(data[:8], "little")
+    return data[:data_start] + bytes(b ^ 0x5A for b in data[data_start:])
+
+
+def published(result: PrefetchResult, rel: str) -> bytes:
+    return (result.snapshot_path / rel).read_bytes()
+
+
+def assert_matches_origin(
+    result: PrefetchResult, checkpoint: Checkpoint, replaced: dict[str, bytes] | None = None
+) -> None:
+    """Every file of the snapshot is the origin's (a plain URL origin finds fewer files than
+    the Hub lists, but always every shard), byte for byte."""
+    replaced = replaced or {}
+    paths = {f.path for f in result.files}
+    assert set(checkpoint.shards) <= paths
+    for rel in sorted(paths):
+        want = replaced[rel] if rel in replaced else checkpoint.path(rel).read_bytes()
+        assert published(result, rel) == want, f"{rel} is not the origin's file"
+
+
+def expected_verification(kind: str, rel: str) -> str:
+    if kind != "hub":
+        return "tofu"
+    return "sha256" if rel.endswith(".safetensors") else "git-sha1"
+
+
+async def run(hub: FakeHub, kind: str, cache: Path, **fetch: object) -> PrefetchResult:
+    config = fast_config(cache, hub.endpoint if kind == "hub" else None, **fetch)
+    return await prefetch(source(hub, kind), config)
+
+
+# --------------------------------------------------------------------------- one run, lying server
+
+
+@pytest.mark.parametrize("kind", HTTP_KINDS)
+@pytest.mark.parametrize("shift", [-4096, 4096, -(300 << 10)], ids=["early", "late", "far-early"])
+async def test_a_206_of_another_range_is_never_written_at_the_asked_offset(
+    hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path, kind: str, shift: int
+) -> None:
+    rule = hub.faults.add(ShiftedRange(shift, times=4, path="*.safetensors"))
+    result = await run(hub, kind, tmp_path)
+    assert rule.exhausted
+    assert_matches_origin(result, checkpoint)
+    assert_store_verified(tmp_path, checkpoint)
+    assert all(f.verified == expected_verification(kind, f.path) for f in result.files)
+
+
+@pytest.mark.parametrize("kind", HTTP_KINDS)
+async def test_a_full_200_to_a_range_request_is_never_written_at_the_range_offset(
+    hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path, kind: str
+) -> None:
+    """A server may ignore Range and send the whole file with 200: legal, and its first byte
+    is byte 0 of the file, whatever range was asked for."""
+    rule = hub.faults.add(IgnoreRange(times=3, path="*.safetensors"))
+    result = await run(hub, kind, tmp_path)
+    assert rule.exhausted
+    assert_matches_origin(result, checkpoint)
+    assert_store_verified(tmp_path, checkpoint)
+
+
+@pytest.mark.parametrize("rel", ["config.json", "model.safetensors.index.json"])
+async def test_a_flipped_byte_in_a_small_hub_file_is_refused_by_its_git_blob_id(
+    hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path, rel: str
+) -> None:
+    """Small files come from the Hub itself (no CDN, no sha256 in the listing): their git blob
+    id is the only proof, and it must be checked."""
+    rule = hub.faults.add(FlipByte(server="hub", path=rel))
+    result = await run(hub, "hub", tmp_path)
+    assert rule.exhausted
+    assert published(result, rel) == checkpoint.path(rel).read_bytes()
+    assert_matches_origin(result, checkpoint)
+    assert_store_verified(tmp_path, checkpoint)
+    (outcome,) = [f for f in result.files if f.path == rel]
+    assert outcome.verified == "git-sha1"
+
+
+async def test_a_small_hub_file_flipped_every_time_is_never_published(
+    hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    hub.faults.add(FlipByte(server="hub", path="config.json", times=None))
+    with pytest.raises(ShardsyncError, match=r"config\.json"):
+        await run(hub, "hub", tmp_path)
+    assert_store_verified(tmp_path, checkpoint)
+
+
+# --------------------------------------------------------------------------- a replaced object
+
+
+async def test_an_object_replaced_mid_download_is_never_published_mixed(
+    hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    """The first range is the old object's, the next ones the new object's (new ETag): only a
+    whole object may be published, which takes ``If-Range`` or a check of each 206's ETag."""
+    shard = checkpoint.shards[1]
+    old = checkpoint.path(shard).read_bytes()
+    new = other_object(old)
+    hub.faults.add(ReplaceObject(new, path=shard, after=1))
+    result = await run(hub, "url", tmp_path)
+    got = published(result, shard)
+    assert got in (old, new), "a file mixed from two objects was published"
+    assert got == new  # the old object can no longer be finished: its other ranges are gone
+    assert_store_verified(tmp_path, checkpoint, new)
+
+
+async def test_a_hub_object_replaced_mid_download_is_refused_by_its_sha256(
+    hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    """On the Hub the listing names the sha256: new bytes at the same URL are never published."""
+    shard = checkpoint.shards[1]
+    new = other_object(checkpoint.path(shard).read_bytes())
+    hub.faults.add(ReplaceObject(new, path=shard, after=1))
+    with pytest.raises(ShardsyncError, match=re.escape(shard)):
+        await run(hub, "hub", tmp_path)
+    assert_store_verified(tmp_path, checkpoint)
+
+
+@pytest.mark.parametrize("grow", [4096, -4096], ids=["larger", "smaller"])
+async def test_an_object_without_etag_changing_size_mid_download_is_never_published_mixed(
+    hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path, grow: int
+) -> None:
+    """Without a strong ETag there is no ``If-Range``: the ``Content-Range`` total is what
+    tells that the object changed. Failing is fine; publishing a mix is not."""
+    shard = checkpoint.shards[1]
+    old = checkpoint.path(shard).read_bytes()
+    new = other_object(old)
+    new = new + new[-grow:] if grow > 0 else new[:grow]
+    hub.faults.add(NoEtag(path=shard))
+    hub.faults.add(ReplaceObject(new, path=shard, after=1))
+    try:
+        result = await run(hub, "url", tmp_path)
+    except ShardsyncError:
+        pass
+    else:
+        assert published(result, shard) in (old, new), "a mix of two objects was published"
+    assert_store_verified(tmp_path, checkpoint, new)
+
+
+def partial_of(cache: Path, rel: str) -> Path:
+    """The partial file whose resume record names `rel`."""
+    (record,) = [
+        p
+        for p in (cache / "partial").glob("*.json")
+        if json.loads(p.read_bytes()).get("url", "").endswith("/" + rel)
+    ]
+    return record.with_suffix(".part")
+
+
+async def leave_a_partial(hub: FakeHub, kind: str, cache: Path, shard: str) -> None:
+    """A run that fails on `shard` after some of its bytes are on disk with a resume record:
+    every answer for it is cut after 20 000 bytes (too little progress to earn new attempts)."""
+    rule = hub.faults.add(CutBody(at=20_000, times=None, path=shard))
+    retry = RetryPolicy(max_attempts=3, base_delay=0.001, max_delay=0.01)
+
+    def fail() -> None:
+        # A loop of its own: asyncio.run returns once the run's threads are done too (a
+        # publish already started finishes after the error), so the cache is still now.
+        with pytest.raises(ShardsyncError, match=re.escape(shard)):
+            asyncio.run(run(hub, kind, cache, retry=retry))
+
+    await asyncio.to_thread(fail)
+    hub.faults.remove(rule)
+    assert partial_of(cache, shard).exists(), "no partial left: nothing here tests a resume"
+
+
+@pytest.mark.parametrize("kind", HTTP_KINDS)
+async def test_a_partial_of_an_object_replaced_between_runs_is_not_resumed(
+    hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path, kind: str
+) -> None:
+    shard = checkpoint.shards[1]
+    old = checkpoint.path(shard).read_bytes()
+    new = other_object(old)
+    await leave_a_partial(hub, kind, tmp_path, shard)
+    if kind == "hub":  # a new commit on main (content at a commit never changes on the Hub)
+        files: dict[str, bytes | Path] = {rel: checkpoint.path(rel) for rel in checkpoint.files}
+        files[shard] = new
+        hub.add_repo(REPO, files)
+    else:  # the same URL serves another object, under another ETag
+        hub.faults.add(ReplaceObject(new, path=shard))
+    result = await run(hub, kind, tmp_path)
+    assert_matches_origin(result, checkpoint, {shard: new})
+    (outcome,) = [f for f in result.files if f.path == shard]
+    assert outcome.resumed == 0
+    assert_store_verified(tmp_path, checkpoint, new)
+
+
+@pytest.mark.parametrize("kind", HTTP_KINDS)
+async def test_a_partial_of_the_same_object_is_resumed_byte_exact(
+    hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path, kind: str
+) -> None:
+    """The counterpart: with proof it is the same object, the partial is used, and the result
+    is still the origin's file."""
+    shard = checkpoint.shards[1]
+    await leave_a_partial(hub, kind, tmp_path, shard)
+    result = await run(hub, kind, tmp_path)
+    (outcome,) = [f for f in result.files if f.path == shard]
+    assert outcome.resumed > 0
+    assert_matches_origin(result, checkpoint)
+    assert_store_verified(tmp_path, checkpoint)
+
+
+@pytest.mark.parametrize("kind", HTTP_KINDS)
+async def test_a_partial_shorter_than_its_record_is_not_trusted(
+    hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path, kind: str
+) -> None:
+    """The record says which ranges are on disk; a file cut shorter since (a filesystem that
+    lost its tail, someone's ``truncate``) holds fewer: those bytes must not be believed."""
+    shard = checkpoint.shards[1]
+    await leave_a_partial(hub, kind, tmp_path, shard)
+    part = partial_of(tmp_path, shard)
+    assert part.stat().st_nlink == 1  # the partial alone, no published blob's second name
+    os.truncate(part, 10)
+    result = await run(hub, kind, tmp_path)
+    assert_matches_origin(result, checkpoint)
+    assert_store_verified(tmp_path, checkpoint)
+
+
+@pytest.mark.parametrize("kind", HTTP_KINDS)
+async def test_a_complete_snapshot_of_an_object_replaced_since_is_not_reused(
+    hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path, kind: str
+) -> None:
+    shard = checkpoint.shards[0]
+    new = other_object(checkpoint.path(shard).read_bytes())
+    first = await run(hub, kind, tmp_path)
+    assert_matches_origin(first, checkpoint)
+    if kind == "hub":
+        files: dict[str, bytes | Path] = {rel: checkpoint.path(rel) for rel in checkpoint.files}
+        files[shard] = new
+        hub.add_repo(REPO, files)
+    else:
+        hub.faults.add(ReplaceObject(new, path=shard))
+    second = await run(hub, kind, tmp_path)
+    assert_matches_origin(second, checkpoint, {shard: new})
+    assert second.snapshot_path != first.snapshot_path
+    assert published(first, shard) == checkpoint.path(shard).read_bytes()  # never modified
+    assert_store_verified(tmp_path, checkpoint, new)
+
+
+# --------------------------------------------------------------------------- other origins
+
+
+@dataclass(frozen=True, slots=True)
+class Edited:
+    path: str
+    before: bytes
+    after: bytes
+
+
+def edit_in_place(root: Path, rel: str) -> Edited:
+    """Rewrite a file with other bytes of the same size (a new mtime, as any writer leaves)."""
+    target = root / rel
+    before = target.read_bytes()
+    after = other_object(before)
+    st = target.stat()
+    target.write_bytes(after)
+    os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns + 5_000_000_000))
+    return Edited(rel, before, after)
+
+
+@pytest.fixture
+def local_copy(checkpoint: Checkpoint, tmp_path: Path) -> Checkpoint:
+    """The checkpoint's files in a directory of the test's own, free to edit."""
+    root = tmp_path / "origin"
+    root.mkdir()
+    for rel in checkpoint.files:
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(checkpoint.path(rel).read_bytes())
+    return Checkpoint.scan(root)
+
+
+async def test_a_local_file_edited_between_runs_is_copied_again(
+    checkpoint: Checkpoint, local_copy: Checkpoint, tmp_path: Path
+) -> None:
+    cache = tmp_path / "cache"
+    first = await prefetch(str(local_copy.directory), fast_config(cache))
+    assert_matches_origin(first, checkpoint)
+    edited = edit_in_place(local_copy.directory, checkpoint.shards[0])
+    second = await prefetch(str(local_copy.directory), fast_config(cache))
+    assert published(second, edited.path) == edited.after
+    assert published(first, edited.path) == edited.before  # the old snapshot is untouched
+    assert_snapshot_matches(second.snapshot_path, local_copy)
+    assert_store_verified(cache, checkpoint, edited.after)
+
+
+def test_a_file_replaced_on_nginx_between_runs_is_downloaded_again(
+    checkpoint: Checkpoint, local_copy: Checkpoint, tmp_path: Path
+) -> None:
+    """A real server's ETag (nginx: mtime and size) is what tells the file changed."""
+    cache = tmp_path / "cache"
+    with serve_directory(local_copy.directory, tmp_path / "nginx") as base:
+        first = asyncio.run(prefetch(base, fast_config(cache)))
+        assert_matches_origin(first, checkpoint)
+        edited = edit_in_place(local_copy.directory, checkpoint.shards[1])
+        second = asyncio.run(prefetch(base, fast_config(cache)))
+    assert_matches_origin(second, checkpoint, {edited.path: edited.after})
+    assert_store_verified(cache, checkpoint, edited.after)
