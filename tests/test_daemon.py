@@ -21,6 +21,7 @@ import pytest
 from daemons import DaemonProcess, api, cli, daemon_in_loop, short_tmp, write_config
 from helpers import assert_snapshot_matches, assert_store_verified, fast_config, serving
 
+from shardsync import daemon as daemon_module
 from shardsync import errors
 from shardsync.client import Client
 from shardsync.daemon import Daemon
@@ -379,7 +380,68 @@ def _as_nobody(socket_path: Path) -> str:
     return out.stdout
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="switching uids needs root")
+STRANGER = 4242
+
+
+@pytest.fixture
+def stranger(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every Unix-socket peer reads as uid and gid 4242 (not us, not root), through the very
+    ``SO_PEERCRED`` call the daemon makes: the check behind it runs unchanged, without root."""
+    real = daemon_module._peer_credentials
+
+    def faked(sock: Any) -> tuple[int, int, int]:
+        pid, _uid, _gid = real(sock)
+        return pid, STRANGER, STRANGER
+
+    monkeypatch.setattr(daemon_module, "_peer_credentials", faked)
+
+
+@pytest.mark.parametrize(
+    ("allowed", "status"),
+    [
+        ({}, 403),
+        ({"allowed_uids": frozenset({STRANGER + 1})}, 403),
+        ({"allowed_gids": frozenset({STRANGER + 1})}, 403),
+        ({"allowed_uids": frozenset({STRANGER})}, 200),
+        ({"allowed_gids": frozenset({STRANGER})}, 200),
+    ],
+    ids=["nobody-allowed", "other-uid", "other-gid", "uid-allowed", "gid-allowed"],
+)
+async def test_peer_credentials_decide_who_may_connect_without_root(
+    stranger: None, fake_hub: FakeHub, workdir: Path, allowed: dict[str, Any], status: int
+) -> None:
+    """Promise 8 as any user may test it (the root-only test below uses real uids)."""
+    config = fast_config(workdir / "cache", fake_hub.endpoint)
+    socket_path = workdir / "shardsync" / "d.sock"
+    async with daemon_in_loop(config, socket_path, **allowed):
+        got, body = await api(socket_path, "GET", "/v1/status")
+        assert got == status, body
+        if status == 403:
+            assert f"uid {STRANGER} is not allowed" in str(body)
+            got, _ = await api(socket_path, "POST", "/v1/jobs", json_body={"source": "acme/x"})
+            assert got == 403  # every route, not only the status
+        else:
+            assert body["jobs_submitted"] == 0
+
+
+async def test_a_supplementary_group_of_the_peer_may_be_allowed(
+    stranger: None, fake_hub: FakeHub, workdir: Path
+) -> None:
+    """``SO_PEERCRED`` names the primary gid only; the others come from ``/proc/<pid>``."""
+    groups = set(os.getgroups()) - {STRANGER}
+    if not groups:
+        pytest.skip("this process has no supplementary group to allow")
+    config = fast_config(workdir / "cache", fake_hub.endpoint)
+    socket_path = workdir / "shardsync" / "d.sock"
+    async with daemon_in_loop(config, socket_path, allowed_gids=frozenset({min(groups)})):
+        assert (await api(socket_path, "GET", "/v1/status"))[0] == 200
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0,
+    reason="root only: switches a client to uid 65534 for real (CI runs as root; "
+    "test_peer_credentials_decide_who_may_connect_without_root covers the check for anyone)",
+)
 async def test_peer_credentials_decide_who_may_connect(hub: FakeHub, workdir: Path) -> None:
     _chmod(workdir, 0o711)  # nobody may traverse to the socket's directory ...
     socket_path = workdir / "shardsync" / "d.sock"
