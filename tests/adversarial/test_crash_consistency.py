@@ -46,7 +46,6 @@ from shardsync.testing import Checkpoint, FakeHub, build_checkpoint, serve_in_th
 REPO = "acme/crash"
 DIRNAME = "models--acme--crash"
 HOOK = Path(__file__).with_name("crashhook.py")
-NOBODY = 65534
 
 
 @dataclass(frozen=True, slots=True)
@@ -367,26 +366,30 @@ def test_an_io_error_while_publishing_is_one_clear_error(
     assert leftovers(cache) == set(), f"after the rerun (the failure left {sorted(after)})"
 
 
+SETPRIV = shutil.which("setpriv")
+
+
 def _rerun_unprivileged(
     served: Served, work: Path, cache: Path
 ) -> subprocess.CompletedProcess[str]:
     """``shardsync prefetch`` as a user who owns the cache but is not root (root ignores file
-    modes). As root: the cache changes hands and the run drops to uid 65534 once imported."""
+    modes). As root: the run keeps uid 0, which owns the cache, but loses every capability
+    (``setpriv``), so file modes bind it as they bind any owner. Switching to another uid
+    instead would make the run depend on where the checkout and the interpreter live (a
+    ``mktemp -d`` clone, or a Python under ``/root``, is unreadable to uid 65534)."""
     args = [REPO, "--endpoint", served.endpoint, "--cache-dir", str(cache), "--no-daemon"]
     env = {**os.environ, "HOME": str(work), "HF_HOME": str(work / "hf")}
     if os.geteuid() != 0:
         return cli("prefetch", *args, "--quiet", env=env)
-    for top, dirs, files in os.walk(work):
-        for name in (top, *(os.path.join(top, n) for n in dirs + files)):
-            os.lchown(name, NOBODY, NOBODY)
-    script = (
-        "import os, sys, huggingface_hub, shardsync.cli, shardsync.prefetch\n"
-        "huggingface_hub.get_token()\n"  # import what it imports lazily while still root
-        f"os.setgroups([]); os.setgid({NOBODY}); os.setuid({NOBODY})\n"
-        "sys.exit(shardsync.cli.main(['prefetch', *sys.argv[1:], '--quiet']))\n"
-    )
+    if SETPRIV is None:
+        pytest.skip("as root this needs setpriv (util-linux) to drop the capabilities")
+    drop = [SETPRIV, "--bounding-set=-all", "--inh-caps=-all"]
+    probe = subprocess.run([*drop, "true"], capture_output=True, text=True, check=False)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot drop capabilities here: {probe.stderr.strip()}")
+    script = "import sys, shardsync.cli\nsys.exit(shardsync.cli.main(sys.argv[1:]))\n"
     return subprocess.run(
-        [sys.executable, "-c", script, *args],
+        [*drop, sys.executable, "-c", script, "prefetch", *args, "--quiet"],
         capture_output=True,
         text=True,
         timeout=60,
