@@ -1,0 +1,291 @@
+"""Plant known bugs in the transfer code, one at a time, and check that the tests catch each.
+
+Each mutant is a small text patch (exact ``old`` -> ``new`` replacements) to one module of
+``shardsync``. The script copies ``shardsync/``, ``tests/`` and ``pyproject.toml`` into a
+temporary directory, applies the patch there (the working tree is never touched), runs the
+mutant's test files against the copy, and reports CAUGHT (some test failed) or MISSED::
+
+    python bench/mutants.py                 # every mutant
+    python bench/mutants.py git-blob-id     # some, by name
+    python bench/mutants.py --list          # names, files and what each plants
+
+A mutant that no longer applies (the code moved) is reported STALE: update its ``old`` text.
+``tests/test_mutants.py`` checks in the normal suite that every patch still applies, without
+running the mutants (that takes a few minutes). Exit status: 0 when every mutant is caught.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+INTEGRITY = "tests/adversarial/test_transfer_integrity.py"
+
+
+@dataclass(frozen=True, slots=True)
+class Mutant:
+    """One planted bug: replacements in `file`, and the test files that must catch it."""
+
+    name: str
+    file: str
+    edits: tuple[tuple[str, str], ...]
+    tests: tuple[str, ...]
+    """pytest arguments: test files or node ids (``-k`` too)."""
+    plants: str
+
+    def apply(self, source: str) -> str:
+        """`source` with the bug planted; ValueError if an ``old`` text is not there once."""
+        for old, new in self.edits:
+            count = source.count(old)
+            if count != 1:
+                raise ValueError(f"{self.name}: expected one {old!r} in {self.file}, found {count}")
+            source = source.replace(old, new)
+        return source
+
+
+MUTANTS: tuple[Mutant, ...] = (
+    # --- the five bugs of issue 14
+    Mutant(
+        "git-blob-id",
+        "shardsync/fetch.py",
+        (
+            (
+                'verified = "git-sha1" if git_sha1 == request.git_blob_id else None',
+                'verified = "git-sha1"',
+            ),
+        ),
+        (INTEGRITY,),
+        "the git blob id of a small Hub file is not compared",
+    ),
+    Mutant(
+        "206-starts-early",
+        "shardsync/fetch.py",
+        (
+            (
+                "if cr is None or cr.start != start or cr.end >= end or cr.total != state.size:",
+                "if cr is None or cr.start > start or cr.end >= end or cr.total != state.size:",
+            ),
+        ),
+        (INTEGRITY,),
+        "a 206 whose Content-Range starts before the asked offset is accepted",
+    ),
+    Mutant(
+        "no-if-range-etag-ignored",
+        "shardsync/fetch.py",
+        (
+            (
+                "                headers[request.validator] = state.etag\n",
+                "                pass\n",
+            ),
+            (
+                "if state.etag is not None and etag is not None and etag != state.etag:",
+                "if False:",
+            ),
+        ),
+        (INTEGRITY,),
+        "If-Range is not sent and a 206 with another ETag is accepted",
+    ),
+    Mutant(
+        "resume-etag-ignored",
+        "shardsync/fetch.py",
+        (('            and raw.get("etag") == etag\n', ""),),
+        (INTEGRITY,),
+        "the resume record's ETag is not compared with the server's on the next run",
+    ),
+    Mutant(
+        "200-written-at-offset",
+        "shardsync/fetch.py",
+        (
+            (
+                "                if not whole:\n"
+                "                    # Range ignored (same object: fall back to one stream) or "
+                "If-Range\n",
+                "                if False:\n"
+                "                    # Range ignored (same object: fall back to one stream) or "
+                "If-Range\n",
+            ),
+        ),
+        (INTEGRITY,),
+        "a 200 answer to a Range request is written at the range's offset",
+    ),
+    # --- more of the same family
+    Mutant(
+        "sha256-skipped",
+        "shardsync/fetch.py",
+        (
+            (
+                'verified = "sha256" if digest == request.sha256 else None',
+                'verified = "sha256"',
+            ),
+        ),
+        (INTEGRITY, "tests/test_prefetch.py"),
+        "the sha256 of an LFS file is not compared",
+    ),
+    Mutant(
+        "206-start-unchecked",
+        "shardsync/fetch.py",
+        (
+            (
+                "if cr is None or cr.start != start or cr.end >= end or cr.total != state.size:",
+                "if cr is None or cr.end >= end or cr.total != state.size:",
+            ),
+        ),
+        (INTEGRITY,),
+        "where a 206 starts is not checked at all",
+    ),
+    Mutant(
+        "content-range-total-unchecked",
+        "shardsync/fetch.py",
+        (
+            (
+                "if cr is None or cr.start != start or cr.end >= end or cr.total != state.size:",
+                "if cr is None or cr.start != start or cr.end >= end:",
+            ),
+        ),
+        (INTEGRITY,),
+        "the total of a 206's Content-Range is not compared with the size",
+    ),
+    Mutant(
+        "short-partial-trusted",
+        "shardsync/fetch.py",
+        (("            and st.st_size == size\n", ""),),
+        (INTEGRITY,),
+        "a partial file shorter than its resume record says is resumed",
+    ),
+    Mutant(
+        "origin-version-ignored",
+        "shardsync/prefetch.py",
+        (
+            (
+                "return await self.origin.version(self.fetcher, entry) == hint.origin_etag",
+                "return True",
+            ),
+        ),
+        (INTEGRITY,),
+        "a tofu file is reused from the last snapshot without asking the origin's version",
+    ),
+    Mutant(
+        "read-only-partial-reopened",
+        "shardsync/fetch.py",
+        (("            os.chmod(path, 0o644)\n", "            pass\n"),),
+        ("tests/adversarial/test_crash_consistency.py", "-k", "wedges"),
+        "a read-only partial left by a crash inside publishing is not made writable again",
+    ),
+    Mutant(
+        "daemon-lets-everyone-in",
+        "shardsync/daemon.py",
+        (
+            (
+                "if uid in (0, os.geteuid()) or uid in cfg.allowed_uids or gid in "
+                "cfg.allowed_gids:",
+                "if True:",
+            ),
+        ),
+        ("tests/test_daemon.py::test_peer_credentials_decide_who_may_connect_without_root",),
+        "the daemon's peer-credential check lets every uid in",
+    ),
+)
+
+
+def by_name(names: Sequence[str]) -> list[Mutant]:
+    known = {m.name: m for m in MUTANTS}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise SystemExit(f"unknown mutant(s) {unknown}; --list shows them")
+    return [known[n] for n in names] if names else list(MUTANTS)
+
+
+def copy_tree(dest: Path) -> None:
+    """What a test run needs, without the venv, caches or build outputs."""
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache", ".hypothesis")
+    for name in ("shardsync", "tests"):
+        shutil.copytree(ROOT / name, dest / name, ignore=ignore)
+    shutil.copy2(ROOT / "pyproject.toml", dest / "pyproject.toml")
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    mutant: Mutant
+    verdict: str  # CAUGHT, MISSED or STALE
+    failed: tuple[str, ...]
+    seconds: float
+
+
+def run_mutant(mutant: Mutant, python: str) -> Outcome:
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix=f"mutant-{mutant.name}-") as tmp:
+        work = Path(tmp)
+        copy_tree(work)
+        target = work / mutant.file
+        try:
+            target.write_text(mutant.apply(target.read_text()))
+        except ValueError as exc:
+            return Outcome(mutant, "STALE", (str(exc),), time.monotonic() - started)
+        env = {**os.environ, "PYTHONPATH": str(work), "PYTHONDONTWRITEBYTECODE": "1"}
+        where = subprocess.run(
+            [python, "-c", "import shardsync; print(shardsync.__file__)"],
+            env=env,
+            cwd=work,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        if not where.startswith(str(work)):
+            raise SystemExit(f"the copy is not what runs: shardsync comes from {where}")
+        done = subprocess.run(
+            [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf", *mutant.tests],
+            env=env,
+            cwd=work,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+    failed = tuple(re.findall(r"^FAILED (\S+)", done.stdout, flags=re.MULTILINE))
+    if done.returncode == 1 and failed:
+        verdict = "CAUGHT"
+    elif done.returncode == 0:
+        verdict = "MISSED"
+    else:  # collection error, crash, timeout: the mutant broke the run, not a test
+        verdict = "ERROR"
+        failed = (done.stdout[-2000:] + done.stderr[-2000:],)
+    return Outcome(mutant, verdict, failed, time.monotonic() - started)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("names", nargs="*", help="mutants to run (default: all)")
+    parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    parser.add_argument("--python", default=sys.executable, help="interpreter with pytest")
+    args = parser.parse_args(argv)
+    mutants = by_name(args.names)
+    if args.list:
+        for m in mutants:
+            print(f"{m.name:32} {m.file:22} {m.plants}")
+        return 0
+    outcomes = []
+    for mutant in mutants:
+        outcome = run_mutant(mutant, args.python)
+        outcomes.append(outcome)
+        print(f"{outcome.verdict:7} {mutant.name:32} {outcome.seconds:5.1f}s", flush=True)
+        if outcome.verdict == "CAUGHT":
+            for test in outcome.failed:
+                print(f"        failed: {test}", flush=True)
+    bad = [o for o in outcomes if o.verdict != "CAUGHT"]
+    print(f"\n{len(outcomes) - len(bad)}/{len(outcomes)} mutants caught")
+    for o in bad:
+        print(f"\n{o.verdict} {o.mutant.name}: {o.mutant.plants}\n" + "\n".join(o.failed))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

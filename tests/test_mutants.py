@@ -1,0 +1,51 @@
+"""The planted-bug list of ``bench/mutants.py`` stays well-formed (the mutants themselves run
+outside the suite: ``python bench/mutants.py``, a few minutes)."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _load() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_mutants", ROOT / "bench" / "mutants.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while building
+    spec.loader.exec_module(module)
+    return module
+
+
+mutants = _load()
+
+
+@pytest.mark.parametrize("mutant", mutants.MUTANTS, ids=[m.name for m in mutants.MUTANTS])
+def test_each_mutant_applies_to_the_current_source(mutant: Any) -> None:
+    """A failure here means the code moved: update the mutant's ``old`` text in
+    bench/mutants.py (and rerun it) rather than dropping it."""
+    source = (ROOT / mutant.file).read_text()
+    planted = mutant.apply(source)
+    assert planted != source
+    ast.parse(planted)  # still Python: a failing run means a failing test, not a SyntaxError
+    for arg in mutant.tests:
+        if arg.startswith("tests/"):
+            assert (ROOT / arg.split("::")[0]).is_file(), f"{mutant.name}: no {arg}"
+
+
+def test_mutant_names_are_unique() -> None:
+    names = [m.name for m in mutants.MUTANTS]
+    assert len(names) == len(set(names))
+
+
+def test_a_patch_that_no_longer_applies_is_reported() -> None:
+    (first, *_) = mutants.MUTANTS
+    with pytest.raises(ValueError, match="found 0"):
+        first.apply("nothing of the kind")
