@@ -596,7 +596,15 @@ def test_check_index_ok() -> None:
         S2: shard_header(S2, "c"),
         "x.safetensors": shard_header("x.safetensors"),
     }
-    check_index({"a": S1, "b": S1, "c": S2}, headers)
+    weight_map = {"a": S1, "b": S1, "c": S2}
+    assert check_index(weight_map, headers) is None
+    # the same headers refuse any map that puts one tensor elsewhere: the acceptance above
+    # is a verdict on this map, not a check that accepts everything
+    for name in weight_map:
+        for shard in (S1, S2, "x.safetensors"):
+            if shard != weight_map[name]:
+                with pytest.raises(HeaderError, match=name):
+                    check_index({**weight_map, name: shard}, headers)
 
 
 @pytest.mark.parametrize(
