@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +76,7 @@ def result_to_json(result: PrefetchResult) -> dict[str, Any]:
         "commit": result.commit,
         "snapshot_path": str(result.snapshot_path),
         "bytes_downloaded": result.bytes_downloaded,
+        "bytes_from_tier": result.bytes_from_tier,
         "total_size": result.total_size,
         "elapsed_s": round(result.elapsed, 3),
         "files": [
@@ -90,6 +91,7 @@ def result_to_json(result: PrefetchResult) -> dict[str, Any]:
             }
             for f in result.files
         ],
+        **({"tier": asdict(result.tier)} if result.tier is not None else {}),
     }
 
 

@@ -27,6 +27,7 @@ __all__ = [
     "DaemonConfig",
     "PruneConfig",
     "S3Config",
+    "TierConfig",
     "client_sockets",
     "daemon_socket",
     "default_cache_dir",
@@ -167,6 +168,22 @@ class S3Config:
 
 
 @dataclass(frozen=True, slots=True)
+class TierConfig:
+    """The ``[tier]`` section: the fleet's shared S3 tier (``url`` None: no tier).
+
+    ``claim_lease``: how long a claim lives without renewal (a dead holder is taken over
+    after it). ``claim_stall``: how long a waiting host accepts no progress from the
+    holder before it downloads from the origin itself. ``upload_floor``: the slowest upload
+    rate (bytes/s) a waiting host tolerates from the holder once its download is done.
+    """
+
+    url: str | None = None
+    claim_lease: float = 30.0
+    claim_stall: float = 60.0
+    upload_floor: int = 8 << 20
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     """Everything the engine needs; see ``config.example.toml`` for each key."""
 
@@ -177,6 +194,7 @@ class Config:
     daemon: DaemonConfig = field(default_factory=DaemonConfig)
     prune: PruneConfig = field(default_factory=PruneConfig)
     s3: S3Config = field(default_factory=S3Config)
+    tier: TierConfig = field(default_factory=TierConfig)
 
 
 def daemon_socket(daemon: DaemonConfig, environ: Mapping[str, str]) -> Path:
@@ -264,7 +282,7 @@ def load_config(
             raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path}: {exc}") from None
-    known = {"cache", "download", "retry", "hub", "daemon", "prune", "s3"}
+    known = {"cache", "download", "retry", "hub", "daemon", "prune", "s3", "tier"}
     for key in data:
         if key not in known:
             raise ConfigError(f"unknown config section or key {key!r}")
@@ -280,6 +298,7 @@ def load_config(
         ("daemon", set(_DAEMON_KEYS)),
         ("prune", set(_PRUNE_KEYS)),
         ("s3", {"endpoint", "region", "addressing", "profile"}),
+        ("tier", {"url", "claim_lease", "claim_stall", "upload_floor"}),
     ):
         for key in _section(data, section):
             if key not in allowed:
@@ -331,6 +350,7 @@ def load_config(
             )
     prune = _prune_config(_section(data, "prune"))
     s3 = _s3_config(_section(data, "s3"))
+    tier = _tier_config(_section(data, "tier"), env)
     return Config(
         cache_dir=cache_dir,
         endpoint=endpoint,
@@ -339,7 +359,36 @@ def load_config(
         daemon=daemon,
         prune=prune,
         s3=s3,
+        tier=tier,
     )
+
+
+def _tier_config(section: Mapping[str, Any], env: Mapping[str, str]) -> TierConfig:
+    """Validate ``[tier]``; ``SHARDSYNC_TIER_URL`` overrides its url ("" turns the tier off)."""
+    url = section.get("url")
+    source = "tier.url"
+    if "SHARDSYNC_TIER_URL" in env:
+        url, source = env["SHARDSYNC_TIER_URL"] or None, "SHARDSYNC_TIER_URL"
+    if url is not None:
+        if not isinstance(url, str) or not url.startswith("s3://"):
+            raise ConfigError(f"{source} must be an s3://BUCKET/PREFIX URL (got {url!r})")
+        from shardsync.s3 import parse_s3_url  # s3 imports this module
+
+        parse_s3_url(url)
+    values: dict[str, Any] = {}
+    for key in ("claim_lease", "claim_stall"):
+        if key in section:
+            try:
+                values[key] = parse_duration(section[key])
+            except ValueError as exc:
+                raise ConfigError(f"tier.{key}: {exc}") from None
+            if values[key] <= 0:
+                raise ConfigError(f"tier.{key} must be positive (got {section[key]!r})")
+    if "upload_floor" in section:
+        values["upload_floor"] = _coerce("tier.upload_floor", section["upload_floor"], "size")
+        if values["upload_floor"] <= 0:
+            raise ConfigError("tier.upload_floor must be positive")
+    return TierConfig(url=url, **values)
 
 
 def _s3_config(section: Mapping[str, Any]) -> S3Config:

@@ -142,6 +142,7 @@ class BlobRequest:
     git_blob_id: str | None = None
     locator: Locator | None = None
     validator: Validator = "If-Range"
+    verify_attempts: int | None = None  # full downloads after a mismatch (None: the config's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,7 +159,7 @@ class FetchedBlob:
     resumed: int  # bytes reused from an earlier partial
     identity: tuple[int, int]  # (st_dev, st_ino) of the file that was hashed
     shared: Path  # the name a resume finds it by: remove it once ``path`` is published
-    source: Literal["network", "local"] = "network"
+    source: Literal["network", "local", "tier"] = "network"
 
 
 @dataclass(frozen=True, slots=True)
@@ -449,7 +450,8 @@ class Fetcher:
             self._verify_failures += 1
             _discard(data_path, sidecar_path)
             progress(-shown)
-            if verify_failures >= self.config.max_verify_attempts:
+            attempts = request.verify_attempts or self.config.max_verify_attempts
+            if verify_failures >= attempts:
                 raise IntegrityError(
                     f"{request.label}: hash mismatch after {verify_failures} downloads; "
                     "the origin serves different bytes than it advertises"

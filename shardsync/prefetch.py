@@ -25,7 +25,7 @@ import xxhash
 from shardsync.cache import CacheStore, FileRecord, RepoRef, SnapshotRecord
 from shardsync.config import Config
 from shardsync.errors import CacheError, OfflineError, first_error
-from shardsync.fetch import FetchedBlob, Fetcher, FetchStatistics, Sleep, Throttle
+from shardsync.fetch import BlobRequest, FetchedBlob, Fetcher, FetchStatistics, Sleep, Throttle
 from shardsync.manifest import (
     Listing,
     Manifest,
@@ -35,7 +35,9 @@ from shardsync.manifest import (
     select_weights,
 )
 from shardsync.origins import Origin, Slot, parse_source
+from shardsync.origins.base import Progress
 from shardsync.s3 import S3Client
+from shardsync.tier import Tier, TierStatistics, Upload
 from shardsync.usage import AccessLog, Lease, Leases
 
 __all__ = [
@@ -48,7 +50,7 @@ __all__ = [
     "prefetch",
 ]
 
-Source = Literal["network", "cache", "local"]
+Source = Literal["network", "cache", "local", "tier"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,10 +78,15 @@ class PrefetchResult:
     bytes_downloaded: int
     elapsed: float
     fetch: FetchStatistics | None
+    tier: TierStatistics | None = None  # this process's tier use (None: no tier, or remote)
 
     @property
     def total_size(self) -> int:
         return sum(f.size for f in self.files)
+
+    @property
+    def bytes_from_tier(self) -> int:
+        return sum(f.downloaded for f in self.files if f.source == "tier")
 
 
 class ProgressSink(Protocol):
@@ -142,6 +149,7 @@ class Engine:
         self._fetcher: Fetcher | None = None
         self._origins: dict[tuple[str, str | None], Origin] = {}
         self.s3 = S3Client(config.s3)  # opened on first use: by S3 origins and the tier
+        self.tier: Tier | None = None
 
     async def __aenter__(self) -> Engine:
         connector = aiohttp.TCPConnector(
@@ -154,11 +162,17 @@ class Engine:
         self._fetcher = Fetcher(
             self._session, self.config.fetch, sleep=self._sleep, throttle=self._throttle
         )
+        if self.config.tier.url is not None:
+            tier = Tier(self.config.tier, self.s3, self._fetcher)
+            self.tier = await tier.__aenter__()
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
         origins, self._origins = self._origins, {}
+        tier, self.tier = self.tier, None
         try:
+            if tier is not None:
+                await tier.__aexit__(*exc_info)  # waits for the uploads the fleet is owed
             for origin in origins.values():
                 await origin.aclose()
             await self.s3.aclose()
@@ -207,6 +221,7 @@ class Engine:
             sink=sink or _NoProgress(),
             allow_pickle=allow_pickle,
             gate=gate,
+            tier=self.tier,
         )
 
 
@@ -237,7 +252,9 @@ async def prefetch(
         job = engine.job(origin, revision=revision, allow_pickle=allow_pickle, sink=progress)
         await job.prepare(include, exclude)
         files = await job.download()
+        elapsed = time.monotonic() - started  # the snapshot is complete: uploads may go on
         stats = engine.fetcher.statistics()
+        tier = engine.tier
     return PrefetchResult(
         repo=origin.repo,
         revision=job.revision,
@@ -245,8 +262,9 @@ async def prefetch(
         snapshot_path=job.snapshot_path,
         files=files,
         bytes_downloaded=sum(f.downloaded for f in files),
-        elapsed=time.monotonic() - started,
+        elapsed=elapsed,
         fetch=stats,
+        tier=tier.statistics() if tier is not None else None,
     )
 
 
@@ -287,8 +305,10 @@ class Job:
         sink: ProgressSink,
         allow_pickle: bool,
         gate: FileGate | None = None,
+        tier: Tier | None = None,
     ) -> None:
         self.origin = origin
+        self.tier = tier
         self.cache = cache
         self.fetcher = fetcher
         self.max_files = max_files
@@ -493,14 +513,36 @@ class Job:
 
     async def _download(self, entry: ManifestEntry, key: str) -> tuple[FileRecord, FileOutcome]:
         data, sidecar = self.cache.partial_paths(key)
-        fetched = await self.origin.download(
-            self.fetcher,
-            self.commit or None,
-            entry,
-            Slot(data=data, sidecar=sidecar, temp_dir=self.cache.root / "tmp"),
-            lambda n: self.sink.advance(entry.path, n),
-        )
-        await asyncio.to_thread(_publish_fetched, self.cache, fetched, sidecar)
+        slot = Slot(data=data, sidecar=sidecar, temp_dir=self.cache.root / "tmp")
+
+        def progress(n: int) -> None:
+            self.sink.advance(entry.path, n)
+
+        async def from_origin(report: Progress) -> FetchedBlob:
+            return await self.origin.download(
+                self.fetcher, self.commit or None, entry, slot, report
+            )
+
+        async def from_tier(request: BlobRequest) -> FetchedBlob:
+            return await self.fetcher.fetch(
+                request, slot.data, slot.sidecar, progress, temp_dir=slot.temp_dir
+            )
+
+        upload: Upload | None = None
+        if self.tier is not None and entry.sha256 is not None and entry.size is not None:
+            fetched, upload = await self.tier.obtain(
+                entry.path, entry.sha256, entry.size, from_tier, from_origin, progress
+            )
+        else:
+            fetched = await from_origin(progress)
+        try:
+            await asyncio.to_thread(_publish_fetched, self.cache, fetched, sidecar)
+        except BaseException:
+            if self.tier is not None and upload is not None:
+                await self.tier.abandon(upload)
+            raise
+        if self.tier is not None and upload is not None:
+            self.tier.upload_soon(upload, self.cache.blob_path(fetched.sha256))
         record = FileRecord(
             path=entry.path,
             size=fetched.size,

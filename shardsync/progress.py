@@ -114,7 +114,12 @@ class LogProgress:
 
     def file_done(self, outcome: FileOutcome) -> None:
         self._finished += 1
-        how = {"network": "downloaded", "cache": "in cache", "local": "copied"}[outcome.source]
+        how = {
+            "network": "downloaded",
+            "cache": "in cache",
+            "local": "copied",
+            "tier": "from the tier",
+        }[outcome.source]
         self._write(
             f"{self._label}: {outcome.path} {format_bytes(outcome.size)} {how}, "
             f"verified={outcome.verified} ({self._finished}/{self._files})"

@@ -1,0 +1,551 @@
+"""The fleet's shared tier: an S3 prefix that every host reads before the origin and fills
+after it, so a model leaves the Hub about once for a whole cluster.
+
+Key layout (a contract: other hosts, versions and tools read it)::
+
+    PREFIX/sha256/<first two hex>/<sha256>   a blob, byte for byte the file with that sha256
+    PREFIX/claims/<sha256>                   a single-flight claim (JSON, short-lived)
+
+Only files whose sha256 the origin publishes (Hub LFS files, S3 objects with a checksum)
+go through the tier: the name must be known before the bytes are. The tier is never
+trusted: what it serves is verified while it streams like any download, a mismatch
+deletes the object and the file comes from the origin. Metadata (what a revision means)
+never comes from it. Any object may vanish at any time; a tier that is down, slow or
+refusing writes costs a warning and a metric, and the job goes on from the origin.
+
+Single flight: a host that misses creates the claim with a conditional PUT
+(``If-None-Match: *``) and renews it (``If-Match``) while it downloads and uploads; the
+others wait for the blob to appear, watching the claim. A claim that stops being renewed
+for ``claim_lease`` (its holder died) is taken over; one that is renewed but makes no
+progress for ``claim_stall`` makes the waiter download from the origin itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import secrets
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from shardsync.config import TierConfig
+from shardsync.errors import (
+    AuthError,
+    EntryNotFoundError,
+    IntegrityError,
+    ShardsyncError,
+    TransferError,
+)
+from shardsync.fetch import BlobRequest, FetchedBlob, Fetcher, Located
+from shardsync.s3 import ObjectInfo, PreconditionFailed, S3Client, S3Location, parse_s3_url
+
+__all__ = ["Tier", "TierStatistics", "Upload", "blob_key", "claim_key"]
+
+log = logging.getLogger("shardsync.tier")
+
+Progress = Callable[[int], None]
+_MAX_CLAIM = 64 * 1024
+_MAX_ROUNDS = 4  # miss -> wait -> (taken over | released) -> ... before going to the origin
+_POLL_FIRST, _POLL_MAX = 0.2, 2.0
+_COOLDOWN = 60.0  # seconds the tier is skipped after it could not be reached
+
+
+def blob_key(prefix: str, sha256: str) -> str:
+    return f"{prefix}sha256/{sha256[:2]}/{sha256}"
+
+
+def claim_key(prefix: str, sha256: str) -> str:
+    return f"{prefix}claims/{sha256}"
+
+
+@dataclass(frozen=True, slots=True)
+class TierStatistics:
+    """What the tier did for this process (``shardsync status``, ``/metrics``, ``--json``)."""
+
+    url: str
+    hits: int  # blobs read from the tier
+    misses: int  # blobs this host fetched from the origin for the fleet (it held the claim)
+    bytes_from_tier: int
+    uploads: int
+    bytes_uploaded: int
+    claims_won: int
+    claims_waited: int  # blobs another host was fetching when we wanted them
+    claims_taken_over: int  # claims of dead holders taken over
+    stalled_fallbacks: int  # waits given up on a claim making no progress
+    corrupt_objects: int  # tier objects that failed verification (deleted)
+    errors: int  # tier requests that failed (the job went on from the origin)
+    disabled: bool  # the tier refused our credentials: off for this process
+    read_only: bool  # the tier refused our writes: we read from it, never upload or claim
+
+
+@dataclass(slots=True)
+class _Claim:
+    sha256: str
+    size: int
+    etag: str
+    token: str
+    done: int = 0
+    phase: Literal["download", "upload"] = "download"
+    lost: bool = False
+
+
+@dataclass(slots=True)
+class Upload:
+    """A verified blob owed to the tier; its claim (if this host won one) is released after."""
+
+    sha256: str
+    size: int
+    claim: _Claim | None
+    renewal: asyncio.Task[None] | None = None
+
+
+@dataclass(slots=True)
+class _Seen:
+    """A waiter's view of someone else's claim, on its own monotonic clock (no clock skew)."""
+
+    etag: str | None = None
+    changed_at: float = 0.0
+    done: int = -1
+    progressed_at: float = 0.0
+    upload_since: float | None = None
+
+
+@dataclass(slots=True)
+class _Counters:
+    hits: int = 0
+    misses: int = 0
+    bytes_from_tier: int = 0
+    uploads: int = 0
+    bytes_uploaded: int = 0
+    claims_won: int = 0
+    claims_waited: int = 0
+    claims_taken_over: int = 0
+    stalled_fallbacks: int = 0
+    corrupt_objects: int = 0
+    errors: int = 0
+    warned: set[str] = field(default_factory=set)
+
+
+class Tier:
+    """One process's use of the shared tier; use as ``async with Tier(...) as tier``.
+
+    Uploads and claim renewals run in the tier's own task group; leaving the ``async with``
+    waits for the uploads still running (so a CLI run leaves the fleet its blobs).
+    """
+
+    def __init__(
+        self,
+        config: TierConfig,
+        client: S3Client,
+        fetcher: Fetcher,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if config.url is None:
+            raise ValueError("a Tier needs config.url")
+        self.config = config
+        self.location: S3Location = parse_s3_url(config.url)
+        self._client = client
+        self._fetcher = fetcher
+        self._clock = clock
+        self._n = _Counters()
+        self._disabled = False  # reads refused (bad credentials): the tier is off
+        self._read_only = False  # writes refused: read what others upload, claim nothing
+        self._down_until = 0.0  # after a transport error, the tier is skipped until then
+        self._tasks: asyncio.TaskGroup | None = None
+        self._host = f"{socket.gethostname()}:{os.getpid()}"
+
+    async def __aenter__(self) -> Tier:
+        self._tasks = asyncio.TaskGroup()
+        await self._tasks.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        tasks, self._tasks = self._tasks, None
+        if tasks is not None:
+            await tasks.__aexit__(*exc_info)
+
+    def statistics(self) -> TierStatistics:
+        n = self._n
+        return TierStatistics(
+            url=self.location.url,
+            hits=n.hits,
+            misses=n.misses,
+            bytes_from_tier=n.bytes_from_tier,
+            uploads=n.uploads,
+            bytes_uploaded=n.bytes_uploaded,
+            claims_won=n.claims_won,
+            claims_waited=n.claims_waited,
+            claims_taken_over=n.claims_taken_over,
+            stalled_fallbacks=n.stalled_fallbacks,
+            corrupt_objects=n.corrupt_objects,
+            errors=n.errors,
+            disabled=self._disabled,
+            read_only=self._read_only,
+        )
+
+    # ------------------------------------------------------------------ obtaining a blob
+
+    async def obtain(
+        self,
+        label: str,
+        sha256: str,
+        size: int,
+        slot_fetch: Callable[[BlobRequest], Awaitable[FetchedBlob]],
+        from_origin: Callable[[Progress], Awaitable[FetchedBlob]],
+        progress: Progress,
+    ) -> tuple[FetchedBlob, Upload | None]:
+        """The blob from the tier, or from the origin (with what the fleet is owed).
+
+        ``slot_fetch`` downloads a request into the file's download slot; ``from_origin``
+        downloads the file from its origin, reporting progress to the callback it gets.
+        """
+        for _ in range(_MAX_ROUNDS):
+            if not self._usable():
+                break
+            head = await self._quietly("read", self._head(sha256))
+            if head is _FAILED:
+                break
+            if isinstance(head, ObjectInfo):
+                fetched = await self._read(label, sha256, size, head, slot_fetch)
+                if isinstance(fetched, FetchedBlob):
+                    return fetched, None
+                if fetched == "failed":
+                    break
+                # corrupt: deleted; whoever claims next brings the origin's bytes
+            if self._read_only:
+                break
+            claim = await self._quietly("claim", self._claim(sha256, size))
+            if claim is _FAILED:
+                break
+            if isinstance(claim, _Claim):
+                # The previous holder may have uploaded and released between our HEAD and
+                # our claim: look again before fetching from the origin.
+                if isinstance(await self._quietly("read", self._head(sha256)), ObjectInfo):
+                    await self._release(Upload(sha256, size, claim))
+                    continue
+                return await self._fetch_for_fleet(claim, from_origin, progress)
+            self._n.claims_waited += 1
+            outcome = await self._wait(sha256, size, progress)
+            if outcome == "stalled":
+                self._n.stalled_fallbacks += 1
+                break
+            if outcome == "failed":
+                break
+            # "ready" (read it), "dead" or "released" (claim it): round again
+        fetched = await from_origin(progress)
+        owed = self._usable() and not self._read_only and fetched.sha256 == sha256
+        return fetched, Upload(sha256, size, None) if owed else None
+
+    def _usable(self) -> bool:
+        return not self._disabled and self._clock() >= self._down_until
+
+    async def _head(self, sha256: str) -> ObjectInfo | None:
+        key = blob_key(self.location.prefix, sha256)
+        try:
+            return await self._client.head(self.location.bucket, key, checksum=False)
+        except EntryNotFoundError:
+            return None
+
+    async def _read(
+        self,
+        label: str,
+        sha256: str,
+        size: int,
+        head: ObjectInfo,
+        slot_fetch: Callable[[BlobRequest], Awaitable[FetchedBlob]],
+    ) -> FetchedBlob | Literal["corrupt", "failed"]:
+        key = blob_key(self.location.prefix, sha256)
+        if head.size != size:
+            await self._discard_corrupt(key, f"{head.size} bytes, expected {size}")
+            return "corrupt"
+        bucket, client = self.location.bucket, self._client
+
+        async def locate() -> Located:
+            info = await client.head(bucket, key, checksum=False)
+            url = await client.presign_get(bucket, key)
+            return Located(
+                url=url, headers={}, size=info.size, etag=info.etag, linked_etag=None, commit=None
+            )
+
+        request = BlobRequest(
+            url=f"s3://{bucket}/{key}",
+            headers={},
+            label=f"{label} (tier)",
+            size=size,
+            sha256=sha256,
+            locator=locate,
+            validator="If-Match",
+            verify_attempts=1,  # one mismatch means a corrupt object, not a flaky link
+        )
+        try:
+            fetched = await slot_fetch(request)
+        except IntegrityError:
+            await self._discard_corrupt(key, "its bytes do not hash to its name")
+            return "corrupt"
+        except ShardsyncError as exc:
+            self._failed("read", exc)
+            return "failed"
+        self._n.hits += 1
+        self._n.bytes_from_tier += fetched.downloaded
+        return dataclasses.replace(fetched, etag=None, source="tier")
+
+    async def _discard_corrupt(self, key: str, why: str) -> None:
+        self._n.corrupt_objects += 1
+        log.warning(
+            "tier object s3://%s/%s is corrupt (%s): deleted", self.location.bucket, key, why
+        )
+        await self._quietly("delete", self._client.delete(self.location.bucket, key))
+
+    async def _fetch_for_fleet(
+        self,
+        claim: _Claim,
+        from_origin: Callable[[Progress], Awaitable[FetchedBlob]],
+        progress: Progress,
+    ) -> tuple[FetchedBlob, Upload]:
+        """We hold the claim: download from the origin while renewing it with our progress."""
+        self._n.claims_won += 1
+        self._n.misses += 1
+        upload = Upload(claim.sha256, claim.size, claim)
+        upload.renewal = self._spawn(self._renew(claim))
+
+        def counted(n: int) -> None:
+            claim.done += n
+            progress(n)
+
+        try:
+            fetched = await from_origin(counted)
+        except BaseException:
+            await self._release(upload)
+            raise
+        if fetched.sha256 != claim.sha256:  # an origin without a hash of its own: not ours
+            await self._release(upload)
+            return fetched, Upload(claim.sha256, claim.size, None, None)
+        return fetched, upload
+
+    # ------------------------------------------------------------------ claims
+
+    def _claim_body(self, claim: _Claim) -> bytes:
+        now = time.time()
+        return json.dumps(
+            {
+                "version": 1,
+                "holder": self._host,
+                "token": claim.token,
+                "size": claim.size,
+                "done": claim.done,
+                "phase": claim.phase,
+                "renewed": now,
+                "expires": now + self.config.claim_lease,
+            }
+        ).encode()
+
+    async def _claim(self, sha256: str, size: int) -> _Claim | None:
+        """Win the claim (``If-None-Match: *``), take over a dead one, or None: someone
+        else is fetching it."""
+        bucket, key = self.location.bucket, claim_key(self.location.prefix, sha256)
+        claim = _Claim(sha256=sha256, size=size, etag="", token=secrets.token_hex(8))
+        try:
+            claim.etag = await self._client.put_bytes(
+                bucket, key, self._claim_body(claim), if_none_match=True
+            )
+            return claim
+        except PreconditionFailed:
+            pass
+        existing = await self._read_claim(sha256)
+        if existing is None:
+            return None  # released just now: the blob is probably there; round again
+        body, etag = existing
+        if not _expired(body, time.time(), self.config.claim_lease):
+            return None
+        return await self._take_over(claim, etag)
+
+    async def _read_claim(self, sha256: str) -> tuple[bytes, str] | None:
+        key = claim_key(self.location.prefix, sha256)
+        try:
+            return await self._client.get_small(self.location.bucket, key, max_size=_MAX_CLAIM)
+        except EntryNotFoundError:
+            return None
+
+    async def _take_over(self, claim: _Claim, stale_etag: str) -> _Claim | None:
+        bucket, key = self.location.bucket, claim_key(self.location.prefix, claim.sha256)
+        try:
+            claim.etag = await self._client.put_bytes(
+                bucket, key, self._claim_body(claim), if_match=stale_etag
+            )
+        except (PreconditionFailed, EntryNotFoundError):
+            return None  # another waiter took it over first
+        self._n.claims_taken_over += 1
+        log.info("took over the stale tier claim on %s", claim.sha256[:12])
+        return claim
+
+    async def _renew(self, claim: _Claim) -> None:
+        """Renew every third of the lease, with our progress, until cancelled or lost."""
+        bucket, key = self.location.bucket, claim_key(self.location.prefix, claim.sha256)
+        while not claim.lost:
+            await asyncio.sleep(self.config.claim_lease / 3)
+            try:
+                claim.etag = await self._client.put_bytes(
+                    bucket, key, self._claim_body(claim), if_match=claim.etag
+                )
+            except (PreconditionFailed, EntryNotFoundError):
+                claim.lost = True  # taken over (we were too slow to renew): not ours anymore
+            except ShardsyncError as exc:
+                self._failed("claim", exc)
+
+    async def _release(self, upload: Upload) -> None:
+        if upload.renewal is not None:
+            upload.renewal.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await upload.renewal
+        claim = upload.claim
+        if claim is not None and not claim.lost:
+            key = claim_key(self.location.prefix, claim.sha256)
+            await self._quietly("claim", self._client.delete(self.location.bucket, key))
+
+    async def _wait(
+        self, sha256: str, size: int, progress: Progress
+    ) -> Literal["ready", "dead", "released", "stalled", "failed"]:
+        """Until the blob is in the tier, or the claim dies, goes away or stalls."""
+        cfg = self.config
+        seen = _Seen(changed_at=self._clock(), progressed_at=self._clock())
+        shown = 0
+        delay = _POLL_FIRST
+        try:
+            while True:
+                head = await self._quietly("read", self._head(sha256))
+                if head is _FAILED:
+                    return "failed"
+                if isinstance(head, ObjectInfo):
+                    return "ready"
+                answer = await self._quietly("claim", self._read_claim(sha256))
+                if answer is _FAILED:
+                    return "failed"
+                if answer is None:
+                    return "released"
+                body, etag = answer
+                now = self._clock()
+                state = _parse_claim(body)
+                if etag != seen.etag:
+                    seen.etag, seen.changed_at = etag, now
+                if now - seen.changed_at > cfg.claim_lease or _expired(
+                    body, time.time(), cfg.claim_lease
+                ):
+                    return "dead"
+                done = min(max(int(state.get("done", 0)), 0), size)
+                if done > seen.done:
+                    seen.done, seen.progressed_at = done, now
+                    progress(done - shown)
+                    shown = done
+                if state.get("phase") == "upload":
+                    seen.upload_since = seen.upload_since or now
+                    if now - seen.upload_since > cfg.claim_stall + size / cfg.upload_floor:
+                        return "stalled"
+                elif now - seen.progressed_at > cfg.claim_stall:
+                    return "stalled"
+                await asyncio.sleep(delay)  # another host's pace: wall time
+                delay = min(delay * 1.5, _POLL_MAX)
+        finally:
+            progress(-shown)  # what we read next counts its own bytes
+
+    # ------------------------------------------------------------------ uploads
+
+    def upload_soon(self, upload: Upload, blob: Path) -> None:
+        """Upload a published blob in the background, then release its claim."""
+        self._spawn(self._upload(upload, blob))
+
+    async def abandon(self, upload: Upload) -> None:
+        """The blob will not be published after all: release its claim at once."""
+        await self._release(upload)
+
+    async def _upload(self, upload: Upload, blob: Path) -> None:
+        if upload.claim is not None:
+            upload.claim.phase = "upload"
+        key = blob_key(self.location.prefix, upload.sha256)
+        try:
+            if not self._usable():
+                return
+            done = await self._quietly(
+                "write",
+                self._client.put_file(
+                    self.location.bucket, key, blob, sha256=upload.sha256, size=upload.size
+                ),
+            )
+            if done is not _FAILED:
+                self._n.uploads += 1
+                self._n.bytes_uploaded += upload.size
+        finally:
+            await self._release(upload)
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _spawn(self, coro: Awaitable[None]) -> asyncio.Task[None]:
+        if self._tasks is None:
+            raise RuntimeError("use the tier as 'async with Tier(...) as tier'")
+
+        async def guarded() -> None:
+            try:
+                await coro
+            except ShardsyncError as exc:  # a background task never fails the jobs
+                self._failed("write", exc)
+
+        return self._tasks.create_task(guarded())
+
+    async def _quietly(self, doing: str, op: Awaitable[Any]) -> Any:
+        """Run one tier request; a failure is counted and warned about, never raised."""
+        try:
+            return await op
+        except ShardsyncError as exc:
+            self._failed(doing, exc)
+            return _FAILED
+
+    def _failed(self, doing: str, exc: ShardsyncError) -> None:
+        self._n.errors += 1
+        if isinstance(exc, TransferError):  # down or unreachable: do not wait on it per file
+            self._down_until = self._clock() + _COOLDOWN
+        if isinstance(exc, AuthError):
+            writing = doing in ("claim", "write")
+            if writing and not self._read_only:
+                self._read_only = True
+                log.warning("tier %s refuses our writes; reading only: %s", self.location.url, exc)
+            elif not writing and not self._disabled:
+                self._disabled = True
+                log.warning("tier %s refuses our credentials; off: %s", self.location.url, exc)
+            return
+        kind = f"{doing}:{type(exc).__name__}"
+        if kind not in self._n.warned:
+            self._n.warned.add(kind)
+            log.warning("tier %s failed (%s); going on from the origin", doing, exc)
+
+
+class _Failed:
+    def __repr__(self) -> str:
+        return "<tier request failed>"
+
+
+_FAILED: Any = _Failed()
+
+
+def _parse_claim(body: bytes) -> dict[str, Any]:
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _expired(body: bytes, now: float, lease: float) -> bool:
+    """By the holder's own clock stamp, with a lease of allowance for clock skew; a claim
+    that cannot be read is treated as expired (whoever wrote it cannot renew it either)."""
+    expires = _parse_claim(body).get("expires")
+    if not isinstance(expires, int | float):
+        return True
+    return bool(now > expires + lease)
