@@ -284,6 +284,21 @@ def _status_lines(
         f"retries: {retries or 'none'}; verify failures: {status['verify_failures']}",
         f"jobs: {counts or 'none'}",
     ]
+    tier = status.get("tier")
+    if tier:
+        state = (
+            " (off: credentials refused)"
+            if tier["disabled"]
+            else (" (reading only: writes refused)" if tier["read_only"] else "")
+        )
+        lines.insert(
+            -1,
+            f"tier {tier['url']}{state}: {tier['hits']} hits ({size(tier['bytes_from_tier'])}), "
+            f"{tier['misses']} fetched for the fleet, {tier['uploads']} uploads "
+            f"({size(tier['bytes_uploaded'])}), {tier['claims_waited']} waits, "
+            f"{tier['claims_taken_over']} takeovers, {tier['stalled_fallbacks']} stalls, "
+            f"{tier['corrupt_objects']} corrupt, {tier['errors']} errors",
+        )
     for job in jobs:
         files, done = job["files"], job["bytes"]
         lines.append(

@@ -59,6 +59,7 @@ from shardsync.journal import Journal
 from shardsync.notify import Notifier
 from shardsync.prefetch import Engine
 from shardsync.scheduler import ScheduledJob, Scheduler, TokenBucket
+from shardsync.tier import TierStatistics
 
 __all__ = ["API_VERSION", "Daemon", "DaemonStatistics", "cache_summary", "run_daemon"]
 
@@ -96,6 +97,7 @@ class DaemonStatistics:
     retries: Mapping[str, int]
     verify_failures: int
     max_bandwidth: int
+    tier: TierStatistics | None = None  # the shared tier's counters, when one is configured
 
 
 class Daemon:
@@ -246,6 +248,9 @@ class Daemon:
             retries=dict(fetch.retries) if fetch else {},
             verify_failures=fetch.verify_failures if fetch else 0,
             max_bandwidth=int(self.bucket.rate),
+            tier=self._engine.tier.statistics()
+            if self._engine is not None and self._engine.tier is not None
+            else None,
         )
 
     def _status_line(self) -> str:
@@ -647,6 +652,52 @@ def render_metrics(stats: DaemonStatistics, scheduler: Scheduler, cache: Mapping
         "Global download cap (0: none).",
         [("", stats.max_bandwidth)],
     )
+    if stats.tier is not None:
+        t = stats.tier
+        for name, kind, help_text, value in (
+            ("tier_hits_total", "counter", "Blobs read from the shared tier.", t.hits),
+            (
+                "tier_misses_total",
+                "counter",
+                "Blobs fetched from the origin for the fleet.",
+                t.misses,
+            ),
+            ("tier_bytes_total", "counter", "Bytes read from the shared tier.", t.bytes_from_tier),
+            ("tier_uploads_total", "counter", "Blobs uploaded to the shared tier.", t.uploads),
+            (
+                "tier_uploaded_bytes_total",
+                "counter",
+                "Bytes uploaded to the shared tier.",
+                t.bytes_uploaded,
+            ),
+            ("tier_claims_won_total", "counter", "Single-flight claims won.", t.claims_won),
+            (
+                "tier_claims_waited_total",
+                "counter",
+                "Blobs waited for while another host fetched them.",
+                t.claims_waited,
+            ),
+            (
+                "tier_claims_taken_over_total",
+                "counter",
+                "Claims of dead holders taken over.",
+                t.claims_taken_over,
+            ),
+            (
+                "tier_stalled_fallbacks_total",
+                "counter",
+                "Waits given up on a stalled claim.",
+                t.stalled_fallbacks,
+            ),
+            (
+                "tier_corrupt_objects_total",
+                "counter",
+                "Tier objects that failed verification.",
+                t.corrupt_objects,
+            ),
+            ("tier_errors_total", "counter", "Tier requests that failed.", t.errors),
+        ):
+            metric(name, kind, help_text, [("", value)])
     hist = scheduler.latency
     out.append("# HELP shardsync_job_duration_seconds Seconds from submission to a complete job.")
     out.append("# TYPE shardsync_job_duration_seconds histogram")

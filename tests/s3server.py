@@ -66,6 +66,8 @@ class S3Server:
     endpoint: str
     access_key: str
     secret_key: str
+    readonly_access_key: str  # an identity that may only read and list (a store refusing writes)
+    readonly_secret_key: str
     region: str
     work: Path
     pid: int
@@ -186,14 +188,19 @@ def _free_ports(n: int) -> list[int]:
     return chosen
 
 
-def _s3_config(access_key: str, secret_key: str) -> dict[str, Any]:
+def _s3_config(access_key: str, secret_key: str, ro_key: str, ro_secret: str) -> dict[str, Any]:
     return {
         "identities": [
             {
                 "name": "shardsync-test",
                 "credentials": [{"accessKey": access_key, "secretKey": secret_key}],
                 "actions": ["Admin", "Read", "List", "Tagging", "Write"],
-            }
+            },
+            {
+                "name": "shardsync-readonly",
+                "credentials": [{"accessKey": ro_key, "secretKey": ro_secret}],
+                "actions": ["Read", "List"],
+            },
         ]
     }
 
@@ -261,11 +268,12 @@ def run_seaweedfs(work: Path, timeout: float = START_TIMEOUT_S) -> Iterator[S3Se
     work.mkdir(parents=True, exist_ok=True)
     access_key = "AK" + secrets.token_hex(8).upper()
     secret_key = secrets.token_urlsafe(30)
+    ro_key, ro_secret = "RO" + secrets.token_hex(8).upper(), secrets.token_urlsafe(30)
     # weed reads master.toml from its working directory: grow one volume per bucket
     # (collection) instead of seven, so hundreds of per-test buckets fit in -volume.max.
     (work / "master.toml").write_text("[master.volume_growth]\ncopy_1 = 1\n")
     config = work / "s3.json"
-    config.write_text(json.dumps(_s3_config(access_key, secret_key)))
+    config.write_text(json.dumps(_s3_config(access_key, secret_key, ro_key, ro_secret)))
     config.chmod(0o600)
     master, volume, filer, s3 = _free_ports(4)
     ports = {"master": master, "volume": volume, "filer": filer, "s3": s3}
@@ -284,6 +292,8 @@ def run_seaweedfs(work: Path, timeout: float = START_TIMEOUT_S) -> Iterator[S3Se
             endpoint=f"http://127.0.0.1:{s3}",
             access_key=access_key,
             secret_key=secret_key,
+            readonly_access_key=ro_key,
+            readonly_secret_key=ro_secret,
             region=REGION,
             work=work,
             pid=proc.pid,

@@ -1,0 +1,476 @@
+"""The fleet's shared S3 tier against a real SeaweedFS: N hosts are N cache roots (and, where
+it matters, N processes) pulling one checkpoint from one fake Hub.
+
+Every check compares with what the Hub served or holds, never with the cache's own names.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import assert_snapshot_matches, assert_store_verified, fast_config, serving
+from s3server import S3Server
+
+from shardsync.config import Config, S3Config, TierConfig
+from shardsync.prefetch import Engine, PrefetchResult, prefetch
+from shardsync.testing import Bandwidth, Checkpoint, FakeHub, build_checkpoint
+from shardsync.tier import blob_key, claim_key
+
+REPO = "acme/fleet"
+PREFIX = "fleet/"
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
+    """Four shards of ~1 MiB: several Range requests each with `fast_config`."""
+    return build_checkpoint(tmp_path_factory.mktemp("fleet"), total_bytes=4 << 20, n_shards=4)
+
+
+@pytest.fixture
+def aws_env(s3server: S3Server, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    for name in list(os.environ):
+        if name.startswith("AWS_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3server.access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3server.secret_key)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+
+
+@pytest.fixture
+async def hub(model: Checkpoint) -> AsyncIterator[FakeHub]:
+    async with FakeHub() as fake:
+        fake.add_checkpoint(REPO, model)
+        yield fake
+
+
+def host(cache_dir: Path, hub: FakeHub, server: S3Server, bucket: str, **tier: Any) -> Config:
+    """One host of the fleet: its own cache, the shared Hub and tier."""
+    s3 = S3Config(endpoint=server.endpoint, region=server.region, addressing="path")
+    return replace(
+        fast_config(cache_dir, hub.endpoint),
+        s3=s3,
+        tier=TierConfig(url=f"s3://{bucket}/{PREFIX}", **tier),
+    )
+
+
+def shard_bytes(model: Checkpoint) -> int:
+    return sum(model.path(s).stat().st_size for s in model.shards)
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+_CLIENTS: dict[str, Any] = {}
+
+
+def s3(server: S3Server) -> Any:
+    """A blocking S3 client with full rights, for setting up and inspecting the tier."""
+    import botocore.session
+
+    if server.endpoint not in _CLIENTS:
+        session = botocore.session.get_session()
+        _CLIENTS[server.endpoint] = session.create_client("s3", **server.client_kwargs())
+    return _CLIENTS[server.endpoint]
+
+
+def tier_objects(server: S3Server, bucket: str) -> dict[str, bytes]:
+    client = s3(server)
+    found: dict[str, bytes] = {}
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=PREFIX):
+        for obj in page.get("Contents", ()):
+            found[obj["Key"]] = client.get_object(Bucket=bucket, Key=obj["Key"])["Body"].read()
+    return found
+
+
+def expected_tier(model: Checkpoint) -> dict[str, bytes]:
+    """The contract: every shard (LFS file) under PREFIX/sha256/<aa>/<sha256>, nothing else."""
+    out: dict[str, bytes] = {}
+    for shard in model.shards:
+        data = model.path(shard).read_bytes()
+        out[blob_key(PREFIX, sha(data))] = data
+    return out
+
+
+def seed_tier(server: S3Server, bucket: str, model: Checkpoint, shards: int | None = None) -> None:
+    for shard in model.shards[:shards]:
+        data = model.path(shard).read_bytes()
+        s3(server).put_object(Bucket=bucket, Key=blob_key(PREFIX, sha(data)), Body=data)
+
+
+def sources(result: PrefetchResult, model: Checkpoint) -> list[str]:
+    by_path = {f.path: f.source for f in result.files}
+    return [by_path[s] for s in model.shards]
+
+
+# ---------------------------------------------------------------------------------- fleets
+
+
+async def test_hosts_at_once_cost_the_hub_one_copy_and_fill_the_tier_per_the_contract(
+    s3server: S3Server,
+    s3bucket: str,
+    model: Checkpoint,
+    hub: FakeHub,
+    aws_env: None,
+    tmp_path: Path,
+) -> None:
+    hub.faults.add(Bandwidth(2_000_000))  # slow enough that the hosts overlap
+    configs = [host(tmp_path / f"host{i}", hub, s3server, s3bucket) for i in range(4)]
+    results = await asyncio.gather(*(prefetch(REPO, c) for c in configs))
+    served = hub.bytes_served("*.safetensors")
+    assert served <= 1.05 * shard_bytes(model), served / shard_bytes(model)
+    for config, result in zip(configs, results, strict=True):
+        assert_snapshot_matches(result.snapshot_path, model)
+        assert_store_verified(config.cache_dir, model)
+    assert sum(r.tier.claims_won for r in results if r.tier) == len(model.shards)
+    objects = tier_objects(s3server, s3bucket)
+    assert objects == expected_tier(model)  # the key layout, and no claim left behind
+
+    hub.reset_log()
+    fifth = await prefetch(REPO, host(tmp_path / "host5", hub, s3server, s3bucket))
+    assert hub.bytes_served("*.safetensors") == 0
+    assert sources(fifth, model) == ["tier"] * len(model.shards)
+    assert_snapshot_matches(fifth.snapshot_path, model)
+    assert fifth.bytes_from_tier == shard_bytes(model)
+
+
+def test_four_processes_at_once_cost_the_hub_about_one_copy(
+    s3server: S3Server, s3bucket: str, model: Checkpoint, aws_env: None, tmp_path: Path
+) -> None:
+    """The same with real `shardsync prefetch` processes, as on four machines."""
+    conf = tmp_path / "shardsync.toml"
+    conf.write_text(
+        f'[s3]\nendpoint = "{s3server.endpoint}"\naddressing = "path"\nregion = "us-east-1"\n'
+        f'[tier]\nurl = "s3://{s3bucket}/{PREFIX}"\n'
+    )
+    with serving({REPO: model}) as fake:
+        fake.faults.add(Bandwidth(1_000_000))
+        env = {**os.environ, "HF_ENDPOINT": fake.endpoint}
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "shardsync.cli",
+                    "--config",
+                    str(conf),
+                    "prefetch",
+                    REPO,
+                    "--cache-dir",
+                    str(tmp_path / f"h{i}"),
+                    "--no-daemon",
+                    "--json",
+                    "--quiet",
+                ],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for i in range(4)
+        ]
+        reports = []
+        for proc in procs:
+            out, err = proc.communicate(timeout=240)
+            assert proc.returncode == 0, err
+            reports.append(json.loads(out))
+        served = fake.bytes_served("*.safetensors")
+    assert served <= 1.15 * shard_bytes(model), served / shard_bytes(model)
+    for report in reports:
+        assert_snapshot_matches(Path(report["snapshot_path"]), model)
+    assert tier_objects(s3server, s3bucket) == expected_tier(model)
+
+
+# ---------------------------------------------------------------------------------- faults
+
+
+@pytest.mark.parametrize("how", ["flipped byte", "wrong size", "other object"])
+async def test_a_corrupt_tier_object_is_caught_replaced_and_never_published(
+    how: str,
+    s3server: S3Server,
+    s3bucket: str,
+    model: Checkpoint,
+    hub: FakeHub,
+    aws_env: None,
+    tmp_path: Path,
+) -> None:
+    seed_tier(s3server, s3bucket, model)
+    victim = model.path(model.shards[1]).read_bytes()
+    bad = {
+        "flipped byte": victim[:1000] + bytes([victim[1000] ^ 1]) + victim[1001:],
+        "wrong size": victim[:-7],
+        "other object": model.path(model.shards[2])
+        .read_bytes()[: len(victim)]
+        .ljust(len(victim), b"\0"),
+    }[how]
+    s3(s3server).put_object(Bucket=s3bucket, Key=blob_key(PREFIX, sha(victim)), Body=bad)
+    config = host(tmp_path / "h", hub, s3server, s3bucket)
+    result = await prefetch(REPO, config)
+    assert_snapshot_matches(result.snapshot_path, model)
+    assert_store_verified(config.cache_dir, model)  # the corrupt bytes were never published
+    assert result.tier is not None and result.tier.corrupt_objects == 1
+    assert sources(result, model) == ["tier", "network", "tier", "tier"]
+    assert tier_objects(s3server, s3bucket) == expected_tier(model)  # repaired
+
+
+async def test_a_tier_that_is_down_costs_one_warning_and_the_job_goes_on(
+    model: Checkpoint, hub: FakeHub, s3server: S3Server, aws_env: None, tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
+    closed = S3Server(**{**s3server.__dict__, "endpoint": "http://127.0.0.1:9"})
+    config = host(tmp_path / "h", hub, closed, "nobucket")
+    with caplog.at_level(logging.WARNING, logger="shardsync.tier"):
+        result = await prefetch(REPO, config)
+    assert_snapshot_matches(result.snapshot_path, model)
+    assert result.tier is not None and result.tier.errors >= 1
+    assert sources(result, model) == ["network"] * len(model.shards)
+    assert len([r for r in caplog.records if r.name == "shardsync.tier"]) == 1
+
+
+async def test_wrong_tier_credentials_turn_the_tier_off_with_one_warning(
+    s3server: S3Server,
+    s3bucket: str,
+    model: Checkpoint,
+    hub: FakeHub,
+    aws_env: None,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    seed_tier(s3server, s3bucket, model)
+    secret = "not-" + s3server.secret_key
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+    with caplog.at_level(logging.WARNING, logger="shardsync.tier"):
+        result = await prefetch(REPO, host(tmp_path / "h", hub, s3server, s3bucket))
+    assert_snapshot_matches(result.snapshot_path, model)
+    assert result.tier is not None and result.tier.disabled
+    assert sources(result, model) == ["network"] * len(model.shards)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "shardsync.tier"]
+    assert len(warnings) == 1
+    assert secret not in warnings[0] and s3server.access_key not in warnings[0]
+
+
+async def test_a_tier_refusing_writes_is_still_read(
+    s3server: S3Server,
+    s3bucket: str,
+    model: Checkpoint,
+    hub: FakeHub,
+    aws_env: None,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    seed_tier(s3server, s3bucket, model, shards=2)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3server.readonly_access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3server.readonly_secret_key)
+    with caplog.at_level(logging.WARNING, logger="shardsync.tier"):
+        result = await prefetch(REPO, host(tmp_path / "h", hub, s3server, s3bucket))
+    assert_snapshot_matches(result.snapshot_path, model)
+    assert result.tier is not None and result.tier.read_only and not result.tier.disabled
+    assert sources(result, model) == ["tier", "tier", "network", "network"]
+    assert len([r for r in caplog.records if r.name == "shardsync.tier"]) == 1
+    assert len(tier_objects(s3server, s3bucket)) == 2  # nothing written
+
+
+class _Cut:
+    """A TCP proxy in front of the store that can drop every connection at once."""
+
+    def __init__(self, upstream: tuple[str, int]) -> None:
+        self.upstream = upstream
+        self.port = 0
+        self.down = False
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    async def __aenter__(self) -> _Cut:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.cut()
+        assert self._server is not None
+        self._server.close()
+
+    def cut(self) -> None:
+        self.down = True
+        for writer in list(self._writers):
+            writer.transport.abort()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.down:
+            writer.transport.abort()
+            return
+        up_reader, up_writer = await asyncio.open_connection(*self.upstream)
+        self._writers |= {writer, up_writer}
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter, pace: float) -> None:
+            with contextlib.suppress(OSError, ConnectionError):
+                while data := await src.read(16384):
+                    dst.write(data)
+                    await dst.drain()
+                    await asyncio.sleep(pace)  # no megabytes in flight: a cut loses bytes
+            dst.transport.abort()
+
+        await asyncio.gather(pipe(reader, up_writer, 0), pipe(up_reader, writer, 0.005))
+
+
+async def test_a_tier_cut_mid_read_falls_back_to_the_origin(
+    s3server: S3Server,
+    s3bucket: str,
+    model: Checkpoint,
+    hub: FakeHub,
+    aws_env: None,
+    tmp_path: Path,
+) -> None:
+    seed_tier(s3server, s3bucket, model)
+    port = int(s3server.endpoint.rsplit(":", 1)[1])
+    async with _Cut(("127.0.0.1", port)) as proxy:
+        via = S3Server(**{**s3server.__dict__, "endpoint": f"http://127.0.0.1:{proxy.port}"})
+        config = host(tmp_path / "h", hub, via, s3bucket)
+        config = replace(config, max_files=1)
+        first = model.path(model.shards[0]).stat().st_size
+        seen = 0
+
+        async def cut_at_40_percent(n: int) -> None:
+            nonlocal seen
+            seen += n
+            if seen > 0.4 * first and not proxy.down:
+                proxy.cut()
+
+        async with Engine(config, throttle=cut_at_40_percent) as engine:
+            job = engine.job(engine.origin(REPO))
+            await job.prepare()
+            files = await job.download()
+            snapshot, tier = job.snapshot_path, engine.tier
+            assert tier is not None
+            stats = tier.statistics()
+    assert_snapshot_matches(snapshot, model)
+    assert_store_verified(config.cache_dir, model)
+    assert proxy.down and stats.errors >= 1
+    assert [f.source for f in files if f.path in model.shards] == ["network"] * 4
+
+
+def test_a_claim_holder_killed_mid_download_is_taken_over(
+    s3server: S3Server, s3bucket: str, model: Checkpoint, aws_env: None, tmp_path: Path
+) -> None:
+    conf = tmp_path / "shardsync.toml"
+    conf.write_text(
+        f'[s3]\nendpoint = "{s3server.endpoint}"\naddressing = "path"\nregion = "us-east-1"\n'
+        f'[tier]\nurl = "s3://{s3bucket}/{PREFIX}"\nclaim_lease = "1s"\nclaim_stall = "30s"\n'
+    )
+    first = model.path(model.shards[0]).read_bytes()
+    with serving({REPO: model}) as fake:
+        fake.faults.add(Bandwidth(100_000))  # ~3 s per shard on 4 connections
+        env = {**os.environ, "HF_ENDPOINT": fake.endpoint}
+        holder = subprocess.Popen(
+            [sys.executable, "-m", "shardsync.cli", "--config", str(conf), "prefetch", REPO,
+             "--cache-dir", str(tmp_path / "holder"), "--no-daemon", "--quiet"],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )  # fmt: skip
+        try:
+            _wait_for_progress(s3server, s3bucket, claim_key(PREFIX, sha(first)), holder)
+        finally:
+            os.killpg(holder.pid, signal.SIGKILL)
+            holder.wait()
+        fake.faults.clear()
+        config = replace(fast_config(tmp_path / "taker", fake.endpoint), s3=S3Config(
+            endpoint=s3server.endpoint, region=s3server.region, addressing="path"
+        ), tier=TierConfig(url=f"s3://{s3bucket}/{PREFIX}", claim_lease=1.0))  # fmt: skip
+        started = time.monotonic()
+        result = asyncio.run(prefetch(REPO, config))
+        waited = time.monotonic() - started
+    assert_snapshot_matches(result.snapshot_path, model)
+    assert result.tier is not None and result.tier.claims_taken_over >= 1
+    assert waited < 20
+    assert tier_objects(s3server, s3bucket) == expected_tier(model)
+
+
+def _wait_for_progress(
+    server: S3Server, bucket: str, key: str, proc: subprocess.Popen[bytes]
+) -> None:
+    """Until the holder's claim reports some of the file done (about 40% in)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "the holder ended before it could be killed"
+        with contextlib.suppress(Exception):
+            body = s3(server).get_object(Bucket=bucket, Key=key)["Body"].read()
+            claim = json.loads(body)
+            if claim["done"] >= 0.4 * claim["size"]:
+                return
+        time.sleep(0.05)
+    raise AssertionError("the holder never reported progress in its claim")
+
+
+async def test_a_claim_that_makes_no_progress_is_given_up_on(
+    s3server: S3Server,
+    s3bucket: str,
+    model: Checkpoint,
+    hub: FakeHub,
+    aws_env: None,
+    tmp_path: Path,
+) -> None:
+    """A holder that renews but never advances: the waiter downloads itself after
+    ``claim_stall`` instead of waiting for ever."""
+    first = model.path(model.shards[0]).read_bytes()
+    key = claim_key(PREFIX, sha(first))
+    stop = threading.Event()
+
+    def stuck_holder() -> None:
+        n = 0
+        while not stop.is_set():
+            now = time.time()
+            body = {
+                "version": 1,
+                "holder": "stuck",
+                "token": str(n),
+                "size": len(first),
+                "done": 10,
+                "phase": "download",
+                "renewed": now,
+                "expires": now + 5,
+            }
+            s3(s3server).put_object(Bucket=s3bucket, Key=key, Body=json.dumps(body).encode())
+            n += 1
+            stop.wait(0.3)
+
+    renewer = threading.Thread(target=stuck_holder, daemon=True)
+    renewer.start()
+    try:
+        config = host(tmp_path / "h", hub, s3server, s3bucket, claim_lease=5.0, claim_stall=1.0)
+        result = await prefetch(REPO, config)
+    finally:
+        stop.set()
+        renewer.join()
+    assert_snapshot_matches(result.snapshot_path, model)
+    assert result.tier is not None and result.tier.stalled_fallbacks == 1
+    assert sources(result, model)[0] == "network"
+
+
+def test_tier_url_from_the_environment_and_config_errors(tmp_path: Path) -> None:
+    from shardsync.config import load_config
+    from shardsync.errors import ConfigError
+
+    env = {"SHARDSYNC_TIER_URL": "s3://bucket/pre/", "HOME": str(tmp_path)}
+    assert load_config(None, env).tier.url == "s3://bucket/pre/"
+    for bad in ("http://x/y", "s3://", "s3://b/../x"):
+        with pytest.raises(ConfigError):
+            load_config(None, {**env, "SHARDSYNC_TIER_URL": bad})
