@@ -23,9 +23,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from daemons import api, daemon_in_loop, short_tmp
 from helpers import assert_snapshot_matches, assert_store_verified, fast_config, serving
 from s3server import S3Server
 
+from shardsync.client import Client
 from shardsync.config import Config, S3Config, TierConfig
 from shardsync.prefetch import Engine, PrefetchResult, prefetch
 from shardsync.testing import Bandwidth, Checkpoint, FakeHub, build_checkpoint
@@ -474,3 +476,29 @@ def test_tier_url_from_the_environment_and_config_errors(tmp_path: Path) -> None
     for bad in ("http://x/y", "s3://", "s3://b/../x"):
         with pytest.raises(ConfigError):
             load_config(None, {**env, "SHARDSYNC_TIER_URL": bad})
+
+
+async def test_the_daemon_reports_its_tier_in_status_and_metrics(
+    s3server: S3Server,
+    s3bucket: str,
+    model: Checkpoint,
+    hub: FakeHub,
+    aws_env: None,
+) -> None:
+    seed_tier(s3server, s3bucket, model, shards=3)
+    with short_tmp() as work:
+        config = host(work / "cache", hub, s3server, s3bucket)
+        async with daemon_in_loop(config, work / "d" / "d.sock") as running:
+            client_config = replace(config, daemon=running.config.daemon)
+            async with Client(client_config, fallback="error") as client:
+                result = await (await client.prefetch(REPO)).wait()
+                status = await client.status()
+            code, metrics = await api(running.socket_path, "GET", "/metrics")
+        assert_snapshot_matches(result.snapshot_path, model)
+    assert sources(result, model) == ["tier", "tier", "tier", "network"]
+    tier = status["tier"]
+    assert (tier["hits"], tier["misses"], tier["claims_won"]) == (3, 1, 1)
+    assert tier["bytes_from_tier"] == sum(model.path(s).stat().st_size for s in model.shards[:3])
+    assert code == 200
+    assert "shardsync_tier_hits_total 3" in metrics.splitlines()
+    assert f"shardsync_tier_bytes_total {tier['bytes_from_tier']}" in metrics.splitlines()
