@@ -501,4 +501,30 @@ async def test_the_daemon_reports_its_tier_in_status_and_metrics(
     assert tier["bytes_from_tier"] == sum(model.path(s).stat().st_size for s in model.shards[:3])
     assert code == 200
     assert "shardsync_tier_hits_total 3" in metrics.splitlines()
+    for secret in (s3server.access_key, s3server.secret_key):
+        assert secret not in json.dumps(status) and secret not in metrics
     assert f"shardsync_tier_bytes_total {tier['bytes_from_tier']}" in metrics.splitlines()
+
+
+async def test_two_daemons_on_two_hosts_fetch_each_blob_from_the_hub_once(
+    s3server: S3Server,
+    s3bucket: str,
+    model: Checkpoint,
+    hub: FakeHub,
+    aws_env: None,
+) -> None:
+    hub.faults.add(Bandwidth(2_000_000))
+    with short_tmp() as work:
+
+        async def one_host(name: str) -> PrefetchResult:
+            config = host(work / name, hub, s3server, s3bucket)
+            async with daemon_in_loop(config, work / name / "d" / "d.sock") as running:
+                client_config = replace(config, daemon=running.config.daemon)
+                async with Client(client_config, fallback="error") as client:
+                    return await (await client.prefetch(REPO)).wait()
+
+        results = await asyncio.gather(one_host("a"), one_host("b"))
+        for result in results:
+            assert_snapshot_matches(result.snapshot_path, model)
+    assert hub.bytes_served("*.safetensors") <= 1.05 * shard_bytes(model)
+    assert [s for r in results for s in sources(r, model)].count("tier") == len(model.shards)
