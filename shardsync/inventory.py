@@ -136,6 +136,9 @@ def scan(
     used = AccessLog(cache).last_used()
     live = (leases or Leases(cache)).live(now=now)
     foreign: dict[tuple[int, int], int] = {}
+    # Every inode is counted once: a download's partial has a second, private name in tmp/
+    # (left behind by a kill -9 or a full disk), and a blob may still have one too.
+    counted: set[tuple[int, int]] = set(by_inode)
 
     dirnames = {d for d, _ in records}
     for area in ("hub", "other"):
@@ -155,8 +158,9 @@ def scan(
         scanned_at=now,
         repos=tuple(repos),
         blobs=blobs,
-        partials=_partials(root / "partial"),
-        junk=_junk(root / "tmp", "tmp") + _junk(root / "quarantine", "quarantine"),
+        partials=_partials(root / "partial", counted),
+        junk=_junk(root / "tmp", "tmp", counted)
+        + _junk(root / "quarantine", "quarantine", counted),
         foreign_bytes=sum(foreign.values()),
         leases=live,
         disk_free=None if vfs is None else vfs.f_bavail * vfs.f_frsize,
@@ -313,7 +317,17 @@ def _store_blobs(store: Path) -> tuple[StoreBlob, ...]:
     return tuple(blobs)
 
 
-def _partials(directory: Path) -> tuple[Leftover, ...]:
+def _once(st: os.stat_result, counted: set[tuple[int, int]]) -> int:
+    """Bytes on disk of a file, or 0 when another name of the same inode was counted."""
+    inode = (st.st_dev, st.st_ino)
+    if inode in counted:
+        return 0
+    if st.st_nlink > 1:
+        counted.add(inode)
+    return st.st_blocks * 512
+
+
+def _partials(directory: Path, counted: set[tuple[int, int]]) -> tuple[Leftover, ...]:
     """One leftover per download key: its ``.part`` and ``.json`` together."""
     sizes: dict[str, int] = defaultdict(int)
     mtimes: dict[str, float] = defaultdict(float)
@@ -323,12 +337,12 @@ def _partials(directory: Path) -> tuple[Leftover, ...]:
             continue
         with contextlib.suppress(OSError):
             st = os.lstat(directory / name)
-            sizes[key] += st.st_blocks * 512
+            sizes[key] += _once(st, counted)
             mtimes[key] = max(mtimes[key], st.st_mtime)
     return tuple(Leftover("partial", k, sizes[k], mtimes[k]) for k in sorted(sizes))
 
 
-def _junk(directory: Path, kind: str) -> tuple[Leftover, ...]:
+def _junk(directory: Path, kind: str, counted: set[tuple[int, int]]) -> tuple[Leftover, ...]:
     found = []
     for name in _names(directory):
         if kind == "tmp" and is_live_temp(name):
@@ -336,13 +350,13 @@ def _junk(directory: Path, kind: str) -> tuple[Leftover, ...]:
         path = directory / name
         with contextlib.suppress(OSError):
             st = os.lstat(path)
-            nbytes, mtime = st.st_blocks * 512, st.st_mtime
+            nbytes, mtime = _once(st, counted), st.st_mtime
             if stat.S_ISDIR(st.st_mode):
                 for top, _dirs, names in os.walk(path):
                     for n in names:
                         with contextlib.suppress(OSError):
                             inner = os.lstat(os.path.join(top, n))
-                            nbytes += inner.st_blocks * 512
+                            nbytes += _once(inner, counted)
                             mtime = max(mtime, inner.st_mtime)
             found.append(Leftover("tmp" if kind == "tmp" else "quarantine", name, nbytes, mtime))
     return tuple(found)

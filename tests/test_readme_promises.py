@@ -1,0 +1,114 @@
+"""What a new user trips over (issue 15): each README sentence that did not hold, as a test.
+
+Every test here runs the real parts (the CLI in a process, the fake Hub on loopback) and would
+fail if the sentence it is named after became false again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from helpers import serving
+
+from shardsync.testing import Bandwidth, Checkpoint, FakeHub, build_checkpoint
+
+REPO = "acme/newuser"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
+    return build_checkpoint(
+        tmp_path_factory.mktemp("ckpt"), total_bytes=16 << 20, n_shards=4, seed=15
+    )
+
+
+@pytest.fixture
+def hub(checkpoint: Checkpoint) -> Iterator[FakeHub]:
+    with serving({REPO: checkpoint}) as running:
+        yield running
+
+
+def _config(tmp_path: Path) -> Path:
+    """Small write buffers and frequent resume records, no daemon: a kill -9 leaves partials."""
+    path = tmp_path / "shardsync.toml"
+    path.write_text(
+        '[download]\nconnections_per_file = 2\nchunk_size = "1MiB"\nwrite_size = "64KiB"\n'
+        'read_size = "64KiB"\nsidecar_interval = 0.1\n'
+        f'[daemon]\nsocket = "{tmp_path / "no-daemon" / "d.sock"}"\n'
+    )
+    return path
+
+
+def _cli(tmp_path: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "shardsync.cli", "--config", str(_config(tmp_path)), *args]
+
+
+def _run(
+    tmp_path: Path, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        _cli(tmp_path, *args), capture_output=True, text=True, timeout=120, env=env
+    )
+
+
+def _unique_bytes_on_disk(root: Path) -> int:
+    """What ``du`` says of the files under ``root``: each inode's blocks once."""
+    seen: dict[tuple[int, int], int] = {}
+    for top, _dirs, names in os.walk(root):
+        for name in names:
+            st = os.lstat(os.path.join(top, name))
+            seen[(st.st_dev, st.st_ino)] = st.st_blocks * 512
+    return sum(seen.values())
+
+
+def _partial_blocks(cache: Path) -> int:
+    return sum(p.stat().st_blocks * 512 for p in (cache / "partial").glob("*.part"))
+
+
+# ------------------------------------------------------------------ 1. every blob counted once
+
+
+def test_ls_and_prune_count_an_interrupted_download_once(
+    hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    """README, prune: "Sizes are bytes on disk with every blob counted once": a partial and
+    the private name a kill -9 left of it in tmp/ are one file, and du agrees with ls."""
+    cache = tmp_path / "cache"
+    hub.faults.add(Bandwidth(400_000))
+    proc = subprocess.Popen(
+        _cli(tmp_path, "prefetch", REPO, "--endpoint", hub.endpoint, "--cache-dir", str(cache)),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 60
+    while _partial_blocks(cache) < 2 << 20:
+        assert proc.poll() is None, "prefetch finished before it could be killed"
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert list((cache / "tmp").iterdir()), "the killed download left its private names"
+
+    listing = json.loads(_run(tmp_path, "ls", "--json", "--cache-dir", str(cache)).stdout)
+    du = _unique_bytes_on_disk(cache)
+    assert listing["partial_bytes"] >= 2 << 20
+    assert listing["bytes_on_disk"] <= du
+    assert listing["junk_bytes"] == 0  # the tmp/ names are the partials themselves
+
+    # A limit just above what is really there is met without evicting anything.
+    limit = str(listing["bytes_on_disk"] + 1)
+    pruned = _run(
+        tmp_path, "prune", "--dry-run", "--json", "--max-size", limit, "--cache-dir", str(cache)
+    )
+    assert pruned.returncode == 0, pruned.stdout + pruned.stderr
+    report = json.loads(pruned.stdout)
+    assert report["before"]["bytes_on_disk"] == listing["bytes_on_disk"]
+    assert report["evicted"] == []
