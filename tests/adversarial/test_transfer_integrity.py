@@ -223,13 +223,17 @@ async def leave_a_partial(hub: FakeHub, kind: str, cache: Path, shard: str) -> N
     rule = hub.faults.add(CutBody(at=20_000, times=None, path=shard))
     retry = RetryPolicy(max_attempts=3, base_delay=0.001, max_delay=0.01)
 
-    def fail() -> None:
-        # A loop of its own: asyncio.run returns once the run's threads are done too (a
-        # publish already started finishes after the error), so the cache is still now.
+    async def fail() -> None:
         with pytest.raises(ShardsyncError, match=re.escape(shard)):
-            asyncio.run(run(hub, kind, cache, retry=retry))
+            await run(hub, kind, cache, retry=retry)
+        # What the failed run leaves going (a shielded resume-record write) ends by itself.
+        this = asyncio.current_task()
+        while others := [t for t in asyncio.all_tasks() if t is not this]:
+            await asyncio.wait(others)
 
-    await asyncio.to_thread(fail)
+    # A loop of its own: asyncio.run returns once the run's threads are done too (a publish
+    # already started finishes after the error), so the cache stays still from here on.
+    await asyncio.to_thread(asyncio.run, fail())
     hub.faults.remove(rule)
     assert partial_of(cache, shard).exists(), "no partial left: nothing here tests a resume"
 
