@@ -23,6 +23,7 @@ import queue
 import resource
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Awaitable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -165,6 +166,11 @@ class TensorStream:
     Creating it reads the headers and plans the devices (``plan``, ``headers``) while
     the shard bodies start downloading. Use it as a context manager (or exhaust it) so
     the background download stops when you stop early.
+
+    The repo's snapshots stay leased (``prune`` leaves them alone) for as long as the stream
+    is open: until ``close()`` or the end of the ``with`` block, or, for a stream never
+    closed, until it is garbage collected. Exhausting it does not end the lease. Tensors
+    already mapped stay readable after that too: prune only unlinks.
     """
 
     def __init__(
@@ -208,7 +214,8 @@ class TensorStream:
         self._bytes: int = 0
         self._placers: dict[str, _CudaPlacer] = {}
         self._iterator: Iterator[tuple[str, torch.Tensor]] = self._iterate()
-        self._lease = _lease(config, source, token)
+        lease = _lease(config, source, token)
+        self._release_lease = weakref.finalize(self, lease.release)
         self._thread.start()  # listing, index and headers go on while torch imports
         self._devices: tuple[str, ...] = ()
         try:
@@ -259,13 +266,18 @@ class TensorStream:
         self.close()
 
     def close(self) -> None:
-        """Stop the background download (partial files stay for the next run)."""
+        """Stop the background download (partial files stay for the next run) and end the
+        lease on the repo's snapshots."""
+        self._stop()
+        self._release_lease()
+
+    def _stop(self) -> None:
+        """Stop the background download; the lease lives on until ``close()``."""
         shared = self._shared
         if shared.loop is not None and shared.task is not None and self._thread.is_alive():
             with contextlib.suppress(RuntimeError):
                 shared.loop.call_soon_threadsafe(shared.task.cancel)
         self._thread.join(timeout=30)
-        self._lease.release()
 
     def statistics(self) -> LoadStatistics:
         return LoadStatistics(
@@ -292,7 +304,7 @@ class TensorStream:
             self._wait_done()
             self._finished = time.monotonic() - self._started
         finally:
-            self.close()
+            self._stop()
 
     def _wait_verified(self, path: str) -> _Arrived:
         while path not in self._verified:

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import serving
+from helpers import fast_config, serving
 
 from shardsync.testing import Bandwidth, Checkpoint, FakeHub, build_checkpoint
 
@@ -112,3 +112,60 @@ def test_ls_and_prune_count_an_interrupted_download_once(
     report = json.loads(pruned.stdout)
     assert report["before"]["bytes_on_disk"] == listing["bytes_on_disk"]
     assert report["evicted"] == []
+
+
+# ------------------------------------------------------------ 2. a lease lives with the stream
+
+
+def test_a_stream_holds_its_lease_until_the_with_block_ends(
+    hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    """README, leases: "while a `shardsync.load`/`stream` is open, the snapshots of that repo
+    are leased": consuming the last tensor does not end it, leaving the block does."""
+    import shardsync
+    from shardsync.cache import CacheStore
+    from shardsync.prune import Limits
+    from shardsync.pruner import prune_cache
+    from shardsync.usage import Leases
+
+    config = fast_config(tmp_path / "cache", hub.endpoint)
+    cache = CacheStore(config.cache_dir)
+    with shardsync.stream(REPO, device_map="cpu", config=config) as tensors:
+        consumed = dict(tensors)  # every tensor: the stream is exhausted
+        assert len(consumed) == sum(len(h.tensors) for h in tensors.headers.values())
+        assert [lease.repo for lease in Leases(cache).live()] == [REPO]
+        report = prune_cache(cache, Limits(max_size=0))
+        assert report.evicted == ()
+        assert {p.reason for p in report.protected} == {"leased"}
+        first = next(iter(consumed.values()))
+        before = first.clone()
+    assert Leases(cache).live() == ()
+    assert prune_cache(cache, Limits(max_size=0)).evicted != ()
+    assert torch_equal(first, before)  # a mapped tensor outlives the eviction: prune unlinks
+
+
+def test_a_stream_never_closed_holds_its_lease_until_it_is_collected(
+    hub: FakeHub, tmp_path: Path
+) -> None:
+    import gc
+
+    import shardsync
+    from shardsync.cache import CacheStore
+    from shardsync.usage import Leases
+
+    config = fast_config(tmp_path / "cache", hub.endpoint)
+    cache = CacheStore(config.cache_dir)
+    tensors = shardsync.stream(REPO, device_map="cpu", config=config)
+    for _ in tensors:
+        pass
+    assert len(Leases(cache).live()) == 1
+    del tensors
+    gc.collect()
+    assert Leases(cache).live() == ()
+
+
+def torch_equal(a: object, b: object) -> bool:
+    import torch
+
+    assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+    return bool(torch.equal(a, b))
