@@ -215,7 +215,7 @@ async def _prefetch_via_daemon(
 ) -> PrefetchResult | None:
     """None when no daemon answers (and fallback allows), or when --cache-dir,
     $SHARDSYNC_CACHE_DIR or --endpoint ask for another cache or Hub than the daemon's."""
-    from shardsync.client import Client
+    from shardsync.client import Client, daemon_serves
 
     client = Client(config, fallback="error")
     try:
@@ -225,13 +225,9 @@ async def _prefetch_via_daemon(
             raise
         return None
     try:
-        status = client.daemon_status or {}
-        chosen_cache = args.cache_dir is not None or bool(os.environ.get("SHARDSYNC_CACHE_DIR"))
-        daemon_cache = status.get("cache_dir")
-        if chosen_cache and daemon_cache != str(config.cache_dir):
-            return None
-        wanted = (args.endpoint or "").rstrip("/")
-        if wanted and wanted != (status.get("endpoint") or "").rstrip("/"):
+        if not daemon_serves(
+            client.daemon_status or {}, cache_dir=_named_cache(args), endpoint=args.endpoint
+        ):
             return None
         job = await client.prefetch(
             args.source,
@@ -244,6 +240,14 @@ async def _prefetch_via_daemon(
         return await job.wait(progress)
     finally:
         await client.close()
+
+
+def _named_cache(args: argparse.Namespace) -> Path | None:
+    """The cache the user named (``--cache-dir``, else ``$SHARDSYNC_CACHE_DIR``), else None."""
+    if args.cache_dir is not None:
+        return Path(args.cache_dir)
+    env = os.environ.get("SHARDSYNC_CACHE_DIR")
+    return Path(env).expanduser() if env else None
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -357,6 +361,8 @@ def _load(args: argparse.Namespace) -> int:
         max_memory=max_memory or None,
         dtype=dtype,
         config=_config(args),
+        cache_dir=_named_cache(args),
+        endpoint=args.endpoint,
     ) as tensors:
         plan = tensors.plan
         if plan is None:

@@ -43,7 +43,7 @@ from shardsync.errors import (
 from shardsync.prefetch import Engine, FileOutcome, PrefetchResult, ProgressSink
 from shardsync.scheduler import TERMINAL_EVENTS, ScheduledJob, Scheduler
 
-__all__ = ["Client", "Job", "Shard", "SyncClient", "SyncJob"]
+__all__ = ["Client", "Job", "Shard", "SyncClient", "SyncJob", "daemon_serves"]
 
 _T = TypeVar("_T")
 _BASE = "http://shardsync"
@@ -66,6 +66,22 @@ class Shard:
     file: Path  # where to read it (the snapshot entry, or the blob for URL/local origins)
     size: int
     sha256: str
+
+
+def daemon_serves(
+    status: Mapping[str, Any], *, cache_dir: str | os.PathLike[str] | None, endpoint: str | None
+) -> bool:
+    """Whether a daemon (its ``GET /v1/status``) serves what a caller named: the rule that
+    ``shardsync prefetch`` and ``shardsync load``/``shardsync.load`` share.
+
+    ``cache_dir`` and ``endpoint`` are what the caller named explicitly (``--cache-dir``,
+    ``cache_dir=``, ``$SHARDSYNC_CACHE_DIR``; ``--endpoint``, ``endpoint=``), None when they
+    named none. A cache or Hub other than the daemon's is not the daemon's to serve.
+    """
+    if cache_dir is not None and status.get("cache_dir") != os.path.abspath(cache_dir):
+        return False
+    wanted = (endpoint or "").rstrip("/")
+    return not wanted or wanted == (status.get("endpoint") or "").rstrip("/")
 
 
 def error_from(error: Mapping[str, Any]) -> ShardsyncError:

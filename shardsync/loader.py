@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import os
 import queue
 import resource
 import threading
@@ -118,6 +119,8 @@ class _Request:
     no_split: Sequence[str] | None
     allow_pickle: bool
     gated: bool  # download only once iteration starts (load(model=...) checks keys first)
+    named_cache: Path | None = None  # a cache the caller named: a daemon must serve that one
+    named_endpoint: str | None = None  # likewise a Hub endpoint
 
 
 @dataclass(slots=True)
@@ -186,6 +189,8 @@ class TensorStream:
         no_split: Sequence[str] | None,
         allow_pickle: bool,
         gated: bool = False,
+        named_cache: Path | None = None,
+        named_endpoint: str | None = None,
     ) -> None:
         self._dtype = dtype
         self._started = time.monotonic()
@@ -200,6 +205,8 @@ class TensorStream:
             no_split=no_split,
             allow_pickle=allow_pickle,
             gated=gated,
+            named_cache=named_cache,
+            named_endpoint=named_endpoint,
         )
         self._thread = threading.Thread(
             target=self._produce_in_thread, name="shardsync-loader", daemon=True
@@ -457,7 +464,7 @@ class TensorStream:
 
         The commit our headers came from is pinned, so the daemon fetches those exact shards.
         """
-        from shardsync.client import Client
+        from shardsync.client import Client, daemon_serves
         from shardsync.errors import DaemonUnavailableError
 
         client = Client(request.config, fallback="error")
@@ -468,6 +475,12 @@ class TensorStream:
                 raise
             return False
         try:
+            if not daemon_serves(
+                client.daemon_status or {},
+                cache_dir=request.named_cache,
+                endpoint=request.named_endpoint,
+            ):
+                return False  # another cache or Hub than the daemon's: download here
             remote = await client.prefetch(
                 request.source,
                 revision=job.commit or request.revision,
@@ -682,7 +695,13 @@ def _open(
     config: Config | None,
     gated: bool,
 ) -> TensorStream:
-    cfg = config or load_config(cache_dir=Path(cache_dir) if cache_dir else None)
+    named_cache = Path(cache_dir).expanduser() if cache_dir else None
+    if config is None:
+        cfg = load_config(cache_dir=named_cache)
+        if named_cache is None and os.environ.get("SHARDSYNC_CACHE_DIR"):
+            named_cache = cfg.cache_dir
+    else:
+        cfg = config if named_cache is None else replace(config, cache_dir=named_cache)
     if endpoint:
         cfg = replace(cfg, endpoint=endpoint)
     if max_memory is not None:
@@ -698,6 +717,8 @@ def _open(
         no_split=no_split,
         allow_pickle=allow_pickle,
         gated=gated,
+        named_cache=named_cache,
+        named_endpoint=endpoint or None,
     )
 
 

@@ -169,3 +169,65 @@ def torch_equal(a: object, b: object) -> bool:
 
     assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
     return bool(torch.equal(a, b))
+
+
+# ----------------------------------------------- 3. load and a daemon: the cache the user named
+
+
+async def test_load_with_a_cache_of_its_own_does_not_go_through_the_daemon(
+    fake_hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    """README, daemon: `load` uses the daemon unless `--cache-dir`/`cache_dir=`,
+    `$SHARDSYNC_CACHE_DIR` or the endpoint name another cache or Hub than the daemon's, the
+    same rule as `prefetch`; then it downloads into the cache the user named, complete."""
+    import asyncio
+    from dataclasses import replace
+
+    from daemons import daemon_in_loop, short_tmp
+
+    import shardsync
+    from shardsync.cache import CacheStore, RepoRef
+    from shardsync.config import DaemonConfig
+
+    fake_hub.add_checkpoint(REPO, checkpoint)
+    mine = tmp_path / "mine"
+    with short_tmp() as work:
+        socket_path = work / "shardsync" / "d.sock"
+        async with daemon_in_loop(fast_config(work / "dc", fake_hub.endpoint), socket_path) as d:
+            config = replace(
+                fast_config(tmp_path / "unused", fake_hub.endpoint),
+                daemon=DaemonConfig(socket=socket_path),
+            )
+            got = await asyncio.to_thread(
+                shardsync.load, REPO, device_map="cpu", config=config, cache_dir=mine
+            )
+            env = {**os.environ, "SHARDSYNC_SOCKET": str(socket_path)}
+            cli_cache = tmp_path / "cli"
+            out = await asyncio.to_thread(
+                subprocess.run,
+                [
+                    sys.executable,
+                    "-m",
+                    "shardsync.cli",
+                    "load",
+                    REPO,
+                    "--device-map",
+                    "cpu",
+                    "--endpoint",
+                    fake_hub.endpoint,
+                    "--cache-dir",
+                    str(cli_cache),
+                    "--json",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=120,
+                env=env,
+            )
+            submitted = d.statistics().jobs_submitted
+    assert isinstance(got, dict) and got
+    assert out.returncode == 0, out.stderr
+    assert submitted == 0
+    for root in (mine, cli_cache):  # the whole snapshot, in the cache the user named
+        assert CacheStore(root).find_complete(RepoRef("hub", REPO), "main") is not None
+    assert not (tmp_path / "unused").exists()
