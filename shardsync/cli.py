@@ -440,6 +440,33 @@ def _demo(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- cache lifecycle
 
 
+def _existing_cache(args: argparse.Namespace, config: Config) -> CacheStore:
+    """The cache that ``ls``, ``verify`` and ``prune`` work on, which must already be one: a
+    mistyped path is a CacheError (exit 9) naming where it came from, and nothing is created.
+    (An existing empty directory is an empty cache, e.g. systemd's ``CacheDirectory=``.)"""
+    root = Path(os.path.abspath(config.cache_dir))
+    if args.cache_dir is not None:
+        source = "--cache-dir"
+    elif os.environ.get("SHARDSYNC_CACHE_DIR"):
+        source = "$SHARDSYNC_CACHE_DIR"
+    elif args.config is not None:
+        source = f"cache.dir in {args.config} (or the default)"
+    else:
+        source = "the default cache directory"
+    try:
+        empty = root.is_dir() and not any(root.iterdir())
+        ours = (root / "VERSION").is_file()
+    except OSError as exc:
+        raise errors.CacheError(f"cannot read {root} ({source}): {exc.strerror}") from None
+    if not (ours or empty):
+        what = "does not exist" if not root.exists() else "is not a shardsync cache (no VERSION)"
+        raise errors.CacheError(
+            f"{root} ({source}) {what}; give the cache root, e.g. --cache-dir "
+            "~/.cache/shardsync (nothing was created)"
+        )
+    return CacheStore(root)
+
+
 def _prune(args: argparse.Namespace) -> int:
     """Evict least recently used snapshots until the limits hold; exit 8 when they cannot."""
     config = _config(args)
@@ -453,7 +480,7 @@ def _prune(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise errors.ConfigError(f"prune: {exc}") from None
     report = prune_cache(
-        CacheStore(config.cache_dir),
+        _existing_cache(args, config),
         limits,
         pin=config.prune.pin,
         keep=args.keep,
@@ -503,7 +530,7 @@ def _prune_lines(report: PruneReport) -> list[str]:
 def _verify(args: argparse.Namespace) -> int:
     """Re-hash blobs; exit 13 when anything was corrupt or missing (it is quarantined)."""
     config = _config(args)
-    report = verify_cache(CacheStore(config.cache_dir), args.repo, full=args.full)
+    report = verify_cache(_existing_cache(args, config), args.repo, full=args.full)
     if args.json:
         print(json.dumps(report.to_json(), indent=2))
     else:
@@ -531,7 +558,7 @@ def _verify_lines(report: VerifyReport) -> list[str]:
 
 def _ls(args: argparse.Namespace) -> int:
     config = _config(args)
-    inventory = scan(CacheStore(config.cache_dir), pin=config.prune.pin)
+    inventory = scan(_existing_cache(args, config), pin=config.prune.pin)
     if args.json:
         print(json.dumps(inventory_to_json(inventory), indent=2))
     else:

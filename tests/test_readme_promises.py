@@ -231,3 +231,36 @@ async def test_load_with_a_cache_of_its_own_does_not_go_through_the_daemon(
     for root in (mine, cli_cache):  # the whole snapshot, in the cache the user named
         assert CacheStore(root).find_complete(RepoRef("hub", REPO), "main") is not None
     assert not (tmp_path / "unused").exists()
+
+
+# -------------------------------------------------- 4. a mistyped --cache-dir creates nothing
+
+
+@pytest.mark.parametrize(
+    "command", [("ls",), ("verify",), ("prune", "--dry-run"), ("prune", "--max-size", "1G")]
+)
+@pytest.mark.parametrize("how", ["missing", "not-a-cache", "env"])
+def test_a_path_that_is_not_a_cache_is_exit_9_and_nothing_is_created(
+    tmp_path: Path,
+    command: tuple[str, ...],
+    how: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """README: `ls`, `verify` and `prune` on a path that is not a shardsync cache exit 9,
+    name where the path came from, and create nothing there."""
+    from shardsync.cli import main
+
+    target = tmp_path / "typo" / "cache"
+    if how == "not-a-cache":
+        target.mkdir(parents=True)
+        (target / "notes.txt").write_text("mine")
+    before = sorted(tmp_path.rglob("*"))
+    if how == "env":
+        monkeypatch.setenv("SHARDSYNC_CACHE_DIR", str(target))
+    args = command if how == "env" else (*command, "--cache-dir", str(target))
+    assert main(list(args)) == 9
+    assert sorted(tmp_path.rglob("*")) == before
+    err = capsys.readouterr().err
+    assert str(target) in err
+    assert ("SHARDSYNC_CACHE_DIR" if how == "env" else "--cache-dir") in err
