@@ -314,7 +314,7 @@ def _status_lines(
     return lines
 
 
-def _report(result: PrefetchResult, *, as_json: bool, quiet: bool) -> None:
+def _report(result: PrefetchResult, *, as_json: bool, quiet: bool, path: bool = True) -> None:
     if as_json:
         print(json.dumps(result_to_json(result), indent=2))
         return
@@ -328,7 +328,8 @@ def _report(result: PrefetchResult, *, as_json: bool, quiet: bool) -> None:
             f"({format_bytes(rate)}/s){note}",
             file=sys.stderr,
         )
-    print(result.snapshot_path)
+    if path:
+        print(result.snapshot_path)
 
 
 def _load(args: argparse.Namespace) -> int:
@@ -409,7 +410,14 @@ def _demo(args: argparse.Namespace) -> int:
     from shardsync.testing import FakeHub, build_checkpoint, serve_in_thread
     from shardsync.testing.faults import Bandwidth
 
-    total = parse_size(args.size)
+    total = _flag_size("--size", args.size)
+    if total < 1 << 20 or total > 64 << 30:
+        raise errors.ConfigError(f"--size: between 1MiB and 64GiB, got {args.size!r}")
+    if not 1 <= args.shards <= 1000:
+        raise errors.ConfigError(f"--shards: a whole number from 1 to 1000, got {args.shards}")
+    bandwidth = None if args.bandwidth is None else _flag_size("--bandwidth", args.bandwidth)
+    if bandwidth is not None and bandwidth <= 0:
+        raise errors.ConfigError(f"--bandwidth: bytes per second > 0, got {args.bandwidth!r}")
     with tempfile.TemporaryDirectory(prefix="shardsync-demo-") as tmp:
         work = Path(tmp)
         print(
@@ -419,8 +427,8 @@ def _demo(args: argparse.Namespace) -> int:
         checkpoint = build_checkpoint(work / "origin", total_bytes=total, n_shards=args.shards)
         hub = FakeHub()
         hub.add_checkpoint("demo/tiny-llama", checkpoint)
-        if args.bandwidth:
-            hub.faults.add(Bandwidth(parse_size(args.bandwidth)))
+        if bandwidth is not None:
+            hub.faults.add(Bandwidth(bandwidth))
         cache_dir = args.cache_dir or work / "cache"
         config = replace(load_config(args.config, os.environ, cache_dir=cache_dir))
         with serve_in_thread(hub):
@@ -431,10 +439,21 @@ def _demo(args: argparse.Namespace) -> int:
                 result = asyncio.run(prefetch("demo/tiny-llama", config, progress=progress))
             finally:
                 progress.close()
-        _report(result, as_json=False, quiet=False)
-        if args.cache_dir is None:
+        if args.cache_dir is not None:
+            _report(result, as_json=False, quiet=False)  # the snapshot path on stdout
+        else:  # the cache goes with the temporary directory: print no path that will not exist
+            _report(result, as_json=False, quiet=False, path=False)
             print("demo: (temporary cache removed; pass --cache-dir to keep it)", file=sys.stderr)
     return 0
+
+
+def _flag_size(flag: str, value: str) -> int:
+    try:
+        return parse_size(value)
+    except ValueError:
+        raise errors.ConfigError(
+            f"{flag}: a size in bytes or with a unit, like 256MiB, 25MB or 1G (got {value!r})"
+        ) from None
 
 
 # --------------------------------------------------------------------------- cache lifecycle

@@ -264,3 +264,43 @@ def test_a_path_that_is_not_a_cache_is_exit_9_and_nothing_is_created(
     err = capsys.readouterr().err
     assert str(target) in err
     assert ("SHARDSYNC_CACHE_DIR" if how == "env" else "--cache-dir") in err
+
+
+# ---------------------------------------------------------------------- 5. shardsync demo
+
+
+@pytest.mark.parametrize(
+    ("args", "flag"),
+    [
+        (("--size", "big"), "--size"),
+        (("--size", "0"), "--size"),
+        (("--bandwidth", "fast"), "--bandwidth"),
+        (("--bandwidth", "0"), "--bandwidth"),
+        (("--shards", "0"), "--shards"),
+        (("--shards", "-3"), "--shards"),
+    ],
+)
+def test_demo_bad_flags_are_exit_2_naming_the_flag(
+    args: tuple[str, ...], flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from shardsync.cli import main
+
+    assert main(["demo", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("shardsync: error:") and flag in err[0]
+
+
+def test_demo_prints_a_snapshot_path_only_when_it_is_kept(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """README: `shardsync demo` prints the snapshot path on stdout only with `--cache-dir`
+    (a temporary cache is removed, and so would the path be)."""
+    from shardsync.cli import main
+
+    assert main(["demo", "--size", "2MiB", "--shards", "2"]) == 0
+    assert capsys.readouterr().out == ""
+    kept = tmp_path / "kept"
+    assert main(["demo", "--size", "2MiB", "--shards", "2", "--cache-dir", str(kept)]) == 0
+    snapshot = Path(capsys.readouterr().out.strip())
+    assert snapshot.is_dir() and snapshot.is_relative_to(kept)
+    assert {p.name for p in snapshot.iterdir()} >= {"model.safetensors.index.json"}
