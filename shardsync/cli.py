@@ -20,7 +20,7 @@ from typing import Any
 from shardsync import errors
 from shardsync.api import result_to_json
 from shardsync.cache import CacheStore
-from shardsync.config import Config, load_config, parse_duration, parse_size
+from shardsync.config import Config, check_endpoint, load_config, parse_duration, parse_size
 from shardsync.inventory import Inventory, inventory_to_json, scan
 from shardsync.origins import parse_source
 from shardsync.prefetch import PrefetchResult, ProgressSink, prefetch
@@ -171,7 +171,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _config(args: argparse.Namespace) -> Config:
     config = load_config(args.config, os.environ, cache_dir=args.cache_dir)
     endpoint = getattr(args, "endpoint", None)
-    return replace(config, endpoint=endpoint) if endpoint else config
+    if endpoint is None:
+        return config
+    return replace(config, endpoint=check_endpoint("--endpoint", endpoint))
 
 
 def _prefetch(args: argparse.Namespace) -> int:

@@ -242,20 +242,39 @@ _RETRY_KEYS = {
 }
 
 
+def check_endpoint(source: str, endpoint: object) -> str:
+    """A Hub endpoint: an ``http(s)://HOST[:PORT][/PATH]`` URL; ``source`` names where it came
+    from (``--endpoint``, ``HF_ENDPOINT``, ``hub.endpoint``) in the error."""
+    parts = urlsplit(endpoint) if isinstance(endpoint, str) else None
+    if (
+        parts is None
+        or parts.scheme not in ("http", "https")
+        or not parts.hostname
+        or (parts.query or parts.fragment)
+    ):
+        raise ConfigError(
+            f"{source} must be an http(s) URL like https://huggingface.co (got {endpoint!r})"
+        )
+    return endpoint  # type: ignore[return-value]
+
+
 def _coerce(key: str, value: Any, kind: object) -> Any:
-    try:
-        if kind == "size":
+    if kind == "size":
+        try:
             return parse_size(value)
-        if kind is int:
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError("expected an integer")
-            return value
-        if kind is float:
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise ValueError("expected a number")
-            return float(value)
-    except ValueError as exc:
-        raise ConfigError(f"{key}: {exc} (got {value!r})") from None
+        except ValueError:
+            raise ConfigError(
+                f"{key}: expected a size in bytes or with a unit, like 16MiB, 2GB or 500G "
+                f"(got {value!r})"
+            ) from None
+    if kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected a whole number (got {value!r})")
+        return value
+    if kind is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{key}: expected a number (got {value!r})")
+        return float(value)
     raise ConfigError(f"{key}: unsupported")
 
 
@@ -266,13 +285,46 @@ def _section(data: Mapping[str, Any], name: str) -> Mapping[str, Any]:
     return value
 
 
+_FILE_KEY_PREFIXES = (
+    "[",
+    "unknown ",
+    "cache.",
+    "download.",
+    "retry.",
+    "hub.",
+    "daemon.",
+    "prune.",
+    "s3.",
+    "tier.",
+    "network.",
+)
+
+
 def load_config(
     path: Path | None = None,
     environ: Mapping[str, str] | None = None,
     *,
     cache_dir: Path | None = None,
 ) -> Config:
-    """Build the config: file, then ``SHARDSYNC_*``/``HF_ENDPOINT`` variables, then arguments."""
+    """Build the config: file, then ``SHARDSYNC_*``/``HF_ENDPOINT`` variables, then arguments.
+
+    Every invalid value is one ``ConfigError`` naming where it came from: the environment
+    variable, or ``FILE: section.key`` for a key of the config file, and the accepted form.
+    """
+    try:
+        return _load_config(path, environ, cache_dir=cache_dir)
+    except ConfigError as exc:
+        if path is not None and str(exc).startswith(_FILE_KEY_PREFIXES):
+            raise ConfigError(f"{path}: {exc}") from None
+        raise
+
+
+def _load_config(
+    path: Path | None,
+    environ: Mapping[str, str] | None,
+    *,
+    cache_dir: Path | None,
+) -> Config:
     env = os.environ if environ is None else environ
     data: Mapping[str, Any] = {}
     if path is not None:
@@ -304,6 +356,8 @@ def load_config(
             if key not in allowed:
                 raise ConfigError(f"unknown key {section}.{key}")
 
+    labels = {k: f"download.{k}" for k in (*_FETCH_KEYS, "max_files")}
+    labels.update((k, f"retry.{k}") for k in _RETRY_KEYS)
     for env_key, key in (
         ("SHARDSYNC_MAX_FILES", "max_files"),
         ("SHARDSYNC_CONNECTIONS_PER_FILE", "connections_per_file"),
@@ -312,17 +366,18 @@ def load_config(
         if env_key in env:
             raw = env[env_key]
             download[key] = raw if key == "chunk_size" else _int_env(env_key, raw)
+            labels[key] = env_key
 
     fetch_kwargs = {
-        k: _coerce(f"download.{k}", download[k], t) for k, t in _FETCH_KEYS.items() if k in download
+        k: _coerce(labels[k], download[k], t) for k, t in _FETCH_KEYS.items() if k in download
     }
     retry_kwargs = {
-        k: _coerce(f"retry.{k}", retry[k], t) for k, t in _RETRY_KEYS.items() if k in retry
+        k: _coerce(labels[k], retry[k], t) for k, t in _RETRY_KEYS.items() if k in retry
     }
-    max_files = _coerce("download.max_files", download.get("max_files", 4), int)
+    max_files = _coerce(labels["max_files"], download.get("max_files", 4), int)
     for name, value in (*fetch_kwargs.items(), *retry_kwargs.items(), ("max_files", max_files)):
         if isinstance(value, int | float) and value <= 0 and name != "base_delay":
-            raise ConfigError(f"{name} must be positive (got {value!r})")
+            raise ConfigError(f"{labels[name]} must be positive (got {value!r})")
 
     fetch = replace(FetchConfig(), **fetch_kwargs, retry=replace(RetryPolicy(), **retry_kwargs))
     if cache_dir is None:
@@ -337,14 +392,19 @@ def load_config(
             else default_cache_dir(env)
         )
     endpoint = env.get("HF_ENDPOINT") or hub.get("endpoint")
-    if endpoint is not None and not isinstance(endpoint, str):
-        raise ConfigError("hub.endpoint must be a string")
+    if endpoint is not None:
+        check_endpoint("HF_ENDPOINT" if env.get("HF_ENDPOINT") else "hub.endpoint", endpoint)
     daemon = _daemon_config(_section(data, "daemon"), env)
     if daemon.max_bandwidth:
         floor = fetch.min_throughput * max_files * fetch.connections_per_file
         if daemon.max_bandwidth < floor:
+            source = (
+                "SHARDSYNC_MAX_BANDWIDTH"
+                if env.get("SHARDSYNC_MAX_BANDWIDTH")
+                else "daemon.max_bandwidth"
+            )
             raise ConfigError(
-                f"daemon.max_bandwidth: {daemon.max_bandwidth} B/s cannot give each of "
+                f"{source}: {daemon.max_bandwidth} B/s cannot give each of "
                 f"max_files * connections_per_file connections the download.min_throughput "
                 f"of {fetch.min_throughput} B/s (needs at least {floor} B/s)"
             )
@@ -428,6 +488,7 @@ _DAEMON_KEYS = (
 def _daemon_config(section: Mapping[str, Any], env: Mapping[str, str]) -> DaemonConfig:
     """Validate ``[daemon]``; ``SHARDSYNC_SOCKET``/``_FALLBACK``/``_MAX_BANDWIDTH`` override it."""
     raw = dict(section)
+    label = {key: f"daemon.{key}" for key in _DAEMON_KEYS}
     for env_key, key in (
         ("SHARDSYNC_SOCKET", "socket"),
         ("SHARDSYNC_FALLBACK", "fallback"),
@@ -435,9 +496,10 @@ def _daemon_config(section: Mapping[str, Any], env: Mapping[str, str]) -> Daemon
     ):
         if env.get(env_key):
             raw[key] = env[env_key]
+            label[key] = env_key
     socket = raw.get("socket", "")
     if not isinstance(socket, str):
-        raise ConfigError("daemon.socket must be a string path")
+        raise ConfigError(f"{label['socket']} must be a string path")
     group = _gid("daemon.group", raw["group"]) if "group" in raw else None
     mode = _mode(raw.get("socket_mode", 0o660 if group is not None else 0o600))
     uids = _id_list("daemon.allowed_uids", raw.get("allowed_uids", []), _uid)
@@ -449,8 +511,8 @@ def _daemon_config(section: Mapping[str, Any], env: Mapping[str, str]) -> Daemon
     tcp = _tcp(raw.get("tcp", ""), allow_remote=allow_remote)
     fallback = raw.get("fallback", "in-process")
     if fallback not in ("in-process", "error"):
-        raise ConfigError(f'daemon.fallback must be "in-process" or "error" (got {fallback!r})')
-    bandwidth = _coerce("daemon.max_bandwidth", raw.get("max_bandwidth", 0), "size")
+        raise ConfigError(f'{label["fallback"]} must be "in-process" or "error" (got {fallback!r})')
+    bandwidth = _coerce(label["max_bandwidth"], raw.get("max_bandwidth", 0), "size")
     history = _coerce("daemon.history", raw.get("history", 100), int)
     if history <= 0:
         raise ConfigError(f"daemon.history must be positive (got {history!r})")
@@ -580,4 +642,4 @@ def _int_env(name: str, raw: str) -> int:
     try:
         return int(raw)
     except ValueError:
-        raise ConfigError(f"{name}: expected an integer, got {raw!r}") from None
+        raise ConfigError(f"{name}: expected a whole number, got {raw!r}") from None

@@ -33,7 +33,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from shardsync.cache import CacheStore
-from shardsync.config import Config, load_config
+from shardsync.config import Config, check_endpoint, load_config
 from shardsync.devicemap import MODES, DevicePlan, TensorSize, parse_memory, plan_device_map
 from shardsync.errors import ConfigError, HeaderError, LoadError, first_error
 from shardsync.manifest import Manifest, ManifestEntry
@@ -703,7 +703,7 @@ def _open(
     else:
         cfg = config if named_cache is None else replace(config, cache_dir=named_cache)
     if endpoint:
-        cfg = replace(cfg, endpoint=endpoint)
+        cfg = replace(cfg, endpoint=check_endpoint("endpoint=", endpoint))
     if max_memory is not None:
         max_memory = {k: parse_memory(v) for k, v in max_memory.items()}
     return TensorStream(

@@ -153,7 +153,7 @@ def test_daemon_env_overrides(tmp_path: Path) -> None:
         "error",
         10**9,
     )
-    with pytest.raises(ConfigError, match=r"daemon\.fallback"):
+    with pytest.raises(ConfigError, match="SHARDSYNC_FALLBACK"):
         load_config(None, {"SHARDSYNC_FALLBACK": "never"}, cache_dir=tmp_path)
 
 

@@ -304,3 +304,69 @@ def test_demo_prints_a_snapshot_path_only_when_it_is_kept(
     snapshot = Path(capsys.readouterr().out.strip())
     assert snapshot.is_dir() and snapshot.is_relative_to(kept)
     assert {p.name for p in snapshot.iterdir()} >= {"model.safetensors.index.json"}
+
+
+# ------------------------------------------------- 6. errors name what the user typed
+
+
+@pytest.mark.parametrize(
+    ("env", "named"),
+    [
+        ({"SHARDSYNC_MAX_FILES": "abc"}, "SHARDSYNC_MAX_FILES"),
+        ({"SHARDSYNC_MAX_FILES": "0"}, "SHARDSYNC_MAX_FILES"),
+        ({"SHARDSYNC_CONNECTIONS_PER_FILE": "-1"}, "SHARDSYNC_CONNECTIONS_PER_FILE"),
+        ({"SHARDSYNC_CHUNK_SIZE": "foo"}, "SHARDSYNC_CHUNK_SIZE"),
+        ({"SHARDSYNC_CHUNK_SIZE": "0"}, "SHARDSYNC_CHUNK_SIZE"),
+        ({"SHARDSYNC_MAX_BANDWIDTH": "fast"}, "SHARDSYNC_MAX_BANDWIDTH"),
+        ({"SHARDSYNC_MAX_BANDWIDTH": "10"}, "SHARDSYNC_MAX_BANDWIDTH"),
+        ({"SHARDSYNC_FALLBACK": "never"}, "SHARDSYNC_FALLBACK"),
+        ({"HF_ENDPOINT": "ftp://hub"}, "HF_ENDPOINT"),
+        ({"HF_ENDPOINT": "huggingface.co"}, "HF_ENDPOINT"),
+    ],
+)
+def test_an_invalid_environment_variable_is_named(
+    env: dict[str, str], named: str, tmp_path: Path
+) -> None:
+    """README, configuration: "An invalid value gives one error naming the key": the
+    variable the user set, never a config-file key they did not write."""
+    from shardsync.config import load_config
+    from shardsync.errors import ConfigError
+
+    with pytest.raises(ConfigError) as caught:
+        load_config(None, env, cache_dir=tmp_path)
+    assert str(caught.value).startswith(named)
+
+
+@pytest.mark.parametrize(
+    ("toml", "key"),
+    [
+        ("[download]\nmax_files = 0\n", "download.max_files"),
+        ('[download]\nchunk_size = "lots"\n', "download.chunk_size"),
+        ("[retry]\nmax_delay = -1\n", "retry.max_delay"),
+        ('[hub]\nendpoint = "nope"\n', "hub.endpoint"),
+        ('[daemon]\nfallback = "never"\n', "daemon.fallback"),
+        ('[prune]\nmax_age = "soon"\n', "prune.max_age"),
+        ("[cache]\nsize = 1\n", "cache.size"),
+    ],
+)
+def test_an_invalid_config_file_value_names_the_file_and_key(
+    toml: str, key: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from shardsync.cli import main
+
+    path = tmp_path / "my.toml"
+    path.write_text(toml)
+    assert main(["--config", str(path), "ls", "--cache-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}: " in err and key in err
+
+
+@pytest.mark.parametrize("endpoint", ["foo", "ftp://hub", "http://"])
+def test_an_invalid_endpoint_flag_is_named(
+    endpoint: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from shardsync.cli import main
+
+    args = ["prefetch", "acme/x", "--endpoint", endpoint, "--cache-dir", str(tmp_path)]
+    assert main([*args, "--no-daemon"]) == 2
+    assert "--endpoint" in capsys.readouterr().err
