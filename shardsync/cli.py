@@ -161,11 +161,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _ls(args)
         return _demo(args)
     except errors.ShardsyncError as exc:
-        print(f"shardsync: error: {exc}", file=sys.stderr)
+        print(f"shardsync: error: {exc}{_hint(exc)}", file=sys.stderr)
         return _exit_code(exc)
     except KeyboardInterrupt:
         print("shardsync: interrupted; partial files are kept for the next run", file=sys.stderr)
         return 130
+
+
+def _hint(exc: errors.ShardsyncError) -> str:
+    """What to do next, where the error alone does not say it."""
+    if isinstance(exc, errors.RepoNotFoundError):
+        # The Hub answers a private repo it will not show this token (or no token) with the
+        # same 404 as a missing one: say so rather than let "not found" mislead.
+        return (
+            " (if the repo is private, the Hub hides it without a token that has access: "
+            "set HF_TOKEN or run `hf auth login`)"
+        )
+    return ""
 
 
 def _config(args: argparse.Namespace) -> Config:

@@ -370,3 +370,39 @@ def test_an_invalid_endpoint_flag_is_named(
     args = ["prefetch", "acme/x", "--endpoint", endpoint, "--cache-dir", str(tmp_path)]
     assert main([*args, "--no-daemon"]) == 2
     assert "--endpoint" in capsys.readouterr().err
+
+
+# ------------------------------------------------------ 7. a private repo: exit 3, and a hint
+
+
+@pytest.mark.parametrize("token", [None, "hf_wrong"])
+def test_a_private_repo_without_access_is_exit_3_saying_how_to_log_in(
+    checkpoint: Checkpoint, tmp_path: Path, token: str | None
+) -> None:
+    """README's exit table: 3 for a private repo asked for without a token that has access
+    (the Hub's 404), with a message that says how to log in."""
+    from shardsync.testing import serve_in_thread
+
+    fake = FakeHub()
+    fake.add_checkpoint(REPO, checkpoint, token="hf_right")
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "HF_TOKEN_PATH")}
+    env["HF_TOKEN_PATH"] = str(tmp_path / "no-token")
+    if token is not None:
+        env["HF_TOKEN"] = token
+    with serve_in_thread(fake):
+        cache = ("--cache-dir", str(tmp_path / "c"))
+        out = _run(tmp_path, "prefetch", REPO, "--endpoint", fake.endpoint, *cache, env=env)
+        assert out.returncode == 3, out.stderr
+        assert "HF_TOKEN" in out.stderr and "hf auth login" in out.stderr
+        env["HF_TOKEN"] = "hf_right"
+        ok = _run(
+            tmp_path,
+            "prefetch",
+            REPO,
+            "--endpoint",
+            fake.endpoint,
+            "--cache-dir",
+            str(tmp_path / "c"),
+            env=env,
+        )
+    assert ok.returncode == 0, ok.stderr
