@@ -66,6 +66,7 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("prefetch", help="download a checkpoint into the cache")
     p.add_argument("source", help="ORG/NAME on the Hub, an http(s) base URL, or a directory")
+    p.add_argument("--config", type=Path, default=argparse.SUPPRESS, help="TOML config file")
     p.add_argument("--revision", help="branch, tag, commit or refs/pr/N (default: main)")
     p.add_argument("--endpoint", help="Hub endpoint (default: $HF_ENDPOINT or huggingface.co)")
     p.add_argument("--cache-dir", type=Path, help="cache root (default: $SHARDSYNC_CACHE_DIR)")
@@ -82,6 +83,7 @@ def _parser() -> argparse.ArgumentParser:
 
     ld = sub.add_parser("load", help="stream a checkpoint onto devices and report timings")
     ld.add_argument("source", help="ORG/NAME on the Hub, an http(s) base URL, or a directory")
+    ld.add_argument("--config", type=Path, default=argparse.SUPPRESS, help="TOML config file")
     ld.add_argument("--revision")
     ld.add_argument("--endpoint")
     ld.add_argument("--cache-dir", type=Path)
@@ -134,6 +136,7 @@ def _parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="prefetch a generated checkpoint from a local fake hub")
     d.add_argument("--size", default="256MiB", help="checkpoint size (default 256MiB)")
+    d.add_argument("--config", type=Path, default=argparse.SUPPRESS, help="TOML config file")
     d.add_argument("--shards", type=int, default=4)
     d.add_argument("--cache-dir", type=Path, help="cache root (default: a temporary directory)")
     d.add_argument("--bandwidth", help="per-connection cap, e.g. 25MB (default: none)")

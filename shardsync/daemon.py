@@ -123,7 +123,7 @@ class Daemon:
         self._requests = 0
         self._engine: Engine | None = None
         self._scheduler: Scheduler | None = None
-        self._cache_memo: tuple[float, dict[str, Any]] | None = None
+        self._cache_memo: tuple[float, object, dict[str, Any]] | None = None
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -390,12 +390,17 @@ class Daemon:
         return job
 
     async def _cache_summary(self) -> dict[str, Any]:
-        """Walking the store costs a directory scan: scrapes within ``_CACHE_TTL`` share one."""
+        """Walking the store costs a directory scan: scrapes within ``_CACHE_TTL`` share one,
+        unless a file was fetched or a job changed state since (so ``status`` right after a
+        job shows what it added)."""
         now = time.monotonic()
-        if self._cache_memo is None or now - self._cache_memo[0] > _CACHE_TTL:
+        stats = self.statistics()
+        generation = (stats.files_fetched, tuple(sorted(stats.jobs.items())))
+        memo = self._cache_memo
+        if memo is None or now - memo[0] > _CACHE_TTL or memo[1] != generation:
             summary = await asyncio.to_thread(cache_summary, self.config.cache_dir)
-            self._cache_memo = (now, summary)
-        return self._cache_memo[1]
+            self._cache_memo = memo = (now, generation, summary)
+        return memo[2]
 
 
 # ---------------------------------------------------------------------------------- sockets

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -406,3 +407,46 @@ def test_a_private_repo_without_access_is_exit_3_saying_how_to_log_in(
             env=env,
         )
     assert ok.returncode == 0, ok.stderr
+
+
+# ------------------------------------------------ 8. --config after the verb, for every verb
+
+
+@pytest.mark.parametrize(
+    "verb", ["prefetch", "load", "daemon", "status", "prune", "verify", "ls", "demo"]
+)
+def test_every_subcommand_takes_config_after_the_verb(verb: str, tmp_path: Path) -> None:
+    """README: `shardsync --config PATH ...`, and all subcommands take `--config PATH` after
+    the verb too (one rule for all)."""
+    from shardsync.cli import _parser
+
+    path = tmp_path / "c.toml"
+    extra = ["acme/x"] if verb in ("prefetch", "load") else []
+    args = _parser().parse_args([verb, *extra, "--config", str(path)])
+    assert args.config == path
+
+
+async def test_the_daemons_cache_usage_is_current_right_after_a_job(
+    fake_hub: FakeHub, checkpoint: Checkpoint
+) -> None:
+    """README, `shardsync status`/`GET /v1/cache`/`/metrics`: the cache usage is rescanned
+    when a job fetched files, not up to 10 s later."""
+    from daemons import api, daemon_in_loop, short_tmp
+
+    import shardsync
+    from shardsync.config import DaemonConfig
+
+    fake_hub.add_checkpoint(REPO, checkpoint)
+    with short_tmp() as work:
+        socket_path = work / "shardsync" / "d.sock"
+        config = fast_config(work / "dc", fake_hub.endpoint)
+        async with daemon_in_loop(config, socket_path):
+            _, before = await api(socket_path, "GET", "/v1/cache")
+            assert before["blobs"] == 0
+            client_config = replace(config, daemon=DaemonConfig(socket=socket_path))
+            async with shardsync.Client(client_config, fallback="error") as client:
+                await (await client.prefetch(REPO)).wait()
+            _, after = await api(socket_path, "GET", "/v1/cache")
+            _, metrics = await api(socket_path, "GET", "/metrics")
+    assert after["blobs"] == len(checkpoint.files)
+    assert f"shardsync_cache_blobs {len(checkpoint.files)}" in metrics
