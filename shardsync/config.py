@@ -10,6 +10,7 @@ import grp
 import ipaddress
 import os
 import pwd
+import re
 import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -19,6 +20,7 @@ from urllib.parse import urlsplit
 
 from shardsync.errors import ConfigError
 from shardsync.fetch import FetchConfig
+from shardsync.network import NetworkConfig, network_from_env
 from shardsync.retry import RetryPolicy
 
 __all__ = [
@@ -195,6 +197,7 @@ class Config:
     prune: PruneConfig = field(default_factory=PruneConfig)
     s3: S3Config = field(default_factory=S3Config)
     tier: TierConfig = field(default_factory=TierConfig)
+    network: NetworkConfig = field(default_factory=NetworkConfig)
 
 
 def daemon_socket(daemon: DaemonConfig, environ: Mapping[str, str]) -> Path:
@@ -334,7 +337,7 @@ def _load_config(
             raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path}: {exc}") from None
-    known = {"cache", "download", "retry", "hub", "daemon", "prune", "s3", "tier"}
+    known = {"cache", "download", "retry", "hub", "daemon", "prune", "s3", "tier", "network"}
     for key in data:
         if key not in known:
             raise ConfigError(f"unknown config section or key {key!r}")
@@ -351,6 +354,7 @@ def _load_config(
         ("prune", set(_PRUNE_KEYS)),
         ("s3", {"endpoint", "region", "addressing", "profile"}),
         ("tier", {"url", "claim_lease", "claim_stall", "upload_floor"}),
+        ("network", {"proxy", "no_proxy", "ca_bundle", "metadata_timeout", "headers"}),
     ):
         for key in _section(data, section):
             if key not in allowed:
@@ -411,6 +415,7 @@ def _load_config(
     prune = _prune_config(_section(data, "prune"))
     s3 = _s3_config(_section(data, "s3"))
     tier = _tier_config(_section(data, "tier"), env)
+    network = _network_config(_section(data, "network"), env)
     return Config(
         cache_dir=cache_dir,
         endpoint=endpoint,
@@ -420,7 +425,48 @@ def _load_config(
         prune=prune,
         s3=s3,
         tier=tier,
+        network=network,
     )
+
+
+def _network_config(section: Mapping[str, Any], env: Mapping[str, str]) -> NetworkConfig:
+    """``[network]`` over the proxy and CA variables (see ``shardsync.network``)."""
+    texts: dict[str, str | None] = {}
+    for key in ("proxy", "no_proxy", "ca_bundle"):
+        value = section.get(key)
+        if value is not None and not isinstance(value, str):
+            raise ConfigError(f"network.{key} must be a string (got {value!r})")
+        texts[key] = value
+    headers = section.get("headers", {})
+    if not isinstance(headers, dict) or not all(
+        isinstance(v, dict)
+        and all(isinstance(k2, str) and isinstance(v2, str) for k2, v2 in v.items())
+        for v in headers.values()
+    ):
+        raise ConfigError(
+            "network.headers must map host globs to header tables, e.g. "
+            '[network.headers."*.example.com"] X-Tag = "value"'
+        )
+    for pattern, table in headers.items():
+        for name, value in table.items():
+            if not _HEADER_NAME.fullmatch(name) or any(c in value for c in "\r\n\0"):
+                raise ConfigError(f"network.headers.{pattern}: invalid header {name!r}")
+    timeout = 120.0
+    if "metadata_timeout" in section:
+        timeout = _coerce("network.metadata_timeout", section["metadata_timeout"], float)
+        if timeout <= 0:
+            raise ConfigError("network.metadata_timeout must be positive")
+    return network_from_env(
+        env,
+        proxy=texts["proxy"],
+        no_proxy=texts["no_proxy"],
+        ca_bundle=texts["ca_bundle"],
+        headers=headers,
+        metadata_timeout=timeout,
+    )
+
+
+_HEADER_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+")
 
 
 def _tier_config(section: Mapping[str, Any], env: Mapping[str, str]) -> TierConfig:

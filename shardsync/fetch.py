@@ -48,6 +48,7 @@ from shardsync.errors import (
     StalledError,
     TransferError,
 )
+from shardsync.network import NetworkConfig
 from shardsync.retry import (
     Backoff,
     RangeSet,
@@ -253,9 +254,11 @@ class Fetcher:
         sleep: Sleep = asyncio.sleep,
         clock: Callable[[], float] = time.monotonic,
         throttle: Throttle | None = None,
+        network: NetworkConfig | None = None,
     ) -> None:
         self._session = session
         self.config = config or FetchConfig()
+        self.network = network or NetworkConfig()
         self._sleep = sleep
         self._clock = clock
         self._throttle = throttle
@@ -302,7 +305,7 @@ class Fetcher:
         backoff = Backoff(self.config.retry)
         while True:
             try:
-                async with self._request("GET", url, headers) as resp:
+                async with self._request("GET", url, headers, metadata=True) as resp:
                     if resp.status == 200:
                         declared = resp.content_length
                         if declared is not None and declared > max_size:
@@ -369,7 +372,11 @@ class Fetcher:
         linked_size: int | None = None
         for _ in range(_MAX_REDIRECTS + 1):
             async with self._session.head(
-                url, headers=_with_defaults(headers), allow_redirects=False
+                url,
+                headers=self._headers(url, headers),
+                allow_redirects=False,
+                timeout=self._metadata_timeout(),
+                **self._proxy(url),
             ) as resp:
                 commit = commit or resp.headers.get("X-Repo-Commit")
                 linked = linked or _unquote_etag(
@@ -789,15 +796,22 @@ class Fetcher:
 
     @contextlib.asynccontextmanager
     async def _request(
-        self, method: str, url: str, headers: Mapping[str, str]
+        self, method: str, url: str, headers: Mapping[str, str], *, metadata: bool = False
     ) -> AsyncIterator[aiohttp.ClientResponse]:
-        """A request with redirects followed by hand (credentials never leave the origin)."""
+        """A request with redirects followed by hand (credentials never leave the origin),
+        each hop through the proxy ``NO_PROXY`` leaves it. ``metadata``: an API answer or
+        listing, which a mirror may fetch upstream first (its own, longer, read timeout)."""
         hdrs = dict(headers)
         for _ in range(_MAX_REDIRECTS + 1):
             self._active += 1
             try:
                 async with self._session.request(
-                    method, url, headers=_with_defaults(hdrs), allow_redirects=False
+                    method,
+                    url,
+                    headers=self._headers(url, hdrs),
+                    allow_redirects=False,
+                    timeout=self._metadata_timeout() if metadata else None,
+                    **self._proxy(url),
                 ) as resp:
                     if resp.status not in _REDIRECTS:
                         yield resp
@@ -807,6 +821,31 @@ class Fetcher:
                 self._active -= 1
             url, hdrs = _follow(url, hdrs, location)
         raise ProtocolError(f"more than {_MAX_REDIRECTS} redirects for {redact_url(url)}")
+
+    def _headers(self, url: str, headers: Mapping[str, str]) -> dict[str, str]:
+        """Ours, then the configured ones for this host, then the request's own."""
+        merged = _with_defaults({})
+        merged.update(self.network.extra_headers(url))
+        merged.update(headers)
+        return merged
+
+    def _proxy(self, url: str) -> dict[str, Any]:
+        proxy = self.network.proxy_for(url)
+        if proxy is None:
+            return {}
+        if proxy.username is None:
+            return {"proxy": proxy.url}
+        auth = aiohttp.encode_basic_auth(proxy.username, proxy.password or "")
+        return {"proxy": proxy.url, "proxy_headers": {"Proxy-Authorization": auth}}
+
+    def _metadata_timeout(self) -> aiohttp.ClientTimeout:
+        cfg = self.config
+        return aiohttp.ClientTimeout(
+            total=None,
+            connect=cfg.connect_timeout,
+            sock_connect=cfg.connect_timeout,
+            sock_read=max(cfg.read_timeout, self.network.metadata_timeout),
+        )
 
     async def _raise_for_status(
         self, resp: aiohttp.ClientResponse, label: str, *, relocatable: bool = False
@@ -826,6 +865,8 @@ class Fetcher:
             raise EntryNotFoundError(detail)
         if code == "GatedRepo":
             raise AuthError(detail)
+        if status == 407:
+            raise AuthError(f"{detail} (the proxy wants credentials: http://USER:PASS@HOST:PORT)")
         verdict = classify_status(status)
         if verdict == "retry":
             after = parse_retry_after(resp.headers.get("Retry-After"), now=time.time())
@@ -844,6 +885,13 @@ class Fetcher:
         self, exc: BaseException, label: str, backoff: Backoff, retry_after: float | None
     ) -> None:
         cause = _cause(exc)
+        if isinstance(exc, aiohttp.ClientHttpProxyError):  # the proxy refused a CONNECT
+            if exc.status == 407:
+                raise AuthError(
+                    f"{label}: the proxy wants credentials (HTTP 407): give them in the "
+                    "proxy URL, http://USER:PASS@HOST:PORT"
+                ) from None
+            exc = _RetryLater(f"proxy answered HTTP {exc.status}", after=None, status=exc.status)
         retryable = isinstance(exc, (_RetryLater, StalledError, ProtocolError)) or (
             is_retryable_exception(exc)
         )

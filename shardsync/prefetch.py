@@ -34,6 +34,7 @@ from shardsync.manifest import (
     parse_index,
     select_weights,
 )
+from shardsync.network import ssl_context
 from shardsync.origins import Origin, Slot, parse_source
 from shardsync.origins.base import Progress
 from shardsync.s3 import S3Client
@@ -148,19 +149,26 @@ class Engine:
         self._session: aiohttp.ClientSession | None = None
         self._fetcher: Fetcher | None = None
         self._origins: dict[tuple[str, str | None], Origin] = {}
-        self.s3 = S3Client(config.s3)  # opened on first use: by S3 origins and the tier
+        self.s3 = S3Client(
+            config.s3, config.network
+        )  # opened on first use: by S3 origins and the tier
         self.tier: Tier | None = None
 
     async def __aenter__(self) -> Engine:
         connector = aiohttp.TCPConnector(
             limit=self.config.max_files * self.config.fetch.connections_per_file + 4,
             limit_per_host=0,
+            ssl=ssl_context(self.config.network),
         )
         self._session = aiohttp.ClientSession(
             connector=connector, timeout=Fetcher.default_timeout(self.config.fetch)
         )
         self._fetcher = Fetcher(
-            self._session, self.config.fetch, sleep=self._sleep, throttle=self._throttle
+            self._session,
+            self.config.fetch,
+            sleep=self._sleep,
+            throttle=self._throttle,
+            network=self.config.network,
         )
         if self.config.tier.url is not None:
             tier = Tier(self.config.tier, self.s3, self._fetcher)

@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import quote
 
 from shardsync.config import S3Config
 from shardsync.errors import (
@@ -32,6 +33,7 @@ from shardsync.errors import (
     ShardsyncError,
     TransferError,
 )
+from shardsync.network import NetworkConfig, Proxy
 
 _Client = Any  # aiobotocore's client is typed at run time only
 
@@ -120,8 +122,11 @@ class S3Client:
     ``aclose`` releases it; an unused instance owns nothing, so making one is free.
     """
 
-    def __init__(self, config: S3Config | None = None) -> None:
+    def __init__(
+        self, config: S3Config | None = None, network: NetworkConfig | None = None
+    ) -> None:
         self.config = config or S3Config()
+        self.network = network or NetworkConfig()
         self._stack: contextlib.AsyncExitStack | None = None
         self._client: _Client | None = None
         self._opening = asyncio.Lock()
@@ -141,7 +146,14 @@ class S3Client:
 
         cfg = self.config
         session = AioSession(profile=cfg.profile)
+        endpoint = cfg.endpoint or "https://s3.amazonaws.com"
+        proxy = self.network.proxy_for(endpoint)  # our NO_PROXY rules, not botocore's
+        proxies = {"http": proxy.url, "https": proxy.url} if proxy is not None else None
+        if proxy is not None and proxy.username is not None:
+            proxies = {k: _with_userinfo(proxy.url, proxy) for k in ("http", "https")}
         client_config = AioConfig(
+            signature_version="s3v4",  # presigned URLs too (botocore may pick SigV2 for them)
+            proxies=proxies,
             s3={"addressing_style": cfg.addressing},
             retries={"max_attempts": 4, "mode": "standard"},
             connect_timeout=10,
@@ -158,6 +170,7 @@ class S3Client:
                     endpoint_url=cfg.endpoint,
                     region_name=cfg.region,
                     config=client_config,
+                    verify=str(self.network.ca_bundle) if self.network.ca_bundle else None,
                 )
             )
         except Exception as exc:
@@ -340,6 +353,13 @@ class S3Client:
             await client.delete_object(Bucket=bucket, Key=key)
 
         await self._call("delete", f"s3://{bucket}/{key}", run)
+
+
+def _with_userinfo(url: str, proxy: Proxy) -> str:
+    """botocore takes proxy credentials inside the URL (it never logs the URL)."""
+    user = quote(proxy.username or "", safe="")
+    password = quote(proxy.password or "", safe="")
+    return url.replace("://", f"://{user}:{password}@", 1)
 
 
 def _read_at(f: Any, offset: int, n: int) -> bytes:

@@ -61,3 +61,17 @@ def s3server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
 def s3bucket(s3server: S3Server, request: pytest.FixtureRequest) -> str:
     """A fresh, empty bucket on `s3server`, named after the test."""
     return s3server.new_bucket(request.node.name)
+
+
+@pytest.fixture
+def aws_env(s3server: S3Server, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The standard AWS chain points at the test store's full-rights identity, and at
+    nothing of this machine's (no ~/.aws files, no instance metadata)."""
+    for name in list(os.environ):
+        if name.startswith("AWS_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3server.access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3server.secret_key)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")

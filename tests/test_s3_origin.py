@@ -39,19 +39,6 @@ def s3_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
     return build_checkpoint(tmp_path_factory.mktemp("s3ck"), total_bytes=3 << 20, n_shards=3)
 
 
-@pytest.fixture
-def aws_env(s3server: S3Server, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """The standard AWS chain points at the test store, and at nothing on this machine."""
-    for name in list(os.environ):
-        if name.startswith("AWS_"):
-            monkeypatch.delenv(name)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3server.access_key)
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3server.secret_key)
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-
-
 def s3_config(cache_dir: Path, server: S3Server) -> Config:
     s3 = S3Config(endpoint=server.endpoint, region=server.region, addressing="path")
     return replace(fast_config(cache_dir), s3=s3)

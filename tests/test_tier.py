@@ -44,18 +44,6 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
 
 
 @pytest.fixture
-def aws_env(s3server: S3Server, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    for name in list(os.environ):
-        if name.startswith("AWS_"):
-            monkeypatch.delenv(name)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3server.access_key)
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3server.secret_key)
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-
-
-@pytest.fixture
 async def hub(model: Checkpoint) -> AsyncIterator[FakeHub]:
     async with FakeHub() as fake:
         fake.add_checkpoint(REPO, model)
@@ -454,6 +442,8 @@ async def test_a_claim_that_makes_no_progress_is_given_up_on(
             n += 1
             stop.wait(0.3)
 
+    body = {"holder": "stuck", "size": len(first), "done": 10, "expires": time.time() + 5}
+    s3(s3server).put_object(Bucket=s3bucket, Key=key, Body=json.dumps(body).encode())
     renewer = threading.Thread(target=stuck_holder, daemon=True)
     renewer.start()
     try:

@@ -1,0 +1,221 @@
+"""How requests reach the network: proxies, trusted CAs, extra headers per host.
+
+Pure except ``ssl_context`` (which reads the CA file). Settings are resolved once, in
+``load_config(environ)``, from the variables curl and requests read, with ``[network]``
+overriding them:
+
+- ``https_proxy``/``HTTPS_PROXY`` for https URLs, ``http_proxy``/``HTTP_PROXY`` for http,
+  ``all_proxy``/``ALL_PROXY`` for both when the scheme's own is unset (lower case first);
+- ``no_proxy``/``NO_PROXY``: ``*``, host names, domains (``example.com`` and
+  ``.example.com`` both match its subdomains), ``host:port``, IP addresses and CIDRs;
+- ``SSL_CERT_FILE``, then ``REQUESTS_CA_BUNDLE``, else the system store.
+
+Proxy credentials (``http://user:pass@proxy:3128``) are split off the URL here and go to
+the proxy only, as ``Proxy-Authorization``; ``redacted`` is the form for messages.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import ipaddress
+import ssl
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import unquote, urlsplit, urlunsplit
+
+from shardsync.errors import ConfigError
+
+__all__ = ["NetworkConfig", "NoProxy", "Proxy", "network_from_env", "ssl_context"]
+
+
+@dataclass(frozen=True, slots=True)
+class Proxy:
+    """A proxy URL without credentials, and the credentials apart."""
+
+    url: str
+    username: str | None = field(default=None, repr=False)
+    password: str | None = field(default=None, repr=False)
+
+    @classmethod
+    def parse(cls, text: str, *, source: str) -> Proxy:
+        raw = text.strip()
+        if "://" not in raw:
+            raw = "http://" + raw  # curl's default scheme for a bare host:port
+        parts = urlsplit(raw)
+        if parts.scheme not in ("http", "https"):
+            raise ConfigError(
+                f"{source}: unsupported proxy scheme {parts.scheme!r} "
+                "(use an http:// or https:// proxy URL)"
+            )
+        try:
+            port = parts.port
+        except ValueError:
+            raise ConfigError(f"{source}: invalid proxy port in {_redact(raw)!r}") from None
+        if not parts.hostname:
+            raise ConfigError(f"{source}: a proxy URL needs a host, got {_redact(raw)!r}")
+        host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+        netloc = f"{host}:{port}" if port else host
+        return cls(
+            url=urlunsplit((parts.scheme, netloc, "", "", "")),
+            username=unquote(parts.username) if parts.username else None,
+            password=unquote(parts.password) if parts.password else None,
+        )
+
+    @property
+    def redacted(self) -> str:
+        return self.url if self.username is None else self.url.replace("://", "://***@", 1)
+
+
+def _redact(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.username is None:
+        return url
+    return url.replace(parts.netloc, "***@" + parts.netloc.rpartition("@")[2], 1)
+
+
+@dataclass(frozen=True, slots=True)
+class NoProxy:
+    """Parsed ``NO_PROXY``: which hosts are reached directly."""
+
+    everything: bool = False
+    names: tuple[tuple[str, int | None], ...] = ()  # (lower-case name or domain, port)
+    networks: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
+
+    @classmethod
+    def parse(cls, text: str) -> NoProxy:
+        names: list[tuple[str, int | None]] = []
+        networks: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = []
+        for item in (p.strip() for p in text.split(",")):
+            if not item:
+                continue
+            if item == "*":
+                return cls(everything=True)
+            try:
+                networks.append(ipaddress.ip_network(item.strip("[]"), strict=False))
+                continue
+            except ValueError:
+                pass
+            host, port = _split_port(item)
+            names.append((host.lower().lstrip(".").rstrip("."), port))
+        return cls(names=tuple(names), networks=tuple(networks))
+
+    def bypass(self, host: str, port: int | None) -> bool:
+        if self.everything:
+            return True
+        host = host.lower().rstrip(".")
+        try:
+            address = ipaddress.ip_address(host.strip("[]"))
+        except ValueError:
+            address = None
+        if address is not None and any(address in net for net in self.networks):
+            return True
+        for name, only_port in self.names:
+            if only_port is not None and only_port != port:
+                continue
+            if host == name or host.endswith("." + name):
+                return True
+        return False
+
+
+def _split_port(item: str) -> tuple[str, int | None]:
+    if item.startswith("["):  # [::1]:8080
+        host, _, rest = item[1:].partition("]")
+        return host, int(rest[1:]) if rest.startswith(":") and rest[1:].isdigit() else None
+    host, sep, port = item.rpartition(":")
+    if sep and port.isdigit() and host.count(":") == 0:
+        return host, int(port)
+    return item, None
+
+
+@dataclass(frozen=True, slots=True)
+class NetworkConfig:
+    """Resolved network settings (the ``[network]`` section over the environment)."""
+
+    http_proxy: Proxy | None = None
+    https_proxy: Proxy | None = None
+    no_proxy: NoProxy = field(default_factory=NoProxy)
+    ca_bundle: Path | None = None
+    headers: Mapping[str, Mapping[str, str]] = field(default_factory=dict)  # host glob -> headers
+    metadata_timeout: float = 120.0
+
+    def proxy_for(self, url: str) -> Proxy | None:
+        """The proxy a request to ``url`` goes through, or None for a direct connection."""
+        parts = urlsplit(url)
+        proxy = self.https_proxy if parts.scheme == "https" else self.http_proxy
+        if proxy is None or not parts.hostname:
+            return None
+        try:
+            port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
+        except ValueError:
+            return None
+        return None if self.no_proxy.bypass(parts.hostname, port) else proxy
+
+    def extra_headers(self, url: str) -> dict[str, str]:
+        """Configured headers for the URL's host (e.g. Dragonfly's task-id filters)."""
+        host = (urlsplit(url).hostname or "").lower()
+        out: dict[str, str] = {}
+        for pattern, headers in self.headers.items():
+            if fnmatch.fnmatchcase(host, pattern.lower()):
+                out.update(headers)
+        return out
+
+
+def network_from_env(
+    env: Mapping[str, str],
+    *,
+    proxy: str | None = None,
+    no_proxy: str | None = None,
+    ca_bundle: str | None = None,
+    headers: Mapping[str, Mapping[str, str]] | None = None,
+    metadata_timeout: float = 120.0,
+) -> NetworkConfig:
+    """Resolve the proxies and CA bundle from ``env``; the keyword arguments (``[network]``)
+    win over the variables."""
+
+    def var(name: str) -> tuple[str, str] | None:
+        for key in (name.lower(), name.upper()):
+            if env.get(key):
+                return env[key], key
+        return None
+
+    def parsed(found: tuple[str, str] | None) -> Proxy | None:
+        return None if found is None else Proxy.parse(found[0], source=found[1])
+
+    if proxy is not None:
+        http = https = Proxy.parse(proxy, source="network.proxy") if proxy else None
+    else:
+        fallback = var("all_proxy")
+        http = parsed(var("http_proxy") or fallback)
+        https = parsed(var("https_proxy") or fallback)
+    skip = no_proxy if no_proxy is not None else (var("no_proxy") or ("", ""))[0]
+    bundle: Path | None = None
+    for value, source in (
+        (ca_bundle, "network.ca_bundle"),
+        (env.get("SSL_CERT_FILE"), "SSL_CERT_FILE"),
+        (env.get("REQUESTS_CA_BUNDLE"), "REQUESTS_CA_BUNDLE"),
+    ):
+        if value:
+            bundle = Path(value).expanduser()
+            if not bundle.is_file():
+                raise ConfigError(f"{source}: no CA bundle file at {str(bundle)!r}")
+            break
+    return NetworkConfig(
+        http_proxy=http,
+        https_proxy=https,
+        no_proxy=NoProxy.parse(skip),
+        ca_bundle=bundle,
+        headers=dict(headers or {}),
+        metadata_timeout=metadata_timeout,
+    )
+
+
+def ssl_context(network: NetworkConfig) -> ssl.SSLContext:
+    """Verification on, with the configured CA bundle or else the system store: the same
+    trust for the Hub, its CDN, plain URLs, S3, the tier and the daemon's downloads."""
+    if network.ca_bundle is None:
+        return ssl.create_default_context()
+    try:
+        return ssl.create_default_context(cafile=str(network.ca_bundle))
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"cannot load CA bundle {network.ca_bundle}: {exc}") from None
