@@ -433,3 +433,18 @@ async def test_s3_requests_go_through_the_proxy_too(
     assert any(m == "GET" and "list-type=2" in u for m, u, _s in seen)  # ListObjectsV2
     assert any(m == "HEAD" for m, _u, _s in seen)
     assert any(m == "GET" and "X-Amz-Signature=" in u for m, u, _s in seen)  # presigned
+
+
+async def test_extra_headers_go_to_the_matching_hosts_only(
+    hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    """What a Dragonfly setup needs: a stable tag on the CDN's requests (the fake Hub's log
+    shows what was sent; Dragonfly itself cannot run here)."""
+    network = network_from_env({}, headers={"127.0.0.2": {"X-Dragonfly-Tag": "fleet-a"}})
+    config = replace(fast_config(tmp_path / "c", hub.endpoint), network=network)
+    result = await prefetch(REPO, config)
+    assert_snapshot_matches(result.snapshot_path, checkpoint)
+    cdn = [r for r in hub.log if r.server == "cdn"]
+    api = [r for r in hub.log if r.server == "hub"]
+    assert cdn and all(r.headers.get("X-Dragonfly-Tag") == "fleet-a" for r in cdn)
+    assert api and all("X-Dragonfly-Tag" not in r.headers for r in api)
