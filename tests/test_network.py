@@ -448,3 +448,22 @@ async def test_extra_headers_go_to_the_matching_hosts_only(
     api = [r for r in hub.log if r.server == "hub"]
     assert cdn and all(r.headers.get("X-Dragonfly-Tag") == "fleet-a" for r in cdn)
     assert api and all("X-Dragonfly-Tag" not in r.headers for r in api)
+
+
+def test_load_goes_through_the_proxy(squid: Squid, checkpoint: Checkpoint, tmp_path: Path) -> None:
+    from helpers import serving
+    from safetensors.torch import load_file
+
+    import shardsync
+
+    with serving({REPO: checkpoint}) as fake:
+        config = through(fast_config(tmp_path / "c", fake.endpoint), {"HTTP_PROXY": squid.url})
+        mark = squid.mark()
+        tensors = shardsync.load(REPO, config=config, device_map="cpu")
+        assert any(u.startswith(fake.cdn_endpoint) for _m, u, _s in squid.log_since(mark))
+    expected = {}
+    for shard in checkpoint.shards:
+        expected.update(load_file(checkpoint.path(shard)))
+    assert set(tensors) == set(expected)
+    for name, tensor in expected.items():
+        assert tensors[name].dtype == tensor.dtype and tensors[name].equal(tensor)
