@@ -78,6 +78,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress output")
     p.add_argument("--priority", type=int, default=0, help="daemon job priority (default 0)")
     p.add_argument(
+        "--checkpoint",
+        metavar="latest|NAME",
+        help="a training checkpoint of the run at SOURCE (s3:// or a directory): the newest "
+        "complete one, or the folder NAME (see README: Resuming training)",
+    )
+    p.add_argument("--rank", type=int, help="with --checkpoint: only the files this rank reads")
+    p.add_argument("--world-size", type=int, help="with --checkpoint and --rank")
+    p.add_argument(
         "--no-daemon", action="store_true", help="download in this process even if a daemon runs"
     )
 
@@ -194,6 +202,8 @@ def _config(args: argparse.Namespace) -> Config:
 def _prefetch(args: argparse.Namespace) -> int:
     config = _config(args)
     config = replace(config, cache_dir=Path(os.path.abspath(config.cache_dir)))
+    if args.checkpoint is not None or args.rank is not None or args.world_size is not None:
+        return _prefetch_checkpoint(args, config)
     progress = None if args.quiet or args.offline else make_progress(sys.stderr, args.source)
     try:
         result = asyncio.run(_prefetch_somewhere(args, config, progress))
@@ -201,6 +211,51 @@ def _prefetch(args: argparse.Namespace) -> int:
         if progress is not None:
             progress.close()
     _report(result, as_json=args.json, quiet=args.quiet)
+    return 0
+
+
+def _prefetch_checkpoint(args: argparse.Namespace, config: Config) -> int:
+    """``--checkpoint``: a training checkpoint (or one rank's files of it), in-process."""
+    from shardsync.checkpoint import prefetch_checkpoint
+
+    if args.checkpoint is None:
+        raise errors.ConfigError("--rank and --world-size go with --checkpoint latest|NAME")
+    if (args.rank is None) != (args.world_size is None):
+        raise errors.ConfigError("--rank and --world-size go together")
+    if args.world_size is not None and not 0 <= args.rank < args.world_size:
+        raise errors.ConfigError(
+            f"--rank must be from 0 to --world-size - 1 (got {args.rank} of {args.world_size})"
+        )
+    if args.offline or args.revision or args.include or args.exclude or args.allow_pickle:
+        raise errors.ConfigError(
+            "--checkpoint takes none of --offline, --revision, --include, --exclude, --allow-pickle"
+        )
+    progress = None if args.quiet else make_progress(sys.stderr, args.source)
+    try:
+        result = asyncio.run(
+            prefetch_checkpoint(
+                args.source,
+                config,
+                checkpoint=args.checkpoint,
+                rank=args.rank,
+                world_size=args.world_size,
+                progress=progress,
+            )
+        )
+    finally:
+        if progress is not None:
+            progress.close()
+    if args.json:
+        print(json.dumps(result.to_json(), indent=2))
+        return 0
+    if not args.quiet:
+        for skipped in result.skipped:
+            print(f"skipped {skipped.name}: {skipped.reason}", file=sys.stderr)
+        for note in result.notes:
+            print(f"note: {note}", file=sys.stderr)
+        print(f"{result.format} checkpoint {result.checkpoint}", file=sys.stderr)
+    _report(result.prefetch, as_json=False, quiet=args.quiet, path=False)
+    print(result.path)
     return 0
 
 

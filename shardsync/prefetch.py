@@ -13,7 +13,7 @@ import contextlib
 import hashlib
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,10 +48,14 @@ __all__ = [
     "Job",
     "PrefetchResult",
     "ProgressSink",
+    "Select",
     "prefetch",
 ]
 
 Source = Literal["network", "cache", "local", "tier"]
+Select = Callable[[Listing], Awaitable[Manifest]]
+"""Decides a job's files from the origin's listing instead of the weights index (a training
+checkpoint's files: ``shardsync.checkpoint``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -344,11 +348,16 @@ class Job:
         return self.cache.snapshot_dir(self.origin.repo, self.commit)
 
     async def prepare(
-        self, include: Sequence[str] | None = None, exclude: Sequence[str] = ()
+        self,
+        include: Sequence[str] | None = None,
+        exclude: Sequence[str] = (),
+        *,
+        select: Select | None = None,
     ) -> Manifest:
-        """List the origin, get the index, and decide every file to fetch, in order."""
+        """List the origin, get the index, and decide every file to fetch, in order;
+        ``select`` decides the files from the listing instead (``include``/``exclude`` unused)."""
         async with await self._lease():
-            return await self._prepare(include, exclude)
+            return await self._prepare(include, exclude, select)
 
     async def download(self) -> tuple[FileOutcome, ...]:
         """Fetch (or reuse) every file; the snapshot is complete when this returns."""
@@ -364,13 +373,18 @@ class Job:
             self.origin.repo, owner=f"prefetch {self.origin.repo.name}@{self.revision}"
         )
 
-    async def _prepare(self, include: Sequence[str] | None, exclude: Sequence[str]) -> Manifest:
+    async def _prepare(
+        self, include: Sequence[str] | None, exclude: Sequence[str], select: Select | None
+    ) -> Manifest:
         # A crashed run's temp names go first: one is a second name of its partial, which
         # would otherwise look like a live download and not be resumed.
         await asyncio.to_thread(self.cache.sweep_orphans)
         listing = await self._list()
         self.commit = listing.commit or ""
         self._load_hints()
+        if select is not None:
+            self._manifest = await select(listing)
+            return self._manifest
         weights = select_weights(listing, allow_pickle=self.allow_pickle)
         index = None
         if weights.path.endswith(".index.json"):

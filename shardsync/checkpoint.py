@@ -1,0 +1,222 @@
+"""Training checkpoints from any origin: choose one, fetch one rank's files of it.
+
+``prefetch_checkpoint`` is what ``shardsync prefetch SOURCE --checkpoint latest`` runs: the
+engine's usual job (locks, verification, atomic publish, resume, leases), with its files
+decided by ``shardsync.training`` instead of a weights index. ``latest`` says what would be
+chosen without downloading anything but the small files the choice reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import posixpath
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shardsync.api import result_to_json
+from shardsync.config import Config, load_config
+from shardsync.errors import EntryNotFoundError
+from shardsync.fetch import Fetcher, Sleep
+from shardsync.manifest import Listing, Manifest, ManifestEntry, RemoteFile
+from shardsync.origins import Origin
+from shardsync.prefetch import Engine, PrefetchResult, ProgressSink, Select
+from shardsync.training import (
+    Choice,
+    Format,
+    Need,
+    RankSelection,
+    Skipped,
+    choose,
+    select_rank,
+)
+
+__all__ = [
+    "CheckpointResult",
+    "alatest",
+    "latest",
+    "prefetch_checkpoint",
+    "resolve",
+    "selector",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointResult:
+    """A training checkpoint (or one rank's part of it) complete in the cache.
+
+    ``path`` is the local folder a framework is pointed at, laid out like the remote one
+    (the checkpoint folder; for DeepSpeed and Megatron the run folder with the pointer file).
+    """
+
+    prefetch: PrefetchResult
+    checkpoint: str
+    format: Format
+    step: int | None
+    path: Path
+    skipped: tuple[Skipped, ...]
+    notes: tuple[str, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        """``prefetch --json`` plus ``checkpoint``, ``format``, the checkpoint's folder as
+        ``snapshot_path`` (the whole snapshot as ``snapshot_root``), and what was skipped."""
+        return {
+            **result_to_json(self.prefetch),
+            "checkpoint": self.checkpoint,
+            "format": self.format,
+            "step": self.step,
+            "snapshot_path": str(self.path),
+            "snapshot_root": str(self.prefetch.snapshot_path),
+            "skipped": [{"name": s.name, "reason": s.reason} for s in self.skipped],
+            "notes": list(self.notes),
+        }
+
+
+async def resolve(
+    origin: Origin, fetcher: Fetcher, listing: Listing, checkpoint: str = "latest"
+) -> Choice:
+    """``training.choose`` over an origin: the small files it asks for are read by range
+    (a DCP ``.metadata`` is a hidden file, which listings leave out, so it is asked for by
+    name)."""
+    pairs = [(f.path, f.size) for f in listing.files]
+    contents: dict[str, bytes | None] = {}
+    while isinstance(step := choose(pairs, checkpoint, contents), Need):
+        contents[step.path] = await _read_small(origin, fetcher, listing.commit, step)
+    return step
+
+
+async def _read_small(
+    origin: Origin, fetcher: Fetcher, commit: str | None, need: Need
+) -> bytes | None:
+    try:
+        return await origin.read_range(
+            fetcher, commit, RemoteFile(need.path, None, None), 0, need.limit + 1
+        )
+    except EntryNotFoundError:
+        return None
+
+
+@dataclass(slots=True)
+class _Plan:
+    choice: Choice | None = None
+    selection: RankSelection | None = None
+
+
+def selector(
+    origin: Origin,
+    fetcher: Fetcher,
+    checkpoint: str,
+    rank: int | None,
+    world_size: int | None,
+    plan: _Plan,
+) -> Select:
+    """The ``Job.prepare(select=...)`` hook: the chosen checkpoint's files for one rank."""
+
+    async def select(listing: Listing) -> Manifest:
+        choice = await resolve(origin, fetcher, listing, checkpoint)
+        selection = select_rank(choice, rank, world_size)
+        listed = {f.path: f for f in listing.files}
+        entries = tuple(
+            ManifestEntry.from_remote(listed[path], "shard")
+            if path in listed
+            else ManifestEntry(path, size, None, None, "shard")
+            for path, size in selection.files
+        )
+        plan.choice, plan.selection = choice, selection
+        return Manifest(commit=listing.commit, entries=entries, weight_map={})
+
+    return select
+
+
+async def prefetch_checkpoint(
+    source: str,
+    config: Config,
+    *,
+    checkpoint: str = "latest",
+    rank: int | None = None,
+    world_size: int | None = None,
+    token: str | None = None,
+    progress: ProgressSink | None = None,
+    environ: Mapping[str, str] | None = None,
+    sleep: Sleep = asyncio.sleep,
+) -> CheckpointResult:
+    """Make ``checkpoint`` of the training run at ``source`` (or rank ``rank``'s part of it)
+    complete in the cache and return where it is."""
+    started = time.monotonic()
+    engine = Engine(config, sleep=sleep, environ=environ)
+    origin = engine.origin(source, token=token)
+    plan = _Plan()
+    async with engine:
+        job = engine.job(origin, sink=progress)
+        await job.prepare(
+            select=selector(origin, engine.fetcher, checkpoint, rank, world_size, plan)
+        )
+        files = await job.download()
+        elapsed = time.monotonic() - started
+        stats = engine.fetcher.statistics()
+        tier = engine.tier
+    result = PrefetchResult(
+        repo=origin.repo,
+        revision=job.revision,
+        commit=job.commit,
+        snapshot_path=job.snapshot_path,
+        files=files,
+        bytes_downloaded=sum(f.downloaded for f in files),
+        elapsed=elapsed,
+        fetch=stats,
+        tier=tier.statistics() if tier is not None else None,
+    )
+    assert plan.choice is not None and plan.selection is not None
+    return checkpoint_result(result, plan.choice, plan.selection)
+
+
+def checkpoint_result(
+    result: PrefetchResult, choice: Choice, selection: RankSelection
+) -> CheckpointResult:
+    return CheckpointResult(
+        prefetch=result,
+        checkpoint=choice.name,
+        format=choice.format,
+        step=choice.step,
+        path=local_folder(result.snapshot_path, choice.root),
+        skipped=choice.skipped,
+        notes=selection.notes,
+    )
+
+
+def local_folder(snapshot: Path, root: str) -> Path:
+    return snapshot.joinpath(*posixpath.normpath(root).split("/")) if root else snapshot
+
+
+async def alatest(
+    source: str,
+    *,
+    checkpoint: str = "latest",
+    config: Config | None = None,
+    cache_dir: Path | None = None,
+    token: str | None = None,
+) -> Choice:
+    """What ``--checkpoint latest`` (or ``checkpoint``) would choose at ``source``, with the
+    checkpoints passed over and why; downloads nothing but the small files it reads."""
+    config = config or load_config(None, cache_dir=cache_dir)
+    engine = Engine(config)
+    origin = engine.origin(source, token=token)
+    async with engine:
+        listing = await origin.list_files(engine.fetcher, origin.default_revision)
+        return await resolve(origin, engine.fetcher, listing, checkpoint)
+
+
+def latest(
+    source: str,
+    *,
+    checkpoint: str = "latest",
+    config: Config | None = None,
+    cache_dir: Path | None = None,
+    token: str | None = None,
+) -> Choice:
+    """Blocking ``alatest`` (not from inside a running event loop)."""
+    return asyncio.run(
+        alatest(source, checkpoint=checkpoint, config=config, cache_dir=cache_dir, token=token)
+    )

@@ -1,0 +1,658 @@
+"""Training checkpoints: which one to resume from, and which of its files one rank reads.
+
+Pure: no I/O. ``choose`` takes an origin's listing (path, size) and the bytes of the few
+small files it asks for (``Need``: a DCP ``.metadata``, DeepSpeed's ``latest``, Megatron's
+tracker), and answers with a ``Choice``; ``select_rank`` then narrows a choice to one
+rank's files. The caller loops::
+
+    contents: dict[str, bytes | None] = {}
+    while isinstance(step := choose(listing, "latest", contents), Need):
+        contents[step.path] = read_at_most(step.path, step.limit + 1)  # None: no such file
+
+Formats, as the frameworks write them:
+
+* **dcp** (``torch.distributed.checkpoint``): a directory of ``__<rank>_<n>.distcp`` files
+  and a pickled ``Metadata`` in ``.metadata``, written last by the coordinator. Complete:
+  ``.metadata`` present, and every file its ``storage_data`` names present and at least as
+  large as the last byte range it names there.
+* **deepspeed**: ``latest`` names a tag; ``<tag>/mp_rank_XX_model_states.pt`` and
+  ``<tag>/[bf16_]zero_pp_rank_<dp>_mp_rank_XX_{optim,model}_states.pt``. Complete: model
+  states for every model-parallel rank 0..M-1 and, if ZeRO files exist, ZeRO files for the
+  same data-parallel ranks 0..D-1 under every model-parallel rank.
+* **trainer** (Hugging Face): ``checkpoint-<step>/`` with ``trainer_state.json`` (written
+  last). Complete: ``trainer_state.json`` present (and a DeepSpeed or DCP folder inside is
+  checked as such).
+* **megatron**: ``latest_checkpointed_iteration.txt`` holds an iteration or ``release``;
+  ``iter_<7 digits>/mp_rank_XX[_YYY]/model_optim_rng.pt`` or a DCP (``torch_dist``)
+  folder. Complete: ``model_optim_rng.pt`` for a full grid of tensor x pipeline ranks, or
+  a complete DCP folder.
+
+``latest`` is the framework's own pointer where it has one (and the pointed-to checkpoint is
+complete), else the highest step among complete checkpoints; every candidate passed over is
+reported in ``Choice.skipped`` with the reason.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import posixpath
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from shardsync.errors import ManifestError, UnsafeNameError
+from shardsync.manifest import validate_name
+
+__all__ = [
+    "DCP_METADATA",
+    "DEEPSPEED_LATEST",
+    "MEGATRON_TRACKER",
+    "Choice",
+    "DCPMetadata",
+    "Format",
+    "Need",
+    "RankSelection",
+    "Skipped",
+    "choose",
+    "parse_dcp_metadata",
+    "select_rank",
+]
+
+Format = Literal["dcp", "deepspeed", "trainer", "megatron"]
+
+DCP_METADATA = ".metadata"
+DEEPSPEED_LATEST = "latest"
+MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
+TRAINER_STATE = "trainer_state.json"
+
+MAX_METADATA_BYTES = 512 << 20
+"""Largest ``.metadata`` we unpickle (a very large model's is tens of MiB)."""
+MAX_POINTER_BYTES = 4096
+
+_DISTCP = re.compile(r"__(\d+)_(\d+)\.distcp")
+_DS_MODEL = re.compile(r"mp_rank_(\d+)_model_states\.pt")
+_DS_ZERO = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_(?:optim|model)_states\.pt")
+_TRAINER_DIR = re.compile(r"checkpoint-(\d+)")
+_TRAINER_RNG = re.compile(r"rng_state_(\d+)\.pth")
+_MEGATRON_DIR = re.compile(r"iter_(\d{7,})|release")
+_MEGATRON_RANK_DIR = re.compile(r"mp_rank_(\d+)(?:_(\d+))?(?:_(\d+))?")
+_MEGATRON_FILE = "model_optim_rng.pt"
+_STEP = re.compile(r"(\d+)$")
+
+
+# ------------------------------------------------------------------------------ values
+
+
+@dataclass(frozen=True, slots=True)
+class Need:
+    """Bytes the caller must supply before ``choose`` can go on: ``contents[path]`` is
+    the file's first ``limit + 1`` bytes at most, or None when there is no such file."""
+
+    path: str
+    limit: int
+
+
+@dataclass(frozen=True, slots=True)
+class Skipped:
+    """A checkpoint that was not chosen, and why."""
+
+    name: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class DCPMetadata:
+    """What a DCP ``.metadata`` says: the torch ``Metadata`` (for a reader) and, per file of
+    the checkpoint folder, the end of the last byte range stored in it."""
+
+    metadata: Any = field(repr=False, compare=False)
+    needed: Mapping[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """The checkpoint to resume from.
+
+    ``name`` is its folder under the source; ``root`` the folder a framework is pointed at
+    (the checkpoint folder itself, or for DeepSpeed and Megatron the run folder holding the
+    pointer file); ``files`` every file of it, pointer included when it names this one.
+    """
+
+    format: Format
+    name: str
+    step: int | None
+    root: str
+    files: tuple[tuple[str, int | None], ...]
+    skipped: tuple[Skipped, ...] = ()
+    dcp: DCPMetadata | None = None
+    dcp_dir: str | None = None  # the folder of the DCP files (a Megatron torch_dist one too)
+
+    @property
+    def total_size(self) -> int:
+        return sum(size or 0 for _, size in self.files)
+
+
+@dataclass(frozen=True, slots=True)
+class RankSelection:
+    """The files one rank reads, and what was decided on the way."""
+
+    files: tuple[tuple[str, int | None], ...]
+    notes: tuple[str, ...] = ()
+
+    @property
+    def total_size(self) -> int:
+        return sum(size or 0 for _, size in self.files)
+
+
+# ------------------------------------------------------------------------------ DCP metadata
+
+_DCP_CLASSES = frozenset(
+    {
+        ("torch.distributed.checkpoint.metadata", "Metadata"),
+        ("torch.distributed.checkpoint.metadata", "TensorStorageMetadata"),
+        ("torch.distributed.checkpoint.metadata", "TensorProperties"),
+        ("torch.distributed.checkpoint.metadata", "ChunkStorageMetadata"),
+        ("torch.distributed.checkpoint.metadata", "BytesStorageMetadata"),
+        ("torch.distributed.checkpoint.metadata", "MetadataIndex"),
+        ("torch.distributed.checkpoint.metadata", "StorageMeta"),
+        ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("collections", "OrderedDict"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "PurePosixPath"),
+    }
+)
+
+
+class _DCPUnpickler(pickle.Unpickler):
+    """Only the classes a DCP ``Metadata`` is made of (and torch dtypes); anything else, in
+    particular any callable that could run code, is refused."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        import torch
+
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if (module, name) in _DCP_CLASSES:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a DCP checkpoint's metadata")
+
+
+def parse_dcp_metadata(data: bytes, *, path: str = DCP_METADATA) -> DCPMetadata:
+    """Unpickle a ``.metadata`` with the allow-list above and check what it names."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    if len(data) > MAX_METADATA_BYTES:
+        raise ManifestError(f"{path}: larger than {MAX_METADATA_BYTES} bytes")
+    try:
+        metadata = _DCPUnpickler(io.BytesIO(data)).load()
+    except Exception as exc:  # any malformed pickle: UnpicklingError, EOFError, KeyError, ...
+        raise ManifestError(
+            f"{path} is not a torch.distributed.checkpoint metadata file: {exc}"
+        ) from None
+    if not isinstance(metadata, Metadata):
+        raise ManifestError(f"{path} holds a {type(metadata).__name__}, not a DCP Metadata")
+    storage = metadata.storage_data
+    if not isinstance(storage, dict) or not isinstance(metadata.state_dict_metadata, dict):
+        raise ManifestError(f"{path}: no storage_data / state_dict_metadata mapping")
+    needed: dict[str, int] = {}
+    for info in storage.values():
+        if not isinstance(info, _StorageInfo):
+            raise ManifestError(f"{path}: a storage entry is a {type(info).__name__}")
+        rel, offset, length = info.relative_path, info.offset, info.length
+        if not isinstance(rel, str):
+            raise ManifestError(f"{path}: a storage entry's file name is not a string")
+        try:
+            validate_name(rel)
+        except UnsafeNameError as exc:
+            raise UnsafeNameError(f"{path} names a data file outside its folder: {exc}") from None
+        for value in (offset, length):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ManifestError(f"{path}: bad byte range {offset!r}+{length!r} in {rel}")
+        needed[rel] = max(needed.get(rel, 0), offset + length)
+    return DCPMetadata(metadata=metadata, needed=needed)
+
+
+# ------------------------------------------------------------------------------ helpers
+
+
+def _join(folder: str, name: str) -> str:
+    return f"{folder}/{name}" if folder else name
+
+
+def _step(name: str) -> int | None:
+    m = _STEP.search(posixpath.basename(name))
+    return int(m.group(1)) if m else None
+
+
+class _Tree:
+    """The listing, by folder."""
+
+    def __init__(self, listing: Iterable[tuple[str, int | None]]) -> None:
+        self.sizes: dict[str, int | None] = {}
+        for path, size in listing:
+            self.sizes[validate_name(path)] = size
+
+    def under(self, folder: str) -> list[tuple[str, int | None]]:
+        prefix = folder + "/" if folder else ""
+        return sorted((p, s) for p, s in self.sizes.items() if p.startswith(prefix))
+
+    def top_dirs(self) -> set[str]:
+        return {p.split("/", 1)[0] for p in self.sizes if "/" in p}
+
+    def dcp_dirs(self) -> set[str]:
+        return {
+            posixpath.dirname(p) for p in self.sizes if _DISTCP.fullmatch(posixpath.basename(p))
+        }
+
+
+class _Incomplete(Exception):
+    """A candidate that is not (yet) a complete checkpoint."""
+
+
+class _Resolver:
+    def __init__(self, tree: _Tree, contents: Mapping[str, bytes | None]) -> None:
+        self.tree = tree
+        self.contents = contents
+
+    def read(self, path: str, limit: int) -> bytes | None:
+        """The bytes of a small file, or raise ``_NeedBytes``."""
+        if path not in self.contents:
+            raise _NeedBytes(Need(path, limit))
+        data = self.contents[path]
+        if data is not None and len(data) > limit:
+            raise ManifestError(f"{path}: larger than {limit} bytes")
+        return data
+
+    # -- completeness, per format; each returns the checkpoint's files or raises _Incomplete
+
+    def dcp(self, folder: str) -> tuple[list[tuple[str, int | None]], DCPMetadata]:
+        meta_path = _join(folder, DCP_METADATA)
+        data = self.read(meta_path, MAX_METADATA_BYTES)
+        if data is None:
+            raise _Incomplete(f"no {DCP_METADATA} (torn: the coordinator writes it last)")
+        meta = parse_dcp_metadata(data, path=meta_path)
+        for rel, end in sorted(meta.needed.items()):
+            size = self.tree.sizes.get(_join(folder, rel))
+            if size is None:
+                raise _Incomplete(f"{rel} named by {DCP_METADATA} is missing")
+            if size < end:
+                raise _Incomplete(f"{rel} has {size} bytes, {DCP_METADATA} needs {end}")
+        files = [(p, s) for p, s in self.tree.under(folder) if p != meta_path]
+        files.append((meta_path, len(data)))
+        return sorted(files), meta
+
+    def deepspeed(self, tag: str) -> list[tuple[str, int | None]]:
+        files = self.tree.under(tag)
+        names = [posixpath.basename(p) for p, _ in files if posixpath.dirname(p) == tag]
+        models = {int(m.group(1)) for n in names if (m := _DS_MODEL.fullmatch(n))}
+        optim: set[tuple[int, int]] = set()
+        zero_models: set[tuple[int, int]] = set()  # ZeRO-3: model states per (dp, mp) too
+        for n in names:
+            if m := _DS_ZERO.fullmatch(n):
+                cell = (int(m.group(1)), int(m.group(2)))
+                (optim if n.endswith("_optim_states.pt") else zero_models).add(cell)
+        if zero_models:
+            if optim and optim != zero_models:
+                raise _Incomplete("ZeRO-3 model and optimizer states differ in ranks")
+            _full_grid(zero_models, "ZeRO-3 model states")
+        elif not models:
+            raise _Incomplete("no mp_rank_XX_model_states.pt (model states)")
+        else:
+            if models != set(range(len(models))):
+                raise _Incomplete(f"model states of model-parallel ranks {sorted(models)}")
+            if optim:
+                if {mp for _, mp in optim} != models:
+                    raise _Incomplete("ZeRO files and model states differ in model-parallel ranks")
+                _full_grid(optim, "ZeRO optimizer states")
+        return files
+
+    def megatron(self, folder: str) -> tuple[list[tuple[str, int | None]], DCPMetadata | None]:
+        files = self.tree.under(folder)
+        if any(_DISTCP.fullmatch(posixpath.basename(p)) for p, _ in files):
+            return self.dcp(folder)
+        grid: set[tuple[int, int]] = set()
+        for p, _ in files:
+            parts = p[len(folder) + 1 :].split("/")
+            if len(parts) == 2 and parts[1] == _MEGATRON_FILE:
+                m = _MEGATRON_RANK_DIR.fullmatch(parts[0])
+                if m:
+                    grid.add((int(m.group(1)), int(m.group(2) or 0)))
+        if not grid:
+            raise _Incomplete(f"no mp_rank_*/{_MEGATRON_FILE}")
+        tps = {t for t, _ in grid}
+        pps = {q for _, q in grid}
+        full = {(t, q) for t in range(len(tps)) for q in range(len(pps))}
+        if grid != full:
+            raise _Incomplete("the tensor x pipeline rank folders are not a full grid")
+        return files, None
+
+    def trainer(self, folder: str) -> tuple[list[tuple[str, int | None]], DCPMetadata | None]:
+        if _join(folder, TRAINER_STATE) not in self.tree.sizes:
+            raise _Incomplete(f"no {TRAINER_STATE} (the Trainer writes it last)")
+        files = self.tree.under(folder)
+        meta = None
+        for sub in sorted({posixpath.dirname(p) for p, _ in files} - {folder}):
+            if posixpath.dirname(sub) != folder:
+                continue
+            inner = self.tree.under(sub)
+            if any(_DISTCP.fullmatch(posixpath.basename(p)) for p, _ in inner):
+                dcp_files, meta = self.dcp(sub)  # an FSDP folder (pytorch_model_fsdp_0, ...)
+                files = sorted({*files, *dcp_files})
+            elif any(_DS_MODEL.fullmatch(posixpath.basename(p)) for p, _ in inner):
+                self.deepspeed(sub)
+        return files, meta
+
+
+def _full_grid(cells: set[tuple[int, int]], what: str) -> None:
+    """(data-parallel, model-parallel) ranks must be 0..D-1 x 0..M-1."""
+    dps = {d for d, _ in cells}
+    mps = {m for _, m in cells}
+    if cells != {(d, m) for d in range(len(dps)) for m in range(len(mps))}:
+        raise _Incomplete(f"{what}: (data, model)-parallel ranks {sorted(cells)} are not a grid")
+
+
+class _NeedBytes(Exception):
+    def __init__(self, need: Need) -> None:
+        super().__init__(need.path)
+        self.need = need
+
+
+# ------------------------------------------------------------------------------ choose
+
+
+def choose(
+    listing: Iterable[tuple[str, int | None]],
+    checkpoint: str = "latest",
+    contents: Mapping[str, bytes | None] | None = None,
+) -> Choice | Need:
+    """The checkpoint ``checkpoint`` names (``latest``, or a folder under the source), or
+    the small file whose bytes are needed first. Raises ``ManifestError`` when there is no
+    training checkpoint or the named one is incomplete, ``UnsafeNameError`` for hostile
+    names (in the listing, the argument, a pointer file or a ``.metadata``)."""
+    tree = _Tree(listing)
+    if checkpoint != "latest":
+        validate_name(checkpoint)
+    resolver = _Resolver(tree, contents or {})
+    try:
+        return _choose(tree, resolver, checkpoint)
+    except _NeedBytes as need:
+        return need.need
+
+
+def _choose(tree: _Tree, r: _Resolver, wanted: str) -> Choice:
+    if MEGATRON_TRACKER in tree.sizes:
+        return _with_pointer(tree, r, wanted, "megatron")
+    if DEEPSPEED_LATEST in tree.sizes:
+        return _with_pointer(tree, r, wanted, "deepspeed")
+    trainer = sorted(d for d in tree.top_dirs() if _TRAINER_DIR.fullmatch(d))
+    if trainer:
+        return _highest(r, wanted, "trainer", trainer, r.trainer)
+    dcp = sorted(tree.dcp_dirs())
+    if dcp:
+        return _highest(r, wanted, "dcp", dcp, r.dcp)
+    ds = sorted(
+        d
+        for d in tree.top_dirs()
+        if any(_DS_MODEL.fullmatch(posixpath.basename(p)) for p, _ in tree.under(d))
+    )
+    if ds:
+        return _highest(r, wanted, "deepspeed", ds, lambda d: (r.deepspeed(d), None))
+    raise ManifestError(
+        "no training checkpoint found: expected a DCP folder (.metadata + __R_N.distcp), "
+        f"DeepSpeed's {DEEPSPEED_LATEST}, Trainer checkpoint-N/ folders or Megatron's "
+        f"{MEGATRON_TRACKER}"
+    )
+
+
+def _highest(
+    r: _Resolver,
+    wanted: str,
+    fmt: Format,
+    candidates: Sequence[str],
+    check: Any,
+) -> Choice:
+    """The named candidate if complete; for ``latest`` the highest complete step."""
+    if wanted != "latest":
+        if wanted not in candidates:
+            raise ManifestError(
+                f"no {fmt} checkpoint {wanted!r}; there are: {', '.join(candidates)}"
+            )
+        order = [wanted]
+    else:
+        order = sorted(candidates, key=lambda d: (_step(d) is not None, _step(d) or 0, d))[::-1]
+    skipped: list[Skipped] = []
+    for name in order:
+        try:
+            files, meta = check(name)
+        except _Incomplete as exc:
+            if wanted != "latest":
+                raise ManifestError(f"checkpoint {name!r} is incomplete: {exc}") from None
+            skipped.append(Skipped(name, str(exc)))
+            continue
+        root = name
+        return Choice(
+            format=fmt,
+            name=name,
+            step=_step(name),
+            root=root,
+            files=tuple(files),
+            skipped=tuple(skipped),
+            dcp=meta,
+            dcp_dir=_dcp_dir(files, meta),
+        )
+    detail = "; ".join(f"{s.name}: {s.reason}" for s in skipped)
+    raise ManifestError(f"no complete {fmt} checkpoint ({detail})")
+
+
+def _dcp_dir(files: Sequence[tuple[str, int | None]], meta: DCPMetadata | None) -> str | None:
+    if meta is None:
+        return None
+    for path, _ in files:
+        if posixpath.basename(path) == DCP_METADATA:
+            return posixpath.dirname(path)
+    return None
+
+
+def _read_pointer(r: _Resolver, fmt: Format) -> str | None:
+    """The folder the framework's pointer file names (None: it names nothing usable)."""
+    path = MEGATRON_TRACKER if fmt == "megatron" else DEEPSPEED_LATEST
+    data = r.read(path, MAX_POINTER_BYTES)
+    if data is None:
+        return None
+    try:
+        text = data.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise ManifestError(f"{path} is not UTF-8 text") from None
+    if fmt == "megatron":
+        if text == "release":
+            return "release"
+        if not text.isdigit():
+            raise ManifestError(f"{path} holds {text!r}, not an iteration number or 'release'")
+        return f"iter_{int(text):07d}"
+    try:
+        validate_name(text)
+    except UnsafeNameError as exc:
+        raise UnsafeNameError(f"{path} points outside the checkpoint folder: {exc}") from None
+    if "/" in text:
+        raise UnsafeNameError(f"{path} names {text!r}, not a folder next to it")
+    return text
+
+
+def _with_pointer(tree: _Tree, r: _Resolver, wanted: str, fmt: Format) -> Choice:
+    pointer_file = MEGATRON_TRACKER if fmt == "megatron" else DEEPSPEED_LATEST
+    target = _read_pointer(r, fmt)
+    if fmt == "megatron":
+        candidates = sorted(d for d in tree.top_dirs() if _MEGATRON_DIR.fullmatch(d))
+
+        def check(d: str) -> tuple[list[tuple[str, int | None]], DCPMetadata | None]:
+            return r.megatron(d)
+    else:
+        candidates = sorted(
+            d
+            for d in tree.top_dirs()
+            if any(
+                _DS_MODEL.fullmatch(n) or _DS_ZERO.fullmatch(n)
+                for n in (p.rsplit("/", 1)[-1] for p, _ in tree.under(d))
+            )
+        )
+
+        def check(d: str) -> tuple[list[tuple[str, int | None]], DCPMetadata | None]:
+            return r.deepspeed(d), None
+
+    skipped: list[Skipped] = []
+    if wanted == "latest" and target is not None:
+        if target not in tree.top_dirs():
+            skipped.append(Skipped(target, f"named by {pointer_file} but not in the listing"))
+        else:
+            try:
+                files, meta = check(target)
+            except _Incomplete as exc:
+                skipped.append(Skipped(target, f"named by {pointer_file} but {exc}"))
+            else:
+                return _pointer_choice(fmt, target, files, meta, pointer_file, tree, ())
+    passed_over = {s.name for s in skipped}
+    rest = [c for c in candidates if c not in passed_over]
+    if not rest:
+        detail = "; ".join(f"{s.name}: {s.reason}" for s in skipped)
+        raise ManifestError(f"no complete {fmt} checkpoint ({detail or 'none found'})")
+    choice = _highest(r, wanted, fmt, rest, check)
+    return _pointer_choice(
+        fmt,
+        choice.name,
+        list(choice.files),
+        choice.dcp,
+        pointer_file if target == choice.name else None,
+        tree,
+        (*skipped, *choice.skipped),
+    )
+
+
+def _pointer_choice(
+    fmt: Format,
+    name: str,
+    files: list[tuple[str, int | None]],
+    meta: DCPMetadata | None,
+    pointer_file: str | None,
+    tree: _Tree,
+    skipped: Sequence[Skipped],
+) -> Choice:
+    """DeepSpeed and Megatron are pointed at the run folder: the pointer file goes with
+    the checkpoint when it names this one (else the caller passes the tag/iteration)."""
+    if pointer_file is not None:
+        files = sorted({*files, (pointer_file, tree.sizes[pointer_file])})
+    step = _step(name)
+    return Choice(
+        format=fmt,
+        name=name,
+        step=step,
+        root="",
+        files=tuple(files),
+        skipped=tuple(skipped),
+        dcp=meta,
+        dcp_dir=_dcp_dir(files, meta),
+    )
+
+
+# ------------------------------------------------------------------------------ ranks
+
+
+def select_rank(choice: Choice, rank: int | None, world_size: int | None) -> RankSelection:
+    """The files rank ``rank`` of ``world_size`` reads; every file without a rank.
+
+    A file that belongs to a rank (``__R_N.distcp``, ``zero_pp_rank_R_...``,
+    ``rng_state_R.pth``, Megatron's ``mp_rank_XX[_YYY]/``) is kept only for this rank; every
+    other file is shared. When the checkpoint was saved by another number of ranks than
+    ``world_size``, the mapping is unknown and the whole checkpoint is selected.
+    """
+    if rank is None and world_size is None:
+        return RankSelection(files=choice.files)
+    if rank is None or world_size is None:
+        raise ManifestError("give both rank and world size, or neither")
+    for what, value in (("rank", rank), ("world size", world_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ManifestError(f"{what} must be a non-negative integer (got {value!r})")
+    if world_size < 1 or rank >= world_size:
+        raise ManifestError(f"rank {rank} is not within a world size of {world_size}")
+
+    names = [(p, s, posixpath.basename(p)) for p, s in choice.files]
+    distcp = {int(m.group(1)) for _, _, n in names if (m := _DISTCP.fullmatch(n))}
+    zero = {(int(m.group(1)), int(m.group(2))) for _, _, n in names if (m := _DS_ZERO.fullmatch(n))}
+    rng = {int(m.group(1)) for _, _, n in names if (m := _TRAINER_RNG.fullmatch(n))}
+    grid = _megatron_grid(choice)
+    notes: list[str] = []
+
+    keep_distcp: set[int] | None = None
+    if distcp:
+        if len(distcp) == world_size:
+            keep_distcp = {rank}
+        else:
+            notes.append(
+                f"DCP files were written by {len(distcp)} ranks, not {world_size}: "
+                "every data file is selected"
+            )
+    keep_zero: set[tuple[int, int]] | None = None
+    keep_model_mp: int | None = None
+    if zero:
+        mp = len({m for _, m in zero})
+        dp = len({d for d, _ in zero})
+        if mp * dp == world_size:
+            keep_zero = {(rank // mp, rank % mp)}
+            keep_model_mp = rank % mp
+        else:
+            notes.append(
+                f"DeepSpeed saved {dp} data x {mp} model-parallel ranks, not {world_size}: "
+                "every ZeRO file is selected"
+            )
+    keep_rng: int | None = None
+    if rng:
+        if len(rng) == world_size:
+            keep_rng = rank
+        else:
+            notes.append(f"rng states of {len(rng)} ranks, not {world_size}: all selected")
+    keep_grid: tuple[int, int] | None = None
+    if grid:
+        tp = len({t for t, _ in grid})
+        pp = len({q for _, q in grid})
+        if world_size % (tp * pp) == 0:
+            per_stage = world_size // pp  # Megatron's order: tp fastest, pp slowest
+            keep_grid = (rank % tp, rank // per_stage)
+        else:
+            notes.append(
+                f"Megatron saved {tp} tensor x {pp} pipeline ranks, which do not divide "
+                f"{world_size}: every rank folder is selected"
+            )
+
+    def keep(path: str, name: str) -> bool:
+        if m := _DISTCP.fullmatch(name):
+            return keep_distcp is None or int(m.group(1)) in keep_distcp
+        if m := _DS_ZERO.fullmatch(name):
+            return keep_zero is None or (int(m.group(1)), int(m.group(2))) in keep_zero
+        if m := _DS_MODEL.fullmatch(name):
+            return keep_model_mp is None or int(m.group(1)) == keep_model_mp
+        if m := _TRAINER_RNG.fullmatch(name):
+            return keep_rng is None or int(m.group(1)) == keep_rng
+        cell = _megatron_cell(choice, path)
+        return keep_grid is None or cell is None or cell == keep_grid
+
+    files = [(path, size) for path, size, name in names if keep(path, name)]
+    return RankSelection(files=tuple(files), notes=tuple(notes))
+
+
+def _megatron_cell(choice: Choice, path: str) -> tuple[int, int] | None:
+    if choice.format != "megatron":
+        return None
+    parts = path.split("/")
+    if len(parts) != 3 or parts[0] != choice.name:
+        return None
+    m = _MEGATRON_RANK_DIR.fullmatch(parts[1])
+    return (int(m.group(1)), int(m.group(2) or 0)) if m else None
+
+
+def _megatron_grid(choice: Choice) -> set[tuple[int, int]]:
+    return {c for p, _ in choice.files if (c := _megatron_cell(choice, p)) is not None}

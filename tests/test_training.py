@@ -1,0 +1,566 @@
+"""Training checkpoints: which one `--checkpoint latest` picks, and what one rank fetches.
+
+The DCP run is written by torch itself (2 ranks, gloo on loopback: a tensor of each rank's
+own, replicated ones, a DTensor sharded over both); DeepSpeed, Megatron and Trainer runs are
+laid out with ``torch.save`` under exactly the names their code writes (DeepSpeed
+``engine._get_ckpt_name``/``_get_rank_zero_ckpt_name``, Megatron ``get_checkpoint_name`` and
+``get_checkpoint_tracker_filename``, transformers ``Trainer._save_checkpoint``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import pickle
+import socket
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers import fast_config
+
+from shardsync.checkpoint import latest, prefetch_checkpoint
+from shardsync.cli import main
+from shardsync.errors import ManifestError, UnsafeNameError
+from shardsync.training import Choice, Need, choose, parse_dcp_metadata, select_rank
+
+# ------------------------------------------------------------------------------ builders
+
+DCP_STEPS = (100, 200)
+DCP_TORN = 300
+WORLD = 2
+
+
+def dcp_state(step: int, rank: int) -> dict[str, Any]:
+    """What rank ``rank`` holds at ``step`` (plain tensors: the sharded one is added by the
+    worker as a DTensor)."""
+    own = torch.Generator().manual_seed(step * 100 + rank)
+    shared = torch.Generator().manual_seed(step)
+    return {
+        f"rank{rank}.w": torch.randn(128, 256, generator=own),  # 128 KiB, this rank's only
+        "shared.emb": torch.randn(64, 256, generator=shared),  # replicated: saved once
+        "shared.bias": torch.randn(256, generator=shared).to(torch.bfloat16),
+        "step": step,
+    }
+
+
+def dcp_sharded(step: int) -> torch.Tensor:
+    return torch.randn(256, 128, generator=torch.Generator().manual_seed(step + 7))
+
+
+def dcp_expected(step: int) -> dict[str, Any]:
+    """Everything saved at ``step``, as one process loads it back."""
+    out: dict[str, Any] = {}
+    for rank in range(WORLD):
+        out.update(dcp_state(step, rank))
+    out["sharded.w"] = dcp_sharded(step)
+    return out
+
+
+def _dcp_worker(rank: int, port: int, root: str) -> None:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    warnings.simplefilter("ignore")
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
+    )
+    try:
+        mesh = init_device_mesh("cpu", (WORLD,))
+        for step in (*DCP_STEPS, DCP_TORN):
+            state = dcp_state(step, rank)
+            state["sharded.w"] = distribute_tensor(dcp_sharded(step), mesh, [Shard(0)])
+            dcp.save(state, checkpoint_id=f"{root}/step-{step}")
+        dist.barrier()
+        if rank == 0:  # a step whose coordinator died before writing .metadata
+            os.unlink(f"{root}/step-{DCP_TORN}/.metadata")
+    finally:
+        dist.destroy_process_group()
+
+
+def build_dcp_run(root: Path) -> Path:
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root.mkdir(parents=True)
+    mp.start_processes(_dcp_worker, args=(port, str(root)), nprocs=WORLD, start_method="spawn")
+    return root
+
+
+def _save(path: Path, obj: object) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(obj, path)
+
+
+def _tensors(seed: int, n: int = 2, size: int = 4096) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"t{i}": torch.randn(size, generator=g) for i in range(n)}
+
+
+def build_deepspeed_run(root: Path, variant: str = "zero2") -> Path:
+    """``save_dir/latest`` = ``global_step20``; ``global_step30`` half uploaded (no model
+    states, no ZeRO files of rank 1), ``latest`` not yet moved to it."""
+    for step in (10, 20, 30):
+        tag = root / f"global_step{step}"
+        if variant == "zero3":
+            for dp in range(WORLD):
+                _save(tag / f"zero_pp_rank_{dp}_mp_rank_00_model_states.pt", _tensors(step + dp))
+        elif step != 30:  # its model states never made it
+            _save(tag / "mp_rank_00_model_states.pt", _tensors(step))
+        prefix = "" if variant == "zero2" else "bf16_"
+        for dp in range(WORLD if step != 30 else 1):
+            _save(
+                tag / f"{prefix}zero_pp_rank_{dp}_mp_rank_00_optim_states.pt", _tensors(-step - dp)
+            )
+    (root / "latest").write_text("global_step20")
+    (root / "zero_to_fp32.py").write_text("# DeepSpeed copies its recovery script here\n")
+    return root
+
+
+def build_megatron_run(root: Path) -> Path:
+    """TP=2 x PP=2; the tracker says 200; iteration 300 lacks one rank folder."""
+    for it in (100, 200, 300):
+        for tp in range(2):
+            for pp in range(2):
+                if it == 300 and (tp, pp) == (1, 1):
+                    continue
+                _save(
+                    root / f"iter_{it:07d}" / f"mp_rank_{tp:02d}_{pp:03d}" / "model_optim_rng.pt",
+                    {"iteration": it, "model": _tensors(it + 10 * tp + pp)},
+                )
+    (root / "latest_checkpointed_iteration.txt").write_text("200")
+    return root
+
+
+def build_trainer_run(root: Path) -> Path:
+    """``checkpoint-500`` and ``-1000`` complete; ``-1500`` lacks ``trainer_state.json``."""
+    from safetensors.torch import save_file
+
+    for step in (500, 1000, 1500):
+        ck = root / f"checkpoint-{step}"
+        ck.mkdir(parents=True)
+        (ck / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 1}))
+        save_file(_tensors(step), str(ck / "model.safetensors"))
+        _save(ck / "optimizer.pt", {"state": _tensors(-step)})
+        _save(ck / "scheduler.pt", {"last_epoch": step})
+        for rank in range(WORLD):
+            _save(ck / f"rng_state_{rank}.pth", {"cpu": torch.manual_seed(rank).get_state()})
+        _save(ck / "training_args.bin", {"output_dir": "out"})
+        if step != 1500:
+            (ck / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+    return root
+
+
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("runs")
+    return {
+        "dcp": build_dcp_run(base / "dcp"),
+        "deepspeed": build_deepspeed_run(base / "deepspeed"),
+        "megatron": build_megatron_run(base / "megatron"),
+        "trainer": build_trainer_run(base / "trainer"),
+    }
+
+
+# ------------------------------------------------------------------------------ helpers
+
+
+def listing_of(root: Path) -> list[tuple[str, int | None]]:
+    """What an origin lists: every file but hidden ones (a DCP `.metadata` included)."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        for name in filenames:
+            if not name.startswith("."):
+                full = Path(dirpath, name)
+                out.append((full.relative_to(root).as_posix(), full.stat().st_size))
+    return out
+
+
+def choose_from(
+    root: Path, checkpoint: str = "latest", read: Callable[[str], bytes | None] | None = None
+) -> Choice:
+    def from_disk(path: str) -> bytes | None:
+        full = root / path
+        return full.read_bytes() if full.is_file() else None
+
+    read = read or from_disk
+    listing = listing_of(root)
+    contents: dict[str, bytes | None] = {}
+    asked: list[str] = []
+    while isinstance(step := choose(listing, checkpoint, contents), Need):
+        assert step.path not in asked
+        asked.append(step.path)
+        contents[step.path] = read(step.path)
+    return step
+
+
+def names(files: tuple[tuple[str, int | None], ...]) -> set[str]:
+    return {p for p, _ in files}
+
+
+def load_equal(a: Any, b: Any) -> None:
+    """Tensor by tensor, bit for bit."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8))
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b)
+        for k in a:
+            load_equal(a[k], b[k])
+    else:
+        assert a == b
+
+
+def dcp_load(path: Path, template: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+
+    state = {
+        k: torch.empty_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in template.items()
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(state, checkpoint_id=path, no_dist=True, **kwargs)
+    return state
+
+
+# ------------------------------------------------------------------------------ choose (pure)
+
+
+def test_dcp_latest_is_the_highest_step_with_metadata_and_a_torn_step_is_skipped(
+    runs: dict[str, Path],
+) -> None:
+    choice = choose_from(runs["dcp"])
+    assert (choice.format, choice.name, choice.step, choice.root) == (
+        "dcp",
+        "step-200",
+        200,
+        "step-200",
+    )
+    assert [(s.name, "no .metadata" in s.reason) for s in choice.skipped] == [("step-300", True)]
+    files = names(choice.files)
+    assert "step-200/.metadata" in files
+    assert {p for p in files if p.endswith(".distcp")} == {
+        f"step-200/{n}" for n in os.listdir(runs["dcp"] / "step-200") if n.endswith(".distcp")
+    }
+    assert choice.dcp is not None and set(choice.dcp.needed) <= {
+        n for n in os.listdir(runs["dcp"] / "step-200")
+    }
+    older = choose_from(runs["dcp"], "step-100")
+    assert older.name == "step-100" and not older.skipped
+    with pytest.raises(ManifestError, match=r"step-300.*incomplete.*no \.metadata"):
+        choose_from(runs["dcp"], "step-300")
+    with pytest.raises(ManifestError, match="no dcp checkpoint 'step-7'"):
+        choose_from(runs["dcp"], "step-7")
+    with pytest.raises(UnsafeNameError):
+        choose_from(runs["dcp"], "../step-200")
+
+
+def test_dcp_rank_selection_is_metadata_plus_that_ranks_files(runs: dict[str, Path]) -> None:
+    choice = choose_from(runs["dcp"])
+    for rank in range(WORLD):
+        sel = select_rank(choice, rank, WORLD)
+        assert names(sel.files) == {"step-200/.metadata"} | {
+            p for p, _ in choice.files if os.path.basename(p).startswith(f"__{rank}_")
+        }
+        assert not sel.notes
+    assert select_rank(choice, None, None).files == choice.files
+    resharded = select_rank(choice, 1, 4)  # saved by 2, loaded by 4: nobody knows who reads what
+    assert resharded.files == choice.files and "2 ranks, not 4" in resharded.notes[0]
+    for bad in ((2, 2), (-1, 2), (0, 0)):
+        with pytest.raises(ManifestError):
+            select_rank(choice, *bad)
+
+
+def test_a_dcp_data_file_shorter_than_metadata_says_is_not_complete(
+    runs: dict[str, Path],
+) -> None:
+    root = runs["dcp"]
+    listing = listing_of(root)
+    victim = next(p for p, _ in listing if p.startswith("step-200/") and p.endswith(".distcp"))
+    cut = [(p, (s or 0) - 1 if p == victim else s) for p, s in listing]
+    contents: dict[str, bytes | None] = {}
+    while isinstance(step := choose(cut, "latest", contents), Need):
+        full = root / step.path
+        contents[step.path] = full.read_bytes() if full.is_file() else None
+    assert step.name == "step-100"
+    assert [s.name for s in step.skipped] == ["step-300", "step-200"]
+    assert "bytes" in step.skipped[1].reason
+    missing = [(p, s) for p, s in listing if p != victim]
+    contents = {}
+    while isinstance(step := choose(missing, "latest", contents), Need):
+        full = root / step.path
+        contents[step.path] = full.read_bytes() if full.is_file() else None
+    assert "missing" in step.skipped[1].reason
+
+
+class _Boom:
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, ("echo pwned > /dev/null",))
+
+
+def test_hostile_dcp_metadata_is_refused_without_running_it(runs: dict[str, Path]) -> None:
+    real = (runs["dcp"] / "step-200" / ".metadata").read_bytes()
+    assert parse_dcp_metadata(real).needed
+    for bad in (b"not a pickle", pickle.dumps(_Boom()), pickle.dumps({"a": 1}), b""):
+        with pytest.raises(ManifestError):
+            parse_dcp_metadata(bad)
+        with pytest.raises(ManifestError):
+            choose_from(runs["dcp"], "step-200", lambda p, bad=bad: bad)  # type: ignore[misc]
+    meta = parse_dcp_metadata(real).metadata
+    info = next(iter(meta.storage_data.values()))
+    for evil in ("../../etc/passwd", "/etc/passwd", "a/../../b"):
+        info.relative_path = evil
+        with pytest.raises(UnsafeNameError, match="outside its folder"):
+            parse_dcp_metadata(pickle.dumps(meta))
+
+
+def test_names_with_dotdot_in_a_listing_are_refused() -> None:
+    with pytest.raises(UnsafeNameError):
+        choose([("step-1/../../x/__0_0.distcp", 10)])
+    with pytest.raises(ManifestError, match="no training checkpoint"):
+        choose([("model.safetensors", 10), ("config.json", 2)])
+
+
+def test_deepspeed_latest_follows_the_pointer_and_selects_a_ranks_zero_shard(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    choice = choose_from(runs["deepspeed"])
+    assert (choice.format, choice.name, choice.step, choice.root) == (
+        "deepspeed", "global_step20", 20, ""
+    )  # fmt: skip
+    assert "latest" in names(choice.files)
+    sel = select_rank(choice, 1, WORLD)
+    assert names(sel.files) == {
+        "latest",
+        "global_step20/mp_rank_00_model_states.pt",
+        "global_step20/zero_pp_rank_1_mp_rank_00_optim_states.pt",
+    }  # zero_to_fp32.py lives beside the tags, not in this one
+    with pytest.raises(ManifestError, match=r"global_step30.*model states"):
+        choose_from(runs["deepspeed"], "global_step30")
+    older = choose_from(runs["deepspeed"], "global_step10")
+    assert "latest" not in names(older.files)  # it names another tag: pass tag= instead
+    for variant in ("bf16", "zero3"):
+        root = build_deepspeed_run(tmp_path / variant, variant)
+        choice = choose_from(root)
+        assert choice.name == "global_step20"
+        sel = names(select_rank(choice, 0, WORLD).files)
+        prefix = "bf16_"
+        assert f"global_step20/{prefix}zero_pp_rank_0_mp_rank_00_optim_states.pt" in sel
+        assert not any("zero_pp_rank_1" in p for p in sel)
+        if variant == "zero3":
+            assert "global_step20/zero_pp_rank_0_mp_rank_00_model_states.pt" in sel
+
+
+def test_a_deepspeed_pointer_outside_the_prefix_or_at_a_torn_tag(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    root = runs["deepspeed"]
+    for evil in ("../../etc", "/etc", "a/../../b", "global_step20/../.."):
+        with pytest.raises(UnsafeNameError):
+            choose_from(root, read=lambda p, e=evil: e.encode() if p == "latest" else None)  # type: ignore[misc]
+    choice = choose_from(root, read=lambda p: b"global_step30\n" if p == "latest" else None)
+    assert choice.name == "global_step20"
+    assert choice.skipped[0].name == "global_step30"
+    assert "named by latest" in choice.skipped[0].reason
+    assert "latest" not in names(choice.files)
+
+
+def test_megatron_tracker_and_tensor_pipeline_rank_folders(runs: dict[str, Path]) -> None:
+    choice = choose_from(runs["megatron"])
+    assert (choice.format, choice.name, choice.step) == ("megatron", "iter_0000200", 200)
+    assert "latest_checkpointed_iteration.txt" in names(choice.files)
+    # world 4 = TP 2 x PP 2: rank 3 is tp 1, pp 1 (Megatron orders tp fastest, pp slowest)
+    for rank, cell in ((0, "mp_rank_00_000"), (1, "mp_rank_01_000"), (3, "mp_rank_01_001")):
+        sel = names(select_rank(choice, rank, 4).files)
+        assert sel == {
+            "latest_checkpointed_iteration.txt",
+            f"iter_0000200/{cell}/model_optim_rng.pt",
+        }
+    with pytest.raises(ManifestError, match="full grid"):
+        choose_from(runs["megatron"], "iter_0000300")
+    with pytest.raises(ManifestError, match="not an iteration"):
+        choose_from(runs["megatron"], read=lambda p: b"../200")
+
+
+def test_trainer_latest_needs_trainer_state_and_a_rank_gets_its_rng_state(
+    runs: dict[str, Path],
+) -> None:
+    choice = choose_from(runs["trainer"])
+    assert (choice.format, choice.name, choice.root) == (
+        "trainer",
+        "checkpoint-1000",
+        "checkpoint-1000",
+    )
+    assert [s.name for s in choice.skipped] == ["checkpoint-1500"]
+    assert "trainer_state.json" in choice.skipped[0].reason
+    sel = names(select_rank(choice, 1, WORLD).files)
+    assert "checkpoint-1000/rng_state_1.pth" in sel
+    assert "checkpoint-1000/rng_state_0.pth" not in sel
+    assert {"checkpoint-1000/optimizer.pt", "checkpoint-1000/trainer_state.json"} <= sel
+
+
+# ------------------------------------------------------------------------------ prefetch
+
+
+def _run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def test_cli_prefetch_checkpoint_of_a_local_dcp_run_for_one_rank(
+    runs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cache = tmp_path / "cache"
+    argv = ["prefetch", str(runs["dcp"]), "--checkpoint", "latest", "--rank", "1",
+            "--world-size", "2", "--cache-dir", str(cache), "--json", "--quiet"]  # fmt: skip
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["checkpoint"], report["format"]) == ("step-200", "dcp")
+    local = Path(report["snapshot_path"])
+    assert local.name == "step-200"
+    origin = runs["dcp"] / "step-200"
+    assert sorted(os.listdir(local)) == sorted(
+        [".metadata", *(n for n in os.listdir(origin) if n.startswith("__1_"))]
+    )
+    for name in os.listdir(local):
+        assert (local / name).read_bytes() == (origin / name).read_bytes()
+    assert report["skipped"] == [{"name": "step-300", "reason": report["skipped"][0]["reason"]}]
+    assert {f["verified"] for f in report["files"]} == {"tofu"}
+    assert main([*argv[:-1], "--quiet"]) == 0  # again: nothing moves
+    again = json.loads(capsys.readouterr().out)
+    assert again["bytes_downloaded"] == 0 and again["snapshot_path"] == report["snapshot_path"]
+
+
+def test_cli_checkpoint_needs_both_rank_and_world_size(
+    runs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["prefetch", str(runs["dcp"]), "--checkpoint", "latest", "--rank", "1",
+            "--cache-dir", str(tmp_path / "c"), "--quiet"]  # fmt: skip
+    assert main(argv) == 2
+    assert "--world-size" in capsys.readouterr().err
+    argv = ["prefetch", str(runs["dcp"]), "--rank", "0", "--world-size", "1",
+            "--cache-dir", str(tmp_path / "c"), "--quiet"]  # fmt: skip
+    assert main(argv) == 2
+    assert "--checkpoint" in capsys.readouterr().err
+
+
+def test_a_whole_local_dcp_checkpoint_loads_with_dcp_unchanged(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    config = fast_config(tmp_path / "cache")
+    result = _run(prefetch_checkpoint(str(runs["dcp"]), config))
+    assert result.checkpoint == "step-200" and result.path.name == "step-200"
+    expected = dcp_expected(200)
+    load_equal(dcp_load(result.path, expected), expected)
+    assert latest(str(runs["dcp"]), config=config).name == "step-200"
+
+
+def test_local_deepspeed_megatron_trainer_land_laid_out_like_the_run(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    config = fast_config(tmp_path / "cache")
+    for fmt, rank, world, expect in (
+        ("deepspeed", 1, 2, "global_step20/zero_pp_rank_1_mp_rank_00_optim_states.pt"),
+        ("megatron", 3, 4, "iter_0000200/mp_rank_01_001/model_optim_rng.pt"),
+        ("trainer", 0, 2, "checkpoint-1000/rng_state_0.pth"),
+    ):
+        result = _run(prefetch_checkpoint(str(runs[fmt]), config, rank=rank, world_size=world))
+        assert result.format == fmt
+        snapshot = result.prefetch.snapshot_path
+        assert (snapshot / expect).is_file()
+        for f in result.prefetch.files:
+            local, origin = snapshot / f.path, runs[fmt] / f.path
+            assert local.read_bytes() == origin.read_bytes()
+            if f.path.endswith((".pt", ".pth")):
+                load_equal(
+                    torch.load(local, weights_only=True), torch.load(origin, weights_only=True)
+                )
+        if fmt == "trainer":
+            assert result.path == snapshot / "checkpoint-1000"
+        else:  # deepspeed.load_checkpoint(path) / Megatron --load read the pointer there
+            assert result.path == snapshot and (snapshot / result.prefetch.files[0].path).exists()
+
+
+# ------------------------------------------------------------------------------ S3
+
+
+def _upload_tree(server: Any, bucket: str, root: Path, prefix: str) -> int:
+    from test_s3_origin import put
+
+    total = 0
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            full = Path(dirpath, name)
+            data = full.read_bytes()
+            put(server, bucket, f"{prefix}/{full.relative_to(root).as_posix()}", data, True)
+            total += len(data)
+    return total
+
+
+@pytest.fixture
+def s3_runs(
+    s3server: Any, s3bucket: str, aws_env: None, runs: dict[str, Path]
+) -> Iterator[dict[str, str]]:
+    for fmt, root in runs.items():
+        _upload_tree(s3server, s3bucket, root, f"runs/{fmt}")
+    yield {fmt: f"s3://{s3bucket}/runs/{fmt}/" for fmt in runs}
+
+
+def test_every_format_from_s3_latest_and_one_rank(
+    s3server: Any, s3_runs: dict[str, str], runs: dict[str, Path], tmp_path: Path
+) -> None:
+    from test_s3_origin import s3_config
+
+    config = s3_config(tmp_path / "cache", s3server)
+    picks = {"dcp": "step-200", "deepspeed": "global_step20", "megatron": "iter_0000200",
+             "trainer": "checkpoint-1000"}  # fmt: skip
+    for fmt, url in s3_runs.items():
+        world = 4 if fmt == "megatron" else WORLD
+        assert latest(url, config=config).name == picks[fmt]
+        result = _run(prefetch_checkpoint(url, config, rank=1, world_size=world))
+        assert (result.format, result.checkpoint) == (fmt, picks[fmt])
+        files = {f.path: f for f in result.prefetch.files}
+        whole = _run(prefetch_checkpoint(url, config))
+        assert set(files) < {f.path for f in whole.prefetch.files}
+        for path, f in files.items():
+            assert (result.prefetch.snapshot_path / path).read_bytes() == (
+                runs[fmt] / path
+            ).read_bytes()
+            assert f.verified == ("tofu" if path.endswith(".metadata") else "sha256")
+        if fmt == "dcp":
+            assert set(files) == {"step-200/.metadata"} | {
+                p for p in files if "/__1_" in p
+            } and any("/__1_" in p for p in files)
+            expected = dcp_expected(200)
+            load_equal(dcp_load(whole.path, expected), expected)
+        again = _run(prefetch_checkpoint(url, config, rank=1, world_size=world))
+        assert again.prefetch.bytes_downloaded == 0
+
+
+def test_s3_json_from_the_cli(
+    s3server: Any, s3_runs: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    conf = tmp_path / "shardsync.toml"
+    conf.write_text(
+        f'[s3]\naddressing = "path"\nregion = "us-east-1"\nendpoint = "{s3server.endpoint}"\n'
+    )
+    argv = ["--config", str(conf), "prefetch", s3_runs["deepspeed"], "--checkpoint", "latest",
+            "--rank", "0", "--world-size", "2", "--cache-dir", str(tmp_path / "c"),
+            "--no-daemon", "--json", "--quiet"]  # fmt: skip
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["checkpoint"], report["format"]) == ("global_step20", "deepspeed")
+    local = Path(report["snapshot_path"])
+    assert (local / "latest").read_text() == "global_step20"
+    assert sorted(os.listdir(local / "global_step20")) == [
+        "mp_rank_00_model_states.pt",
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+    ]
