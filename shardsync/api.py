@@ -137,9 +137,13 @@ class JobRequest:
     exclude: tuple[str, ...] = ()
     priority: int = 0
     allow_pickle: bool = False
+    checkpoint: str | None = None  # a training checkpoint: "latest" or its folder's name
+    rank: int | None = None  # with checkpoint: only this rank's files ...
+    world_size: int | None = None  # ... of this many
 
     def __post_init__(self) -> None:
         _check_text("source", self.source)
+        _check_checkpoint(self.checkpoint, self.rank, self.world_size)
         if self.revision is not None:
             _check_text("revision", self.revision)
             validate_revision(self.revision)
@@ -165,6 +169,11 @@ class JobRequest:
             "exclude": list(self.exclude),
             "priority": self.priority,
             "allow_pickle": self.allow_pickle,
+            **(
+                {"checkpoint": self.checkpoint, "rank": self.rank, "world_size": self.world_size}
+                if self.checkpoint is not None
+                else {}
+            ),
         }
 
     @classmethod
@@ -187,7 +196,25 @@ class JobRequest:
             exclude=_globs(obj.get("exclude", []), "exclude") or (),
             priority=obj.get("priority", 0),
             allow_pickle=obj.get("allow_pickle", False),
+            checkpoint=obj.get("checkpoint"),
+            rank=obj.get("rank"),
+            world_size=obj.get("world_size"),
         )
+
+
+def _check_checkpoint(checkpoint: object, rank: object, world_size: object) -> None:
+    """A training checkpoint request: ``latest`` or a folder name, and a rank of a world."""
+    if checkpoint is not None:
+        _check_text("checkpoint", checkpoint)
+    for name, value in (("rank", rank), ("world_size", world_size)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ConfigError(f"{name} must be an integer or null (got {value!r})")
+    if (rank is None) != (world_size is None):
+        raise ConfigError("rank and world_size go together")
+    if rank is not None and checkpoint is None:
+        raise ConfigError("rank and world_size go with checkpoint")
+    if isinstance(rank, int) and isinstance(world_size, int) and not 0 <= rank < world_size:
+        raise ConfigError(f"rank must be from 0 to world_size - 1 (got {rank} of {world_size})")
 
 
 def _check_text(name: str, value: object) -> None:

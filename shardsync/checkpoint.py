@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shardsync.api import result_to_json
+from shardsync.api import result_from_json, result_to_json
 from shardsync.config import Config, load_config
-from shardsync.errors import EntryNotFoundError
+from shardsync.errors import DaemonError, EntryNotFoundError
 from shardsync.fetch import Fetcher, Sleep
 from shardsync.manifest import Listing, Manifest, ManifestEntry, RemoteFile
 from shardsync.origins import Origin
@@ -34,8 +34,11 @@ from shardsync.training import (
 )
 
 __all__ = [
+    "CheckpointPlan",
     "CheckpointResult",
     "alatest",
+    "checkpoint_result",
+    "checkpoint_result_from_json",
     "latest",
     "prefetch_checkpoint",
     "resolve",
@@ -74,6 +77,23 @@ class CheckpointResult:
         }
 
 
+def checkpoint_result_from_json(obj: Mapping[str, Any]) -> CheckpointResult:
+    """Inverse of ``CheckpointResult.to_json`` (a daemon job's ``job_done`` result)."""
+    try:
+        prefetch = result_from_json({**obj, "snapshot_path": obj["snapshot_root"]})
+        return CheckpointResult(
+            prefetch=prefetch,
+            checkpoint=str(obj["checkpoint"]),
+            format=obj["format"],
+            step=None if obj["step"] is None else int(obj["step"]),
+            path=Path(obj["snapshot_path"]),
+            skipped=tuple(Skipped(str(s["name"]), str(s["reason"])) for s in obj["skipped"]),
+            notes=tuple(str(n) for n in obj["notes"]),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise DaemonError(f"malformed checkpoint result from the daemon: {exc!r}") from exc
+
+
 async def resolve(
     origin: Origin, fetcher: Fetcher, listing: Listing, checkpoint: str = "latest"
 ) -> Choice:
@@ -99,7 +119,9 @@ async def _read_small(
 
 
 @dataclass(slots=True)
-class _Plan:
+class CheckpointPlan:
+    """What the ``selector`` hook decided, once the job is prepared."""
+
     choice: Choice | None = None
     selection: RankSelection | None = None
 
@@ -110,7 +132,7 @@ def selector(
     checkpoint: str,
     rank: int | None,
     world_size: int | None,
-    plan: _Plan,
+    plan: CheckpointPlan,
 ) -> Select:
     """The ``Job.prepare(select=...)`` hook: the chosen checkpoint's files for one rank."""
 
@@ -147,7 +169,7 @@ async def prefetch_checkpoint(
     started = time.monotonic()
     engine = Engine(config, sleep=sleep, environ=environ)
     origin = engine.origin(source, token=token)
-    plan = _Plan()
+    plan = CheckpointPlan()
     async with engine:
         job = engine.job(origin, sink=progress)
         await job.prepare(

@@ -216,7 +216,7 @@ def _prefetch(args: argparse.Namespace) -> int:
 
 def _prefetch_checkpoint(args: argparse.Namespace, config: Config) -> int:
     """``--checkpoint``: a training checkpoint (or one rank's files of it), in-process."""
-    from shardsync.checkpoint import prefetch_checkpoint
+    from shardsync.checkpoint import CheckpointResult, prefetch_checkpoint
 
     if args.checkpoint is None:
         raise errors.ConfigError("--rank and --world-size go with --checkpoint latest|NAME")
@@ -231,17 +231,50 @@ def _prefetch_checkpoint(args: argparse.Namespace, config: Config) -> int:
             "--checkpoint takes none of --offline, --revision, --include, --exclude, --allow-pickle"
         )
     progress = None if args.quiet else make_progress(sys.stderr, args.source)
-    try:
-        result = asyncio.run(
-            prefetch_checkpoint(
-                args.source,
-                config,
-                checkpoint=args.checkpoint,
-                rank=args.rank,
-                world_size=args.world_size,
-                progress=progress,
-            )
+
+    async def somewhere() -> CheckpointResult:
+        """Through the daemon when one serves this source and cache (one download per host
+        however many ranks ask), else in-process."""
+        use_daemon = not args.no_daemon
+        if use_daemon and parse_source(args.source, endpoint=config.endpoint).caller_only:
+            use_daemon = False  # the daemon never reads a client's directories
+        if use_daemon:
+            from shardsync.client import Client, daemon_serves
+
+            client = Client(config, fallback="error")
+            try:
+                await client.connect()
+            except errors.DaemonUnavailableError:
+                if config.daemon.fallback == "error":
+                    raise
+            else:
+                try:
+                    if daemon_serves(
+                        client.daemon_status or {},
+                        cache_dir=_named_cache(args),
+                        endpoint=args.endpoint,
+                    ):
+                        job = await client.prefetch(
+                            args.source,
+                            priority=args.priority,
+                            checkpoint=args.checkpoint,
+                            rank=args.rank,
+                            world_size=args.world_size,
+                        )
+                        return await job.wait_checkpoint(progress)
+                finally:
+                    await client.close()
+        return await prefetch_checkpoint(
+            args.source,
+            config,
+            checkpoint=args.checkpoint,
+            rank=args.rank,
+            world_size=args.world_size,
+            progress=progress,
         )
+
+    try:
+        result = asyncio.run(somewhere())
     finally:
         if progress is not None:
             progress.close()

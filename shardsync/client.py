@@ -28,7 +28,7 @@ import threading
 from collections.abc import AsyncIterator, Awaitable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 import aiohttp
 
@@ -42,6 +42,9 @@ from shardsync.errors import (
 )
 from shardsync.prefetch import Engine, FileOutcome, PrefetchResult, ProgressSink
 from shardsync.scheduler import TERMINAL_EVENTS, ScheduledJob, Scheduler
+
+if TYPE_CHECKING:
+    from shardsync.checkpoint import CheckpointResult
 
 __all__ = ["Client", "Job", "Shard", "SyncClient", "SyncJob", "daemon_serves"]
 
@@ -143,6 +146,19 @@ class Job:
             outcome = _outcome(event)
             if outcome is not None:
                 return outcome
+        raise DaemonError(f"the event stream of job {self.id} ended without an outcome")
+
+    async def wait_checkpoint(self, progress: ProgressSink | None = None) -> CheckpointResult:
+        """A training checkpoint job's outcome: which checkpoint, its local folder."""
+        from shardsync.checkpoint import checkpoint_result_from_json
+
+        driver = _ProgressDriver(progress) if progress is not None else None
+        async for event in self.events():
+            if driver is not None:
+                driver.feed(event)
+            if event["event"] == "job_done":
+                return checkpoint_result_from_json(event["result"])
+            _outcome(event)  # raises for job_failed
         raise DaemonError(f"the event stream of job {self.id} ended without an outcome")
 
     async def shards(self) -> AsyncIterator[Shard]:
@@ -450,8 +466,13 @@ class Client:
         exclude: Sequence[str] = (),
         priority: int = 0,
         allow_pickle: bool = False,
+        checkpoint: str | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
     ) -> Job:
-        """Start (or join) the job making ``source`` complete in the cache."""
+        """Start (or join) the job making ``source`` complete in the cache; with
+        ``checkpoint`` (``"latest"`` or a folder name) a training checkpoint of the run at
+        ``source``, or rank ``rank``'s files of it (``Job.wait_checkpoint``)."""
         request = JobRequest(
             source=source,
             revision=revision,
@@ -459,6 +480,9 @@ class Client:
             exclude=tuple(exclude),
             priority=priority,
             allow_pickle=allow_pickle,
+            checkpoint=checkpoint,
+            rank=rank,
+            world_size=world_size,
         )
         info, created = await self._t.submit(request)
         return Job(self._t, info, created=created)

@@ -32,6 +32,7 @@ from typing import Any, Literal
 
 from shardsync.api import JobRequest, error_code, error_json, result_to_json
 from shardsync.cache import RepoRef
+from shardsync.checkpoint import CheckpointPlan, CheckpointResult, checkpoint_result, selector
 from shardsync.errors import (
     ConfigError,
     DaemonStoppingError,
@@ -286,6 +287,7 @@ class ScheduledJob:
     bytes_downloaded: int = 0
     task: asyncio.Task[None] | None = None
     stop_error: ShardsyncError | None = None  # why we cancelled the task ourselves
+    checkpoint: CheckpointResult | None = None  # a training checkpoint job's outcome
     _done: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -328,6 +330,15 @@ class ScheduledJob:
             "include": None if self.request.include is None else list(self.request.include),
             "exclude": list(self.request.exclude),
             "allow_pickle": self.request.allow_pickle,
+            **(
+                {
+                    "checkpoint": self.request.checkpoint,
+                    "rank": self.request.rank,
+                    "world_size": self.request.world_size,
+                }
+                if self.request.checkpoint is not None
+                else {}
+            ),
             "clients": self.clients,
             "submitted_at": self.submitted_at,
             "started_at": self.started_at,
@@ -646,7 +657,20 @@ class Scheduler:
             gate=self._gate_for(job, sink),
         )
         sink.engine_job = engine_job
-        manifest = await engine_job.prepare(job.request.include, job.request.exclude)
+        plan: CheckpointPlan | None = None
+        if job.request.checkpoint is not None:  # a training checkpoint, or one rank's part
+            plan = CheckpointPlan()
+            select = selector(
+                job.origin,
+                self.engine.fetcher,
+                job.request.checkpoint,
+                job.request.rank,
+                job.request.world_size,
+                plan,
+            )
+            manifest = await engine_job.prepare(select=select)
+        else:
+            manifest = await engine_job.prepare(job.request.include, job.request.exclude)
         sink.resolved(manifest)
         job.emit(
             "resolved",
@@ -684,6 +708,8 @@ class Scheduler:
             elapsed=now - (job.started_at or now),
             fetch=None,
         )
+        if plan is not None and plan.choice is not None and plan.selection is not None:
+            job.checkpoint = checkpoint_result(job.result, plan.choice, plan.selection)
         try:
             await self._auto_prune(job)
         except ShardsyncError as exc:  # the job is done; a failed prune is the cache's problem
@@ -741,7 +767,7 @@ class Scheduler:
         async for event in other.events.follow():
             kind = event["event"]
             if kind == "job_done":
-                job.result = other.result
+                job.result, job.checkpoint = other.result, other.checkpoint
                 self._finish(job, "done", None)
                 return
             if kind == "job_failed":
@@ -784,7 +810,8 @@ class Scheduler:
             job.finished_at = time.time()
             self._release(job)
             self.latency.observe(job.finished_at - job.submitted_at)
-            job.emit("job_done", result=result_to_json(job.result))
+            result = job.checkpoint.to_json() if job.checkpoint else result_to_json(job.result)
+            job.emit("job_done", result=result)
             return
         self._finish_with(job, state, error_json(error))
 
@@ -852,6 +879,7 @@ def _request_key(origin: Origin, revision: str, request: JobRequest) -> tuple[ob
         None if request.include is None else tuple(sorted(set(request.include))),
         tuple(sorted(set(request.exclude))),
         request.allow_pickle,
+        *((request.checkpoint, request.rank, request.world_size) if request.checkpoint else ()),
     )
 
 

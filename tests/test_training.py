@@ -16,6 +16,7 @@ import pickle
 import socket
 import warnings
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -564,3 +565,46 @@ def test_s3_json_from_the_cli(
         "mp_rank_00_model_states.pt",
         "zero_pp_rank_0_mp_rank_00_optim_states.pt",
     ]
+
+
+# ------------------------------------------------------------------------------ daemon
+
+
+async def test_daemon_jobs_per_rank_join_and_share_the_hosts_blobs(
+    s3server: Any, s3_runs: dict[str, str], runs: dict[str, Path]
+) -> None:
+    from daemons import daemon_in_loop, short_tmp
+    from test_s3_origin import s3_config
+
+    from shardsync.client import Client
+
+    url = s3_runs["dcp"]
+    with short_tmp() as work:
+        config = s3_config(work / "cache", s3server)
+        async with daemon_in_loop(config, work / "d" / "d.sock") as running:
+            client_config = replace(config, daemon=running.config.daemon)
+            async with Client(client_config, fallback="error") as client:
+                first = await client.prefetch(url, checkpoint="latest", rank=0, world_size=2)
+                same = await client.prefetch(url, checkpoint="latest", rank=0, world_size=2)
+                other = await client.prefetch(url, checkpoint="latest", rank=1, world_size=2)
+                assert first.created and not same.created and same.id == first.id
+                assert other.id != first.id
+                assert first.info["checkpoint"] == "latest" and first.info["rank"] == 0
+                results = [await j.wait_checkpoint() for j in (first, same, other)]
+            assert {(r.format, r.checkpoint) for r in results} == {("dcp", "step-200")}
+            for result, rank in ((results[0], 0), (results[2], 1)):
+                local = result.path
+                assert sorted(os.listdir(local)) == sorted(
+                    [
+                        ".metadata",
+                        *(
+                            n
+                            for n in os.listdir(runs["dcp"] / "step-200")
+                            if n.startswith(f"__{rank}_")
+                        ),
+                    ]
+                )
+            # the shared .metadata is one blob on the host
+            assert (results[0].path / ".metadata").resolve() == (
+                results[2].path / ".metadata"
+            ).resolve()
