@@ -4,16 +4,22 @@ and with raw aiohttp requests), fault knobs and the ``python -m shardsync.testin
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
+import http.client
+import http.server
 import json
 import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import huggingface_hub as hf
@@ -236,6 +242,55 @@ def test_pr_revision(hf_cache: Path) -> None:
         assert download("refs/pr/1") == b"from the PR"
         assert download("main") == NOTES
     assert (hf_cache / "models--org--model" / "refs" / "refs" / "pr" / "1").read_text() == pr
+
+
+def test_cdn_base_redirects_lfs_files_to_a_server_of_ones_own(
+    tmp_path: Path, hf_cache: Path
+) -> None:
+    """`FakeHub(cdn_base=URL)`: LFS files answer 302 to URL/<sha256> (the benchmarks point it at
+    nginx) with the usual headers; small files still come from the hub, the built-in CDN idles."""
+    sha256 = hashlib.sha256(WEIGHTS).hexdigest()
+    root = tmp_path / "files-server"
+    (root / "by-sha256").mkdir(parents=True)
+    (root / "by-sha256" / sha256).write_bytes(WEIGHTS)
+    served: list[str] = []
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, format: str, *args: Any) -> None:
+            served.append(f"{self.command} {self.path}")
+
+    files = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), functools.partial(Handler, directory=str(root))
+    )
+    thread = threading.Thread(target=files.serve_forever, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{files.server_port}/by-sha256"
+    fake = FakeHub(cdn_base=base + "/")
+    fake.add_repo(REPO, FILES)
+    try:
+        with serve_in_thread(fake):
+            hub = urlsplit(fake.endpoint)
+            conn = http.client.HTTPConnection(hub.hostname or "", hub.port, timeout=10)
+            conn.request("HEAD", f"/{REPO}/resolve/main/weights.safetensors")
+            reply = conn.getresponse()
+            conn.close()
+            assert reply.status == 302
+            assert reply.headers["Location"] == f"{base}/{sha256}"
+            assert reply.headers["X-Linked-Etag"] == f'"{sha256}"'
+            assert reply.headers["X-Linked-Size"] == str(len(WEIGHTS))
+            assert reply.headers["ETag"] == f'"{sha256}"'
+            for name, data in (("weights.safetensors", WEIGHTS), ("notes.txt", NOTES)):
+                path = hf.hf_hub_download(
+                    REPO, name, endpoint=fake.endpoint, cache_dir=hf_cache, token=False
+                )
+                assert Path(path).read_bytes() == data, name
+            assert not [r for r in fake.log if r.server == "cdn"]
+    finally:
+        files.shutdown()
+        files.server_close()
+        thread.join()
+    assert f"GET /by-sha256/{sha256}" in served
+    assert all(sha256 in line for line in served)
 
 
 async def test_raw_and_encoded_pr_revisions_in_urls(

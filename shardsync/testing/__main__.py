@@ -3,6 +3,9 @@
 ``serve`` prints one JSON line, ``{"endpoint", "cdn_endpoint", "commit"}``, once both servers
 listen (and writes it to ``--ready-file``), then serves until SIGTERM or SIGINT. Benchmarks and
 subprocess tests use it to put a real process boundary between client and server.
+``--cdn-base URL`` redirects LFS files to ``URL/<sha256>`` (e.g. nginx serving a directory of
+files named by their sha256) instead of the built-in CDN; ``--bandwidth``/``--latency`` then
+shape only what the hub itself answers.
 """
 
 from __future__ import annotations
@@ -35,6 +38,11 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--cdn-host", default="127.0.0.2")
     serve.add_argument("--port", type=int, default=0, help="hub port (0: any free port)")
     serve.add_argument("--cdn-port", type=int, default=0, help="CDN port (0: any free port)")
+    serve.add_argument(
+        "--cdn-base",
+        metavar="URL",
+        help="redirect LFS files to URL/<sha256> (a server of your own), not the built-in CDN",
+    )
     serve.add_argument("--token", help="make the repository private to this bearer token")
     serve.add_argument("--bandwidth", type=float, metavar="BPS", help="cap each response (B/s)")
     serve.add_argument("--latency", type=float, metavar="S", help="delay each response (s)")
@@ -53,7 +61,13 @@ def _parser() -> argparse.ArgumentParser:
 def _serve(args: argparse.Namespace) -> int:
     if not args.checkpoint.is_dir():
         return _fail(f"{args.checkpoint} is not a directory")
-    hub = FakeHub(host=args.host, cdn_host=args.cdn_host, port=args.port, cdn_port=args.cdn_port)
+    hub = FakeHub(
+        host=args.host,
+        cdn_host=args.cdn_host,
+        port=args.port,
+        cdn_port=args.cdn_port,
+        cdn_base=args.cdn_base,
+    )
     try:
         commit = hub.add_checkpoint(args.repo, Checkpoint.scan(args.checkpoint), token=args.token)
         if args.bandwidth is not None:

