@@ -499,15 +499,19 @@ class TierWatcher:
     def __exit__(self, *exc_info: object) -> None:
         self._stop.set()
         self._thread.join()
+        self._look()  # a blob uploaded in the last interval: now is an upper bound
+
+    def _look(self) -> None:
+        for rel, key in self._keys.items():
+            if self.seen[rel] is None:
+                with contextlib.suppress(OSError):
+                    status, _ = self._s3.signed_request("HEAD", f"/{self._bucket}/{key}")
+                    if status == 200:
+                        self.seen[rel] = time.time()
 
     def _run(self) -> None:
         while not self._stop.is_set() and None in self.seen.values():
-            for rel, key in self._keys.items():
-                if self.seen[rel] is None:
-                    with contextlib.suppress(OSError):
-                        status, _ = self._s3.signed_request("HEAD", f"/{self._bucket}/{key}")
-                        if status == 200:
-                            self.seen[rel] = time.time()
+            self._look()
             self._stop.wait(self._interval)
 
 
