@@ -235,6 +235,7 @@ _FETCH_KEYS = {
     "min_throughput": "size",
     "throughput_window": float,
     "sidecar_interval": float,
+    "sidecar_bytes": "size",
     "max_verify_attempts": int,
 }
 _RETRY_KEYS = {

@@ -20,6 +20,7 @@ import errno
 import hashlib
 import json
 import os
+import stat
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -28,8 +29,6 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 from urllib.parse import urljoin, urlsplit, urlunsplit
 
-import aiofiles
-import aiofiles.os
 import aiohttp
 import xxhash
 
@@ -81,7 +80,8 @@ MiB = 1 << 20
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
 _MAX_REDIRECTS = 5
 _MIN_SPLIT = MiB  # the smallest Range worth a connection of its own
-_SIDECAR_VERSION = 2
+_SIDECAR_VERSION = 3
+_MAX_RECORD = 1 << 20
 _CREDENTIAL_HEADERS = ("authorization", "cookie", "proxy-authorization", "x-amz-security-token")
 
 _T = TypeVar("_T")
@@ -104,7 +104,8 @@ class FetchConfig:
     read_timeout: float = 30.0
     min_throughput: int = 32 * 1024  # bytes/s a connection must sustain ...
     throughput_window: float = 30.0  # ... averaged over this many seconds
-    sidecar_interval: float = 1.0
+    sidecar_interval: float = 0.1  # the resume record is saved this often while data lands ...
+    sidecar_bytes: int = 4 * MiB  # ... or once this much more of a file is on disk
     max_verify_attempts: int = 3  # full re-downloads after a hash mismatch
     retry: RetryPolicy = field(default_factory=RetryPolicy)
 
@@ -199,7 +200,10 @@ class _FileState:
     temp_dir: Path  # where the sidecar's next version is written before its rename
     identity: tuple[int, int]  # (st_dev, st_ino) of the file: the sidecar is bound to it
     downloaded: int = 0
+    unsaved: int = 0  # bytes on disk that the resume record does not claim yet
+    closing: bool = False  # the connections are done: the record keeper stops
     progressed: asyncio.Event = field(default_factory=asyncio.Event)
+    record_due: asyncio.Event = field(default_factory=asyncio.Event)
     in_flight: set[asyncio.Future[Any]] = field(default_factory=set)
 
     def start_in_thread(self, fn: Callable[..., _T], *args: object) -> asyncio.Future[_T]:
@@ -488,6 +492,7 @@ class Fetcher:
             done = RangeSet()
         resumed = done.total()
         identity = os.fstat(fd)
+        record = _Record.open(sidecar_path, temp_dir, resume=private.resumed)
         state = _FileState(
             fd=fd,
             size=size,
@@ -503,11 +508,12 @@ class Fetcher:
             try:
                 async with asyncio.TaskGroup() as tg:
                     hasher = tg.create_task(self._hash(state, request))
-                    saver = tg.create_task(
-                        self._save_sidecar_periodically(sidecar_path, request, state)
-                    )
-                    await self._run_connections(request, located, state, on_progress)
-                    saver.cancel()
+                    tg.create_task(self._keep_record(record, request, state))
+                    try:
+                        await self._run_connections(request, located, state, on_progress)
+                    finally:
+                        state.closing = True  # the keeper returns (no cancel to lose)
+                        state.record_due.set()
                 digest, xxh, git_sha1 = hasher.result()
             except BaseExceptionGroup as group:
                 _raise_first(group)
@@ -515,9 +521,11 @@ class Fetcher:
             finally:
                 await state.drain()  # no thread may still use ``fd`` when it closes
                 try:
-                    await _save_sidecar(sidecar_path, request, state)
+                    await _save_record(record, request, state)
                 finally:
                     os.close(fd)
+                    if record is not None:
+                        os.close(record.fd)
             if request.sha256 is not None:
                 verified = "sha256" if digest == request.sha256 else None
             elif request.git_blob_id is not None:
@@ -720,9 +728,22 @@ class Fetcher:
                 await asyncio.shield(future)
             except OSError as exc:
                 raise _disk_error(exc, "writing the partial file") from exc
-            state.done.add(written, queued)
             written = queued
-            state.progressed.set()
+
+        def landed(first: int, stop: int) -> Callable[[asyncio.Future[None]], None]:
+            """Count a batch as done the moment its write returns, not when the next batch
+            is ready: the resume record may claim it from then on."""
+
+            def mark(future: asyncio.Future[None]) -> None:
+                if future.cancelled() or future.exception() is not None:
+                    return
+                state.done.add(first, stop)
+                state.unsaved += stop - first
+                state.progressed.set()
+                if state.unsaved >= cfg.sidecar_bytes:
+                    state.record_due.set()
+
+            return mark
 
         async def flush() -> None:
             nonlocal pieces, pending, queued, writing
@@ -730,8 +751,10 @@ class Fetcher:
             if not pieces:
                 return
             batch, pieces, pending = pieces, [], 0
+            size = sum(len(p) for p in batch)
             writing = state.start_in_thread(_pwritev_all, state.fd, batch, queued)
-            queued += sum(len(p) for p in batch)
+            writing.add_done_callback(landed(queued, queued + size))
+            queued += size
 
         try:
             while queued + pending < end:
@@ -784,13 +807,23 @@ class Fetcher:
 
     # ------------------------------------------------------------------ sidecar
 
-    async def _save_sidecar_periodically(
-        self, path: Path, request: BlobRequest, state: _FileState
+    async def _keep_record(
+        self, record: _Record | None, request: BlobRequest, state: _FileState
     ) -> None:
-        """Bound what a ``kill -9`` loses to one interval of progress (cancelled at the end)."""
-        while True:
-            await asyncio.sleep(self.config.sidecar_interval)  # wall time, not the retry clock
-            await _save_sidecar(path, request, state)
+        """Save the resume record once ``sidecar_bytes`` more are on disk, or every
+        ``sidecar_interval`` while any are: a ``kill -9`` then loses about what was in
+        flight, not what was written (cancelled at the end)."""
+        if record is None:
+            return
+        while not state.closing:
+            # wall time, not the retry clock; asyncio.timeout, not wait_for, whose 3.11
+            # version can swallow a cancellation and keep a finished transfer waiting
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.config.sidecar_interval):
+                    await state.record_due.wait()
+            state.record_due.clear()
+            if state.unsaved and not state.closing:
+                await _save_record(record, request, state)
 
     # ------------------------------------------------------------------ HTTP plumbing
 
@@ -1157,13 +1190,14 @@ def _load_sidecar(
 ) -> RangeSet:
     """Trust a partial only if it names this exact object (URL, size, strong ETag, hash) and
     the record describes this very file (its inode), which no one else holds a name of: a
-    second name is a live download's private one, or a blob published just before a crash."""
+    second name is a live download's private one, or a blob published just before a crash.
+    A record torn by a power loss fails its checksum and resumes nothing."""
     try:
-        raw = json.loads(sidecar.read_bytes())
+        raw = _decode_record(_read_record(sidecar))
         st = data.lstat()  # a symlink planted there is not the file it names
         ok = (
-            st.st_nlink == 1
-            and isinstance(raw, dict)
+            raw is not None
+            and st.st_nlink == 1
             and raw.get("inode") == [st.st_dev, st.st_ino]
             and raw.get("version") == _SIDECAR_VERSION
             and raw.get("url") == request.url
@@ -1173,37 +1207,108 @@ def _load_sidecar(
             and raw.get("etag") == etag
             and st.st_size == size
         )
-        if ok:
+        if ok and raw is not None:
             return RangeSet.from_list(raw["done"], size)
     except (OSError, ValueError, KeyError, TypeError):
         pass
     return RangeSet()
 
 
-async def _save_sidecar(path: Path, request: BlobRequest, state: _FileState) -> None:
-    """Record the progress (taken on the loop, so it is consistent); written through aiofiles
-    so a slow disk never stalls the transfers sharing the event loop."""
-    if state.etag is None:
-        return  # without a strong validator a partial can never be resumed safely
-    payload = {
-        "version": _SIDECAR_VERSION,
-        "url": request.url,
-        "etag": state.etag,
-        "size": state.size,
-        "sha256": request.sha256,
-        "inode": list(state.identity),
-        "done": state.done.to_list(),
-    }
-    tmp = state.temp_dir / temp_name("sidecar")
-    # shielded: a cancelled transfer must not leave the temp file half written behind
-    await asyncio.shield(_write_sidecar(path, tmp, json.dumps(payload)))
+class _Record:
+    """A download's resume record, open for its whole life and rewritten in place: one
+    ``pwrite`` per save, no temp file or rename, so it can follow the data closely without
+    churning the filesystem. It stays one JSON document (padded with spaces to the longest
+    version written, as JSON allows) carrying a checksum of its own fields, so a record torn
+    by a power loss resumes nothing."""
+
+    __slots__ = ("fd", "length")
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.length = 0
+
+    @classmethod
+    def open(cls, path: Path, temp_dir: Path, *, resume: bool) -> _Record | None:
+        """The record of a resumed partial, or a new one renamed over ``path`` (a stale
+        record there belongs to the file the new partial replaced). None if the disk
+        refuses: a download without a record still completes, it just cannot resume."""
+        flags = os.O_RDWR | getattr(os, "O_CLOEXEC", 0)
+        if resume:
+            try:
+                fd = os.open(path, flags | os.O_NOFOLLOW)
+            except OSError:
+                pass
+            else:
+                st = os.fstat(fd)
+                if stat.S_ISREG(st.st_mode):
+                    record = cls(fd)
+                    record.length = st.st_size
+                    return record
+                os.close(fd)
+        tmp = temp_dir / temp_name("record")
+        try:
+            fd = os.open(tmp, flags | os.O_CREAT | os.O_EXCL, 0o644)
+        except OSError:
+            return None
+        try:
+            os.replace(tmp, path)
+        except OSError:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            return None
+        return cls(fd)
+
+    def encode(self, payload: Mapping[str, object]) -> bytes:
+        fields = dict(payload)
+        fields["check"] = _record_check(fields)
+        body = json.dumps(fields, separators=(",", ":")).encode()
+        self.length = max(self.length, len(body))
+        return body.ljust(self.length)
 
 
-async def _write_sidecar(path: Path, tmp: Path, text: str) -> None:
+def _record_check(fields: Mapping[str, object]) -> str:
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+    return xxhash.xxh64_hexdigest(canonical)
+
+
+def _decode_record(data: bytes) -> dict[str, Any] | None:
+    raw = json.loads(data)
+    if not isinstance(raw, dict):
+        return None
+    check = raw.pop("check", None)
+    return raw if check == _record_check(raw) else None
+
+
+def _read_record(path: Path) -> bytes:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
     try:
-        async with aiofiles.open(tmp, "w") as f:
-            await f.write(text)
-        await aiofiles.os.replace(tmp, path)
-    except OSError:  # best effort: a missing record costs a re-download, nothing more
-        with contextlib.suppress(OSError):
-            await aiofiles.os.remove(tmp)
+        return os.read(fd, _MAX_RECORD)
+    finally:
+        os.close(fd)
+
+
+def _write_record(fd: int, blob: bytes) -> None:
+    with contextlib.suppress(OSError):  # best effort: a stale record costs a re-download
+        os.pwrite(fd, blob, 0)
+
+
+async def _save_record(record: _Record | None, request: BlobRequest, state: _FileState) -> None:
+    """Record the progress (taken on the loop, so it is consistent) with one write in a
+    worker thread, so a slow disk never stalls the transfers sharing the event loop."""
+    if record is None or state.etag is None:
+        return  # without a strong validator a partial can never be resumed safely
+    blob = record.encode(
+        {
+            "version": _SIDECAR_VERSION,
+            "url": request.url,
+            "etag": state.etag,
+            "size": state.size,
+            "sha256": request.sha256,
+            "inode": list(state.identity),
+            "done": state.done.to_list(),
+        }
+    )
+    state.unsaved = 0
+    # tracked and shielded: a cancelled transfer still finishes the write before the close
+    await state.in_thread(_write_record, record.fd, blob)
