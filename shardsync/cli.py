@@ -12,7 +12,7 @@ import json
 import os
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -205,12 +205,25 @@ def _prefetch(args: argparse.Namespace) -> int:
     if args.checkpoint is not None or args.rank is not None or args.world_size is not None:
         return _prefetch_checkpoint(args, config)
     progress = None if args.quiet or args.offline else make_progress(sys.stderr, args.source)
+    reported = False
+
+    def report(result: PrefetchResult) -> None:
+        """As soon as the snapshot is complete (uploads to a shared tier may go on)."""
+        nonlocal reported, progress
+        if progress is not None:
+            progress.close()
+            progress = None
+        _report(result, as_json=args.json, quiet=args.quiet)
+        sys.stdout.flush()
+        reported = True
+
     try:
-        result = asyncio.run(_prefetch_somewhere(args, config, progress))
+        result = asyncio.run(_prefetch_somewhere(args, config, progress, report))
     finally:
         if progress is not None:
             progress.close()
-    _report(result, as_json=args.json, quiet=args.quiet)
+    if not reported:
+        _report(result, as_json=args.json, quiet=args.quiet)
     return 0
 
 
@@ -293,7 +306,10 @@ def _prefetch_checkpoint(args: argparse.Namespace, config: Config) -> int:
 
 
 async def _prefetch_somewhere(
-    args: argparse.Namespace, config: Config, progress: ProgressSink | None
+    args: argparse.Namespace,
+    config: Config,
+    progress: ProgressSink | None,
+    on_complete: Callable[[PrefetchResult], None] | None = None,
 ) -> PrefetchResult:
     """Through the daemon when one answers and serves what was asked; else in-process."""
     use_daemon = not (args.no_daemon or args.offline)
@@ -312,6 +328,7 @@ async def _prefetch_somewhere(
         offline=args.offline,
         allow_pickle=args.allow_pickle,
         progress=progress,
+        on_complete=on_complete,
     )
 
 

@@ -15,7 +15,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal, Protocol
 
@@ -250,10 +250,14 @@ async def prefetch(
     progress: ProgressSink | None = None,
     environ: Mapping[str, str] | None = None,
     sleep: Sleep = asyncio.sleep,
+    on_complete: Callable[[PrefetchResult], None] | None = None,
 ) -> PrefetchResult:
     """Make one snapshot of ``source`` complete in the cache and return where it is.
 
     ``sleep`` is what retries wait with; tests pass a recorder to run them instantly.
+    ``on_complete`` is called as soon as the snapshot is complete, before this returns:
+    with a shared tier, the blobs this process fetched for the fleet are still uploading
+    then, and this returns (with the tier's final counters) once they are up.
     """
     started = time.monotonic()
     engine = Engine(config, sleep=sleep, environ=environ)
@@ -264,20 +268,23 @@ async def prefetch(
         job = engine.job(origin, revision=revision, allow_pickle=allow_pickle, sink=progress)
         await job.prepare(include, exclude)
         files = await job.download()
-        elapsed = time.monotonic() - started  # the snapshot is complete: uploads may go on
-        stats = engine.fetcher.statistics()
         tier = engine.tier
-    return PrefetchResult(
-        repo=origin.repo,
-        revision=job.revision,
-        commit=job.commit,
-        snapshot_path=job.snapshot_path,
-        files=files,
-        bytes_downloaded=sum(f.downloaded for f in files),
-        elapsed=elapsed,
-        fetch=stats,
-        tier=tier.statistics() if tier is not None else None,
-    )
+        result = PrefetchResult(
+            repo=origin.repo,
+            revision=job.revision,
+            commit=job.commit,
+            snapshot_path=job.snapshot_path,
+            files=files,
+            bytes_downloaded=sum(f.downloaded for f in files),
+            elapsed=time.monotonic() - started,  # complete now; uploads may go on
+            fetch=engine.fetcher.statistics(),
+            tier=tier.statistics() if tier is not None else None,
+        )
+        if on_complete is not None:
+            on_complete(result)
+    if tier is None:
+        return result
+    return replace(result, tier=tier.statistics())
 
 
 def _from_cache(cache: CacheStore, repo: RepoRef, revision: str, started: float) -> PrefetchResult:

@@ -282,8 +282,9 @@ async def test_a_tier_refusing_writes_is_still_read(
 class _Cut:
     """A TCP proxy in front of the store that can drop every connection at once."""
 
-    def __init__(self, upstream: tuple[str, int]) -> None:
+    def __init__(self, upstream: tuple[str, int], *, pace_up: float = 0.0) -> None:
         self.upstream = upstream
+        self.pace_up = pace_up  # seconds per 16 KiB sent to the store (a slow uplink)
         self.port = 0
         self.down = False
         self._server: asyncio.Server | None = None
@@ -319,7 +320,7 @@ class _Cut:
                     await asyncio.sleep(pace)  # no megabytes in flight: a cut loses bytes
             dst.transport.abort()
 
-        await asyncio.gather(pipe(reader, up_writer, 0), pipe(up_reader, writer, 0.005))
+        await asyncio.gather(pipe(reader, up_writer, self.pace_up), pipe(up_reader, writer, 0.005))
 
 
 async def test_a_tier_cut_mid_read_falls_back_to_the_origin(
@@ -518,3 +519,33 @@ async def test_two_daemons_on_two_hosts_fetch_each_blob_from_the_hub_once(
             assert_snapshot_matches(result.snapshot_path, model)
     assert hub.bytes_served("*.safetensors") <= 1.05 * shard_bytes(model)
     assert [s for r in results for s in sources(r, model)].count("tier") == len(model.shards)
+
+
+async def test_the_snapshot_is_reported_complete_while_its_uploads_go_on(
+    s3server: S3Server,
+    s3bucket: str,
+    model: Checkpoint,
+    hub: FakeHub,
+    aws_env: None,
+    tmp_path: Path,
+) -> None:
+    """A holder's process tells its user the snapshot is complete at once; the fleet's
+    uploads (here through a slow uplink) finish before ``prefetch`` returns."""
+    port = int(s3server.endpoint.rsplit(":", 1)[1])
+    seen: list[tuple[PrefetchResult, int]] = []
+    async with _Cut(("127.0.0.1", port), pace_up=0.02) as proxy:  # ~0.8 MB/s uplink
+        via = S3Server(**{**s3server.__dict__, "endpoint": f"http://127.0.0.1:{proxy.port}"})
+        config = host(tmp_path / "h", hub, via, s3bucket)
+
+        def complete(result: PrefetchResult) -> None:
+            blobs = [
+                k for k in tier_objects(s3server, s3bucket) if k.startswith(PREFIX + "sha256/")
+            ]
+            seen.append((result, len(blobs)))
+
+        result = await prefetch(REPO, config, on_complete=complete)
+    ((early, in_tier_then),) = seen
+    assert_snapshot_matches(early.snapshot_path, model)  # complete when reported
+    assert in_tier_then < len(model.shards)  # the uploads were still going on
+    assert result.tier is not None and result.tier.uploads == len(model.shards)
+    assert tier_objects(s3server, s3bucket) == expected_tier(model)  # all up on return
