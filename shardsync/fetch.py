@@ -175,6 +175,14 @@ class FetchStatistics:
     verify_failures: int
 
 
+@dataclass(slots=True)
+class _Tally:
+    """One ``fetch`` call's counts across its attempts (relocations, restarts)."""
+
+    downloaded: int = 0
+    resumed: int | None = None  # from an earlier run: set by the first attempt
+
+
 class _Restart(Exception):
     """The object changed or Range support failed: discard the partial and start over."""
 
@@ -428,6 +436,7 @@ class Fetcher:
         single_stream = False
         setbacks = Backoff(self.config.retry)  # restarts and relocations, bounded too
         shown = 0
+        tally = _Tally()
 
         def progress(n: int) -> None:
             nonlocal shown
@@ -438,14 +447,23 @@ class Fetcher:
             located = await self.locate(request)
             try:
                 result = await self._download(
-                    request, located, data_path, sidecar_path, progress, single_stream, scratch
+                    request,
+                    located,
+                    data_path,
+                    sidecar_path,
+                    progress,
+                    single_stream,
+                    scratch,
+                    tally,
                 )
             except (_Restart, _Relocate) as exc:
                 cause = "restart" if isinstance(exc, _Restart) else "relocate"
                 if isinstance(exc, _Restart):
                     single_stream = single_stream or exc.single_stream
                     _discard(data_path, sidecar_path)
-                    progress(-shown)
+                    tally.resumed = 0  # nothing of an earlier run is reused after all
+                # the next attempt reports what is on disk again, as resumed: count it once
+                progress(-shown)
                 delay = setbacks.next_delay()
                 if delay is None:
                     raise TransferError(
@@ -460,6 +478,7 @@ class Fetcher:
             verify_failures += 1
             self._verify_failures += 1
             _discard(data_path, sidecar_path)
+            tally.resumed = 0
             progress(-shown)
             attempts = request.verify_attempts or self.config.max_verify_attempts
             if verify_failures >= attempts:
@@ -477,6 +496,7 @@ class Fetcher:
         on_progress: ProgressFn,
         single_stream: bool,
         temp_dir: Path,
+        tally: _Tally,
     ) -> FetchedBlob | None:
         size = located.size
         if size is None:
@@ -491,6 +511,8 @@ class Fetcher:
         if not private.resumed:
             done = RangeSet()
         resumed = done.total()
+        if tally.resumed is None:
+            tally.resumed = resumed
         identity = os.fstat(fd)
         record = _Record.open(sidecar_path, temp_dir, resume=private.resumed)
         state = _FileState(
@@ -520,6 +542,7 @@ class Fetcher:
                 raise  # unreachable: _raise_first always raises
             finally:
                 await state.drain()  # no thread may still use ``fd`` when it closes
+                tally.downloaded += state.downloaded
                 try:
                     await _save_record(record, request, state)
                 finally:
@@ -544,8 +567,8 @@ class Fetcher:
             xxh3_128=xxh,
             etag=state.etag,
             verified=verified,
-            downloaded=state.downloaded,
-            resumed=resumed,
+            downloaded=tally.downloaded,  # every attempt's bytes: each arrived once
+            resumed=tally.resumed or 0,
             identity=(identity.st_dev, identity.st_ino),
             shared=data_path,
         )

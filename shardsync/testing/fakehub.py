@@ -46,6 +46,7 @@ import os
 import re
 import secrets
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -421,8 +422,12 @@ class FakeHub:
         siblings_cap: int | None = None,
         seed: int = 0,
         cdn_base: str | None = None,
+        url_lifetime: float | None = None,
     ) -> None:
         self.host = host
+        self.url_lifetime = url_lifetime
+        """Seconds a CDN URL stays valid (None: for ever), like the real Hub's signed Xet
+        bridge URLs (about an hour): an expired one answers 403 and must be resolved again."""
         self.cdn_host = cdn_host
         self.cdn_base = cdn_base.rstrip("/") if cdn_base else None
         """When set, LFS resolves redirect to ``{cdn_base}/{sha256}`` (an external server, e.g.
@@ -735,11 +740,14 @@ class FakeHub:
         if self.cdn_base is not None:
             return f"{self.cdn_base}/{file.sha256}"
         path = f"/repos/{commit.sha}/{file.sha256}"
-        query = urlencode({"repo_path": file.path, "Signature": self._sign(path, file.path)})
+        expires = "" if self.url_lifetime is None else f"{time.time() + self.url_lifetime:.3f}"
+        signature = self._sign(path, file.path, expires)
+        fields = {"repo_path": file.path, "Expires": expires, "Signature": signature}
+        query = urlencode({k: v for k, v in fields.items() if v})
         return f"{self.cdn_endpoint}{path}?{query}"
 
-    def _sign(self, path: str, repo_path: str) -> str:
-        message = f"{path}\n{repo_path}".encode()
+    def _sign(self, path: str, repo_path: str, expires: str = "") -> str:
+        message = f"{path}\n{repo_path}\n{expires}".encode()
         return hmac.new(self._secret, message, hashlib.sha256).hexdigest()[:40]
 
     async def _route_cdn(self, request: web.BaseRequest, exchange: _Exchange) -> web.StreamResponse:
@@ -749,10 +757,13 @@ class FakeHub:
         parts = path.split("/")[1:]
         repo_path = request.query.get("repo_path", "")
         signature = request.query.get("Signature", "")
+        expires = request.query.get("Expires", "")
         if len(parts) != 3 or parts[0] != "repos":
             return _error(404, "NoSuchKey")
-        if not hmac.compare_digest(signature, self._sign(path, repo_path)):
+        if not hmac.compare_digest(signature, self._sign(path, repo_path, expires)):
             return _error(403, "AccessDenied: the URL signature does not match")
+        if expires and time.time() > float(expires):
+            return _error(403, "AccessDenied: Request has expired")
         exchange.file = repo_path
         with self._lock:
             blob = self._store.get(parts[2])

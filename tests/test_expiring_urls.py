@@ -1,0 +1,54 @@
+"""The Hub's CDN URLs expire (signed, about an hour): a download that outlives one resolves
+again and goes on, and every byte is counted once, where it arrives, in the bar and in
+``--json``."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+from helpers import assert_snapshot_matches, assert_store_verified, fast_config
+
+from shardsync.prefetch import FileOutcome, prefetch
+from shardsync.testing import Bandwidth, Checkpoint, FakeHub
+
+REPO = "acme/expiring"
+
+
+class Bars:
+    """A progress sink that remembers each file's running total and its highest point."""
+
+    def __init__(self) -> None:
+        self.sizes: dict[str, int | None] = {}
+        self.now: dict[str, int] = defaultdict(int)
+        self.peak: dict[str, int] = defaultdict(int)
+
+    def add_file(self, path: str, size: int | None) -> None:
+        self.sizes[path] = size
+
+    def advance(self, path: str, nbytes: int) -> None:
+        self.now[path] += nbytes
+        self.peak[path] = max(self.peak[path], self.now[path])
+
+    def file_done(self, outcome: FileOutcome) -> None:
+        return None
+
+
+async def test_urls_that_expire_mid_download_are_resolved_again_and_counted_once(
+    checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    async with FakeHub(url_lifetime=0.15) as hub:
+        hub.add_checkpoint(REPO, checkpoint)
+        hub.faults.add(Bandwidth(200_000, server="cdn"))  # each shard outlives its URL
+        bars = Bars()
+        config = fast_config(tmp_path / "c", hub.endpoint, chunk_size=32 * 1024)
+        result = await prefetch(REPO, config, progress=bars)
+        served = hub.bytes_served()
+        expired = [r for r in hub.log if r.server == "cdn" and r.status == 403]
+    assert expired, "no URL expired: the test proves nothing"
+    assert result.fetch is not None and result.fetch.retries.get("relocate", 0) > 0
+    assert_snapshot_matches(result.snapshot_path, checkpoint)
+    assert_store_verified(config.cache_dir, checkpoint)
+    assert result.bytes_downloaded == served  # every byte the Hub sent, once
+    for path, size in bars.sizes.items():
+        assert bars.now[path] == size and bars.peak[path] <= (size or 0), path
