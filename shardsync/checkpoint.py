@@ -101,8 +101,7 @@ async def resolve(
     origin: Origin, fetcher: Fetcher, listing: Listing, checkpoint: str = "latest"
 ) -> Choice:
     """``training.choose`` over an origin: the small files it asks for are read by range
-    (a DCP ``.metadata`` is a hidden file, which listings leave out, so it is asked for by
-    name)."""
+    (pass a listing made with ``hidden=True``: a DCP ``.metadata`` is a hidden file)."""
     pairs = [(f.path, f.size) for f in listing.files]
     contents: dict[str, bytes | None] = {}
     while isinstance(step := choose(pairs, checkpoint, contents), Need):
@@ -229,7 +228,7 @@ async def alatest(
     engine = Engine(config)
     origin = engine.origin(source, token=token)
     async with engine:
-        listing = await origin.list_files(engine.fetcher, origin.default_revision)
+        listing = await origin.list_files(engine.fetcher, origin.default_revision, hidden=True)
         return await resolve(origin, engine.fetcher, listing, checkpoint)
 
 
@@ -422,7 +421,7 @@ def _dcp_reader_class() -> Any:
                 return await work(origin, engine.fetcher)
 
         async def _resolve(self, origin: Origin, fetcher: Fetcher) -> Choice:
-            listing = await origin.list_files(fetcher, origin.default_revision)
+            listing = await origin.list_files(fetcher, origin.default_revision, hidden=True)
             return await resolve(origin, fetcher, listing, self.checkpoint)
 
         async def _fetch(

@@ -386,7 +386,8 @@ class Job:
         # A crashed run's temp names go first: one is a second name of its partial, which
         # would otherwise look like a live download and not be resumed.
         await asyncio.to_thread(self.cache.sweep_orphans)
-        listing = await self._list()
+        # a selection may want hidden files (a DCP checkpoint's ``.metadata``)
+        listing = await self._list(hidden=select is not None)
         self.commit = listing.commit or ""
         self._load_hints()
         if select is not None:
@@ -419,8 +420,8 @@ class Job:
         self._complete(manifest, self._records)
         return tuple(self._outcomes[e.path] for e in manifest.entries)
 
-    async def _list(self) -> Listing:
-        return await self.origin.list_files(self.fetcher, self.revision)
+    async def _list(self, *, hidden: bool = False) -> Listing:
+        return await self.origin.list_files(self.fetcher, self.revision, hidden=hidden)
 
     def _load_hints(self) -> None:
         """Records of this commit and of the revision's last snapshot: known xxh3 and etags."""

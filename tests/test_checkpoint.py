@@ -39,8 +39,8 @@ class CountingOrigin:
     def caller_only(self) -> bool:
         return True
 
-    async def list_files(self, fetcher: Fetcher, revision: str) -> Listing:
-        return await self.inner.list_files(fetcher, revision)
+    async def list_files(self, fetcher: Fetcher, revision: str, *, hidden: bool = False) -> Listing:
+        return await self.inner.list_files(fetcher, revision, hidden=hidden)
 
     async def version(self, fetcher: Fetcher, entry: Entry) -> str | None:
         return await self.inner.version(fetcher, entry)

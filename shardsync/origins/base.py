@@ -51,9 +51,10 @@ class Origin(Protocol):
         refuses such a source on a client's behalf, and the loader never hands it over."""
         ...
 
-    async def list_files(self, fetcher: Fetcher, revision: str) -> Listing:
+    async def list_files(self, fetcher: Fetcher, revision: str, *, hidden: bool = False) -> Listing:
         """Every file at ``revision``: the commit (None when the origin has none), sizes,
-        and sha256 where the origin publishes one."""
+        and sha256 where the origin publishes one. Folder-like origins leave out names
+        starting with ``.`` unless ``hidden`` (a DCP checkpoint's ``.metadata``)."""
         ...
 
     async def version(self, fetcher: Fetcher, entry: Entry) -> str | None:

@@ -62,7 +62,7 @@ class UrlOrigin:
     def url_for(self, path: str) -> str:
         return self.base + quote(validate_name(path))
 
-    async def list_files(self, fetcher: Fetcher, revision: str) -> Listing:
+    async def list_files(self, fetcher: Fetcher, revision: str, *, hidden: bool = False) -> Listing:
         """HEAD the usual file names; the index (fetched later) names the shards."""
         if revision != self.default_revision:
             raise ConfigError("a plain URL origin has no revisions")

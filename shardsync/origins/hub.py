@@ -83,7 +83,7 @@ class HubOrigin:
     def auth_headers(self) -> Mapping[str, str]:
         return {"Authorization": f"Bearer {self.token}"} if self.token else {}
 
-    async def list_files(self, fetcher: Fetcher, revision: str) -> Listing:
+    async def list_files(self, fetcher: Fetcher, revision: str, *, hidden: bool = False) -> Listing:
         """Commit hash plus every file with size and LFS sha256: one API call, or for a large
         repo (whose ``siblings`` the Hub may cut short) the paginated tree at that commit."""
         validate_revision(revision)

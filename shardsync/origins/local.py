@@ -45,18 +45,18 @@ class LocalOrigin:
     def caller_only(self) -> bool:
         return True
 
-    async def list_files(self, fetcher: Fetcher, revision: str) -> Listing:
+    async def list_files(self, fetcher: Fetcher, revision: str, *, hidden: bool = False) -> Listing:
         if revision != self.default_revision:
             raise ConfigError("a local directory has no revisions")
-        return await asyncio.to_thread(self._walk)
+        return await asyncio.to_thread(self._walk, hidden)
 
-    def _walk(self) -> Listing:
+    def _walk(self, hidden: bool) -> Listing:
         files: list[RemoteFile] = []
         for dirpath, dirnames, filenames in os.walk(self.root):
-            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+            dirnames[:] = sorted(d for d in dirnames if hidden or not d.startswith("."))
             for name in sorted(filenames):
                 full = Path(dirpath, name)
-                if name.startswith(".") or not full.is_file():
+                if (name.startswith(".") and not hidden) or not full.is_file():
                     continue
                 rel = full.relative_to(self.root).as_posix()
                 files.append(

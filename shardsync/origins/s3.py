@@ -54,7 +54,7 @@ class S3Origin:
     def caller_only(self) -> bool:
         return False
 
-    async def list_files(self, fetcher: Fetcher, revision: str) -> Listing:
+    async def list_files(self, fetcher: Fetcher, revision: str, *, hidden: bool = False) -> Listing:
         """Every object under the prefix; SHA-256 from the store where it keeps one."""
         if revision != self.default_revision:
             raise ConfigError("an S3 prefix has no revisions")
@@ -64,7 +64,7 @@ class S3Origin:
             rel = obj.key[len(self.location.prefix) :]
             if not rel or rel.endswith("/"):
                 continue  # folder markers
-            if any(p.startswith(".") for p in validate_name(rel).split("/")):
+            if not hidden and any(p.startswith(".") for p in validate_name(rel).split("/")):
                 continue  # hidden files, as for a local directory
             wanted.append((rel, obj))
         if not wanted:
