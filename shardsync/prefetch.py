@@ -553,9 +553,9 @@ class Job:
                 self.fetcher, self.commit or None, entry, slot, report
             )
 
-        async def from_tier(request: BlobRequest) -> FetchedBlob:
+        async def from_tier(request: BlobRequest, report: Progress) -> FetchedBlob:
             return await self.fetcher.fetch(
-                request, slot.data, slot.sidecar, progress, temp_dir=slot.temp_dir
+                request, slot.data, slot.sidecar, report, temp_dir=slot.temp_dir
             )
 
         upload: Upload | None = None

@@ -199,14 +199,15 @@ class Tier:
         label: str,
         sha256: str,
         size: int,
-        slot_fetch: Callable[[BlobRequest], Awaitable[FetchedBlob]],
+        slot_fetch: Callable[[BlobRequest, Progress], Awaitable[FetchedBlob]],
         from_origin: Callable[[Progress], Awaitable[FetchedBlob]],
         progress: Progress,
     ) -> tuple[FetchedBlob, Upload | None]:
         """The blob from the tier, or from the origin (with what the fleet is owed).
 
-        ``slot_fetch`` downloads a request into the file's download slot; ``from_origin``
-        downloads the file from its origin, reporting progress to the callback it gets.
+        ``slot_fetch`` downloads a request into the file's download slot and
+        ``from_origin`` the file from its origin, each reporting progress to the callback
+        it gets.
         """
         for _ in range(_MAX_ROUNDS):
             if not self._usable():
@@ -215,7 +216,7 @@ class Tier:
             if head is _FAILED:
                 break
             if isinstance(head, ObjectInfo):
-                fetched = await self._read(label, sha256, size, head, slot_fetch)
+                fetched = await self._read(label, sha256, size, head, slot_fetch, progress)
                 if isinstance(fetched, FetchedBlob):
                     return fetched, None
                 if fetched == "failed":
@@ -261,7 +262,8 @@ class Tier:
         sha256: str,
         size: int,
         head: ObjectInfo,
-        slot_fetch: Callable[[BlobRequest], Awaitable[FetchedBlob]],
+        slot_fetch: Callable[[BlobRequest, Progress], Awaitable[FetchedBlob]],
+        progress: Progress,
     ) -> FetchedBlob | Literal["corrupt", "failed"]:
         key = blob_key(self.location.prefix, sha256)
         if head.size != size:
@@ -286,12 +288,21 @@ class Tier:
             validator="If-Match",
             verify_attempts=1,  # one mismatch means a corrupt object, not a flaky link
         )
+        shown = 0
+
+        def counted(n: int) -> None:
+            nonlocal shown
+            shown += n
+            progress(n)
+
         try:
-            fetched = await slot_fetch(request)
+            fetched = await slot_fetch(request, counted)
         except IntegrityError:
+            progress(-shown)  # the origin's bytes count from zero
             await self._discard_corrupt(key, "its bytes do not hash to its name")
             return "corrupt"
         except ShardsyncError as exc:
+            progress(-shown)
             self._failed("read", exc)
             return "failed"
         self._n.hits += 1

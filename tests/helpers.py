@@ -7,6 +7,7 @@ import contextlib
 import hashlib
 import os
 import subprocess
+from collections import defaultdict
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 
 from shardsync.config import Config, DaemonConfig
 from shardsync.fetch import FetchConfig
+from shardsync.prefetch import FileOutcome
 from shardsync.retry import RetryPolicy
 from shardsync.testing import Checkpoint, FakeHub, serve_in_thread
 
@@ -153,3 +155,22 @@ def tmpfs(path: Path, options: str) -> Iterator[Path]:
         yield path
     finally:
         subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+class Bars:
+    """A progress sink that remembers each file's running total and its highest point."""
+
+    def __init__(self) -> None:
+        self.sizes: dict[str, int | None] = {}
+        self.now: dict[str, int] = defaultdict(int)
+        self.peak: dict[str, int] = defaultdict(int)
+
+    def add_file(self, path: str, size: int | None) -> None:
+        self.sizes[path] = size
+
+    def advance(self, path: str, nbytes: int) -> None:
+        self.now[path] += nbytes
+        self.peak[path] = max(self.peak[path], self.now[path])
+
+    def file_done(self, outcome: FileOutcome) -> None:
+        return None

@@ -4,34 +4,14 @@ again and goes on, and every byte is counted once, where it arrives, in the bar 
 
 from __future__ import annotations
 
-from collections import defaultdict
 from pathlib import Path
 
-from helpers import assert_snapshot_matches, assert_store_verified, fast_config
+from helpers import Bars, assert_snapshot_matches, assert_store_verified, fast_config
 
-from shardsync.prefetch import FileOutcome, prefetch
+from shardsync.prefetch import prefetch
 from shardsync.testing import Bandwidth, Checkpoint, FakeHub
 
 REPO = "acme/expiring"
-
-
-class Bars:
-    """A progress sink that remembers each file's running total and its highest point."""
-
-    def __init__(self) -> None:
-        self.sizes: dict[str, int | None] = {}
-        self.now: dict[str, int] = defaultdict(int)
-        self.peak: dict[str, int] = defaultdict(int)
-
-    def add_file(self, path: str, size: int | None) -> None:
-        self.sizes[path] = size
-
-    def advance(self, path: str, nbytes: int) -> None:
-        self.now[path] += nbytes
-        self.peak[path] = max(self.peak[path], self.now[path])
-
-    def file_done(self, outcome: FileOutcome) -> None:
-        return None
 
 
 async def test_urls_that_expire_mid_download_are_resolved_again_and_counted_once(

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 from daemons import api, daemon_in_loop, short_tmp
-from helpers import assert_snapshot_matches, assert_store_verified, fast_config, serving
+from helpers import Bars, assert_snapshot_matches, assert_store_verified, fast_config, serving
 from s3server import S3Server
 
 from shardsync.client import Client
@@ -346,8 +346,9 @@ async def test_a_tier_cut_mid_read_falls_back_to_the_origin(
             if seen > 0.4 * first and not proxy.down:
                 proxy.cut()
 
+        bars = Bars()
         async with Engine(config, throttle=cut_at_40_percent) as engine:
-            job = engine.job(engine.origin(REPO))
+            job = engine.job(engine.origin(REPO), sink=bars)
             await job.prepare()
             files = await job.download()
             snapshot, tier = job.snapshot_path, engine.tier
@@ -357,6 +358,8 @@ async def test_a_tier_cut_mid_read_falls_back_to_the_origin(
     assert_store_verified(config.cache_dir, model)
     assert proxy.down and stats.errors >= 1
     assert [f.source for f in files if f.path in model.shards] == ["network"] * 4
+    for path, size in bars.sizes.items():  # the tier's bytes were taken back off the bar
+        assert bars.now[path] == size and bars.peak[path] <= (size or 0), path
 
 
 def test_a_claim_holder_killed_mid_download_is_taken_over(
