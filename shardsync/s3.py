@@ -154,7 +154,10 @@ class S3Client:
         client_config = AioConfig(
             signature_version="s3v4",  # presigned URLs too (botocore may pick SigV2 for them)
             proxies=proxies,
-            s3={"addressing_style": cfg.addressing},
+            # Bodies carry their SHA-256 in ChecksumSHA256, which the store checks; signing
+            # the payload too would make botocore hash each upload again, in the event loop
+            # (it does for every http endpoint unless told not to).
+            s3={"addressing_style": cfg.addressing, "payload_signing_enabled": False},
             retries={"max_attempts": 4, "mode": "standard"},
             connect_timeout=10,
             read_timeout=60,
