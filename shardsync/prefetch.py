@@ -175,7 +175,7 @@ class Engine:
             network=self.config.network,
         )
         if self.config.tier.url is not None:
-            tier = Tier(self.config.tier, self.s3, self._fetcher)
+            tier = Tier(self.config.tier, self.s3)
             self.tier = await tier.__aenter__()
         return self
 

@@ -44,7 +44,7 @@ from shardsync.errors import (
     ShardsyncError,
     TransferError,
 )
-from shardsync.fetch import BlobRequest, FetchedBlob, Fetcher, Located
+from shardsync.fetch import BlobRequest, FetchedBlob, Located
 from shardsync.s3 import ObjectInfo, PreconditionFailed, S3Client, S3Location, parse_s3_url
 
 __all__ = ["Tier", "TierStatistics", "Upload", "blob_key", "claim_key"]
@@ -145,7 +145,6 @@ class Tier:
         self,
         config: TierConfig,
         client: S3Client,
-        fetcher: Fetcher,
         *,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -154,7 +153,6 @@ class Tier:
         self.config = config
         self.location: S3Location = parse_s3_url(config.url)
         self._client = client
-        self._fetcher = fetcher
         self._clock = clock
         self._n = _Counters()
         self._disabled = False  # reads refused (bad credentials): the tier is off
