@@ -11,14 +11,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 from shardsync.cache import RepoRef
 from shardsync.fetch import BlobRequest, FetchedBlob, Fetcher
 from shardsync.manifest import Listing, ManifestEntry, RemoteFile
 from shardsync.retry import is_strong_etag
 
-__all__ = ["Origin", "Progress", "Slot", "fetch_over_http"]
+__all__ = ["Origin", "Progress", "RequestOrigin", "Slot"]
 
 Progress = Callable[[int], None]
 Entry = ManifestEntry | RemoteFile
@@ -87,18 +87,36 @@ class Origin(Protocol):
         ...
 
 
-async def fetch_over_http(
-    fetcher: Fetcher,
-    request: BlobRequest,
-    slot: Slot,
-    progress: Progress,
-    *,
-    record_etag: bool,
-) -> FetchedBlob:
-    """Download through the fetcher; keep the ETag as the recorded version only when the
-    origin names versions by it (a strong one), not when a hash already does."""
-    fetched = await fetcher.fetch(
-        request, slot.data, slot.sidecar, progress, temp_dir=slot.temp_dir
-    )
-    etag = fetched.etag if record_etag and is_strong_etag(fetched.etag) else None
-    return replace(fetched, etag=etag)
+class RequestOrigin:
+    """What origins share whose files the fetcher reads from a request (the Hub, a base URL,
+    S3): a subclass says how to ask for one entry (``request_for``) and whether the ETag it
+    answers with is the version to record (``records_etag``: when no hash names the file)."""
+
+    __slots__ = ()
+    records_etag: ClassVar[bool] = True
+
+    def request_for(self, commit: str | None, entry: Entry) -> BlobRequest:
+        raise NotImplementedError
+
+    async def read_range(
+        self, fetcher: Fetcher, commit: str | None, entry: Entry, start: int, end: int
+    ) -> bytes:
+        return await fetcher.read_range(self.request_for(commit, entry), start, end)
+
+    async def download(
+        self,
+        fetcher: Fetcher,
+        commit: str | None,
+        entry: ManifestEntry,
+        slot: Slot,
+        progress: Progress,
+    ) -> FetchedBlob:
+        request = self.request_for(commit, entry)
+        fetched = await fetcher.fetch(
+            request, slot.data, slot.sidecar, progress, temp_dir=slot.temp_dir
+        )
+        keep = self.records_etag and is_strong_etag(fetched.etag)
+        return fetched if keep else replace(fetched, etag=None)
+
+    async def aclose(self) -> None:
+        return None

@@ -9,9 +9,9 @@ from urllib.parse import quote, urlsplit
 
 from shardsync.cache import RepoRef
 from shardsync.errors import ConfigError, EntryNotFoundError, ManifestError, first_error
-from shardsync.fetch import BlobRequest, FetchedBlob, Fetcher
-from shardsync.manifest import Listing, ManifestEntry, RemoteFile, validate_name
-from shardsync.origins.base import Entry, Progress, Slot, fetch_over_http
+from shardsync.fetch import BlobRequest, Fetcher
+from shardsync.manifest import Listing, RemoteFile, validate_name
+from shardsync.origins.base import Entry, RequestOrigin
 from shardsync.retry import is_strong_etag
 
 __all__ = ["PROBED_FILES", "UrlOrigin"]
@@ -30,8 +30,9 @@ PROBED_FILES = (
 
 
 @dataclass(frozen=True, slots=True)
-class UrlOrigin:
-    """Files under ``base``; no commit, so snapshots are named by their content."""
+class UrlOrigin(RequestOrigin):
+    """Files under ``base``; no commit, so snapshots are named by their content. The
+    server's strong ETag is the version recorded: no hash comes with a file."""
 
     base: str
     token: str | None
@@ -85,7 +86,7 @@ class UrlOrigin:
             raise ManifestError(f"no model.safetensors[.index.json] under {self.base}")
         return Listing(commit=None, files=files, exhaustive=False)
 
-    def request_for(self, entry: Entry) -> BlobRequest:
+    def request_for(self, commit: str | None, entry: Entry) -> BlobRequest:
         return BlobRequest(
             url=self.url_for(entry.path),
             headers=self.auth_headers,
@@ -95,26 +96,5 @@ class UrlOrigin:
         )
 
     async def version(self, fetcher: Fetcher, entry: Entry) -> str | None:
-        located = await fetcher.locate(self.request_for(entry))
+        located = await fetcher.locate(self.request_for(None, entry))
         return located.etag if is_strong_etag(located.etag) else None
-
-    async def read_range(
-        self, fetcher: Fetcher, commit: str | None, entry: Entry, start: int, end: int
-    ) -> bytes:
-        return await fetcher.read_range(self.request_for(entry), start, end)
-
-    async def download(
-        self,
-        fetcher: Fetcher,
-        commit: str | None,
-        entry: ManifestEntry,
-        slot: Slot,
-        progress: Progress,
-    ) -> FetchedBlob:
-        """The server's strong ETag is the version recorded: no hash comes with the file."""
-        return await fetch_over_http(
-            fetcher, self.request_for(entry), slot, progress, record_etag=True
-        )
-
-    async def aclose(self) -> None:
-        return None

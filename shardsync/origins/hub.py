@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from typing import ClassVar
 from urllib.parse import quote, urlsplit
 
 import huggingface_hub
@@ -13,15 +14,14 @@ from huggingface_hub.utils import validate_repo_id
 
 from shardsync.cache import RepoRef
 from shardsync.errors import ConfigError, ManifestError
-from shardsync.fetch import BlobRequest, FetchedBlob, Fetcher
+from shardsync.fetch import BlobRequest, Fetcher
 from shardsync.manifest import (
     Listing,
-    ManifestEntry,
     RemoteFile,
     parse_hub_revision,
     parse_hub_tree,
 )
-from shardsync.origins.base import Entry, Progress, Slot, fetch_over_http
+from shardsync.origins.base import Entry, RequestOrigin
 
 __all__ = ["DEFAULT_ENDPOINT", "HubOrigin", "validate_revision"]
 
@@ -47,13 +47,14 @@ def validate_revision(revision: str) -> str:
 
 
 @dataclass(frozen=True, slots=True)
-class HubOrigin:
+class HubOrigin(RequestOrigin):
     """A repo on the Hub; the token goes to the endpoint host and nowhere else."""
 
     repo_id: str
     endpoint: str
     token: str | None
     default_revision: str = "main"
+    records_etag: ClassVar[bool] = False  # every version is named by its sha256 or blob id
 
     @classmethod
     def create(cls, repo_id: str, *, endpoint: str | None, token: str | None) -> HubOrigin:
@@ -126,23 +127,3 @@ class HubOrigin:
 
     async def version(self, fetcher: Fetcher, entry: Entry) -> str | None:
         return None  # the Hub names every version by its sha256 or git blob id
-
-    async def read_range(
-        self, fetcher: Fetcher, commit: str | None, entry: Entry, start: int, end: int
-    ) -> bytes:
-        return await fetcher.read_range(self.request_for(commit, entry), start, end)
-
-    async def download(
-        self,
-        fetcher: Fetcher,
-        commit: str | None,
-        entry: ManifestEntry,
-        slot: Slot,
-        progress: Progress,
-    ) -> FetchedBlob:
-        return await fetch_over_http(
-            fetcher, self.request_for(commit, entry), slot, progress, record_etag=False
-        )
-
-    async def aclose(self) -> None:
-        return None

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from shardsync.cache import RepoRef
 from shardsync.config import S3Config
 from shardsync.errors import ConfigError, ManifestError
-from shardsync.fetch import BlobRequest, FetchedBlob, Fetcher, Located
-from shardsync.manifest import Listing, ManifestEntry, RemoteFile, validate_name
-from shardsync.origins.base import Entry, Progress, Slot, fetch_over_http
+from shardsync.fetch import BlobRequest, Fetcher, Located
+from shardsync.manifest import Listing, RemoteFile, validate_name
+from shardsync.origins.base import Entry, RequestOrigin
 from shardsync.s3 import ObjectInfo, S3Client, S3Location, parse_s3_url
 
 __all__ = ["S3Origin"]
@@ -29,7 +29,7 @@ _HEADS_AT_ONCE = 16
 
 
 @dataclass(frozen=True, slots=True, eq=False)
-class S3Origin:
+class S3Origin(RequestOrigin):
     """Objects under one prefix; no commit, so snapshots are named by their content."""
 
     location: S3Location
@@ -87,7 +87,7 @@ class S3Origin:
             tasks = [tg.create_task(describe(p, o)) for p, o in wanted]
         return Listing(commit=None, files=tuple(t.result() for t in tasks), exhaustive=True)
 
-    def request_for(self, entry: Entry) -> BlobRequest:
+    def request_for(self, commit: str | None, entry: Entry) -> BlobRequest:
         key = self.location.key_for(validate_name(entry.path))
 
         async def locate() -> Located:
@@ -110,23 +110,6 @@ class S3Origin:
     async def version(self, fetcher: Fetcher, entry: Entry) -> str | None:
         key = self.location.key_for(validate_name(entry.path))
         return (await self.client.head(self.location.bucket, key, checksum=False)).etag or None
-
-    async def read_range(
-        self, fetcher: Fetcher, commit: str | None, entry: Entry, start: int, end: int
-    ) -> bytes:
-        return await fetcher.read_range(self.request_for(entry), start, end)
-
-    async def download(
-        self,
-        fetcher: Fetcher,
-        commit: str | None,
-        entry: ManifestEntry,
-        slot: Slot,
-        progress: Progress,
-    ) -> FetchedBlob:
-        return await fetch_over_http(
-            fetcher, self.request_for(entry), slot, progress, record_etag=True
-        )
 
     async def aclose(self) -> None:
         if self.owns_client:
