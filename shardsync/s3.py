@@ -148,7 +148,8 @@ class S3Client:
         session = AioSession(profile=cfg.profile)
         endpoint = cfg.endpoint or "https://s3.amazonaws.com"
         proxy = self.network.proxy_for(endpoint)  # our NO_PROXY rules, not botocore's
-        proxies = {"http": proxy.url, "https": proxy.url} if proxy is not None else None
+        # {} (not None) when ours says direct, or botocore would apply the variables itself
+        proxies: dict[str, str] = {"http": proxy.url, "https": proxy.url} if proxy else {}
         if proxy is not None and proxy.username is not None:
             proxies = {k: _with_userinfo(proxy.url, proxy) for k in ("http", "https")}
         client_config = AioConfig(

@@ -467,3 +467,26 @@ def test_load_goes_through_the_proxy(squid: Squid, checkpoint: Checkpoint, tmp_p
     assert set(tensors) == set(expected)
     for name, tensor in expected.items():
         assert tensors[name].dtype == tensor.dtype and tensors[name].equal(tensor)
+
+
+async def test_no_proxy_keeps_s3_requests_direct(
+    squid: Squid, s3server: S3Server, s3bucket: str, checkpoint: Checkpoint, aws_env: None,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """Our NO_PROXY rules (CIDRs too) decide for botocore's requests as well, though it
+    reads the same variables itself (without CIDRs)."""
+    import botocore.session
+
+    monkeypatch.setenv("HTTP_PROXY", squid.url)
+    monkeypatch.setenv("NO_PROXY", "127.0.0.0/8")
+
+    client = botocore.session.get_session().create_client("s3", **s3server.client_kwargs())
+    for rel in checkpoint.files:
+        client.put_object(Bucket=s3bucket, Key=f"m/{rel}", Body=checkpoint.path(rel).read_bytes())
+    s3 = S3Config(endpoint=s3server.endpoint, region=s3server.region, addressing="path")
+    env = {"HTTP_PROXY": squid.url, "NO_PROXY": "127.0.0.0/8"}
+    config = replace(fast_config(tmp_path / "c"), s3=s3, network=network_from_env(env))
+    mark = squid.mark()
+    result = await prefetch(f"s3://{s3bucket}/m/", config)
+    assert_snapshot_matches(result.snapshot_path, checkpoint)
+    assert squid.log_since(mark) == []
