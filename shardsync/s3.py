@@ -16,6 +16,7 @@ import asyncio
 import base64
 import binascii
 import contextlib
+import os
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -146,7 +147,13 @@ class S3Client:
 
         cfg = self.config
         session = AioSession(profile=cfg.profile)
-        endpoint = cfg.endpoint or "https://s3.amazonaws.com"
+        # the endpoint botocore will use: [s3], else the chain's variables, else AWS
+        endpoint = (
+            cfg.endpoint
+            or os.environ.get("AWS_ENDPOINT_URL_S3")
+            or os.environ.get("AWS_ENDPOINT_URL")
+            or "https://s3.amazonaws.com"
+        )
         proxy = self.network.proxy_for(endpoint)  # our NO_PROXY rules, not botocore's
         # {} (not None) when ours says direct, or botocore would apply the variables itself
         proxies: dict[str, str] = {"http": proxy.url, "https": proxy.url} if proxy else {}

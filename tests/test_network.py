@@ -469,9 +469,10 @@ def test_load_goes_through_the_proxy(squid: Squid, checkpoint: Checkpoint, tmp_p
         assert tensors[name].dtype == tensor.dtype and tensors[name].equal(tensor)
 
 
+@pytest.mark.parametrize("endpoint_from", ["config", "AWS_ENDPOINT_URL"])
 async def test_no_proxy_keeps_s3_requests_direct(
-    squid: Squid, s3server: S3Server, s3bucket: str, checkpoint: Checkpoint, aws_env: None,
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    endpoint_from: str, squid: Squid, s3server: S3Server, s3bucket: str, checkpoint: Checkpoint,
+    aws_env: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
     """Our NO_PROXY rules (CIDRs too) decide for botocore's requests as well, though it
     reads the same variables itself (without CIDRs)."""
@@ -484,6 +485,9 @@ async def test_no_proxy_keeps_s3_requests_direct(
     for rel in checkpoint.files:
         client.put_object(Bucket=s3bucket, Key=f"m/{rel}", Body=checkpoint.path(rel).read_bytes())
     s3 = S3Config(endpoint=s3server.endpoint, region=s3server.region, addressing="path")
+    if endpoint_from == "AWS_ENDPOINT_URL":  # the chain names the endpoint, not [s3]
+        monkeypatch.setenv("AWS_ENDPOINT_URL", s3server.endpoint)
+        s3 = replace(s3, endpoint=None)
     env = {"HTTP_PROXY": squid.url, "NO_PROXY": "127.0.0.0/8"}
     config = replace(fast_config(tmp_path / "c"), s3=s3, network=network_from_env(env))
     mark = squid.mark()
