@@ -478,7 +478,8 @@ async def test_no_proxy_keeps_s3_requests_direct(
     reads the same variables itself (without CIDRs)."""
     import botocore.session
 
-    monkeypatch.setenv("HTTP_PROXY", squid.url)
+    for name in ("HTTP_PROXY", "HTTPS_PROXY"):
+        monkeypatch.setenv(name, squid.url)
     monkeypatch.setenv("NO_PROXY", "127.0.0.0/8")
 
     client = botocore.session.get_session().create_client("s3", **s3server.client_kwargs())
@@ -488,7 +489,7 @@ async def test_no_proxy_keeps_s3_requests_direct(
     if endpoint_from == "AWS_ENDPOINT_URL":  # the chain names the endpoint, not [s3]
         monkeypatch.setenv("AWS_ENDPOINT_URL", s3server.endpoint)
         s3 = replace(s3, endpoint=None)
-    env = {"HTTP_PROXY": squid.url, "NO_PROXY": "127.0.0.0/8"}
+    env = {"HTTP_PROXY": squid.url, "HTTPS_PROXY": squid.url, "NO_PROXY": "127.0.0.0/8"}
     config = replace(fast_config(tmp_path / "c"), s3=s3, network=network_from_env(env))
     mark = squid.mark()
     result = await prefetch(f"s3://{s3bucket}/m/", config)
