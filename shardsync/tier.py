@@ -207,6 +207,7 @@ class Tier:
         ``from_origin`` the file from its origin, each reporting progress to the callback
         it gets.
         """
+        stale: str | None = None  # the ETag of a claim we saw die
         for _ in range(_MAX_ROUNDS):
             if not self._usable():
                 break
@@ -222,7 +223,7 @@ class Tier:
                 # corrupt: deleted; whoever claims next brings the origin's bytes
             if self._read_only:
                 break
-            claim = await self._quietly("claim", self._claim(sha256, size))
+            claim = await self._quietly("claim", self._claim(sha256, size, stale))
             if claim is _FAILED:
                 break
             if isinstance(claim, _Claim):
@@ -233,7 +234,7 @@ class Tier:
                     continue
                 return await self._fetch_for_fleet(claim, from_origin, progress)
             self._n.claims_waited += 1
-            outcome = await self._wait(sha256, size, progress)
+            outcome, stale = await self._wait(sha256, size, progress)
             if outcome == "stalled":
                 self._n.stalled_fallbacks += 1
                 break
@@ -357,8 +358,9 @@ class Tier:
             }
         ).encode()
 
-    async def _claim(self, sha256: str, size: int) -> _Claim | None:
-        """Win the claim (``If-None-Match: *``), take over a dead one, or None: someone
+    async def _claim(self, sha256: str, size: int, stale: str | None = None) -> _Claim | None:
+        """Win the claim (``If-None-Match: *``), take over a dead one (expired by its own
+        stamp, or the very version ``stale`` we watched go unrenewed), or None: someone
         else is fetching it."""
         bucket, key = self.location.bucket, claim_key(self.location.prefix, sha256)
         claim = _Claim(sha256=sha256, size=size, etag="", token=secrets.token_hex(8))
@@ -373,7 +375,7 @@ class Tier:
         if existing is None:
             return None  # released just now: the blob is probably there; round again
         body, etag = existing
-        if not _expired(body, time.time(), self.config.claim_lease):
+        if etag != stale and not _expired(body, time.time(), self.config.claim_lease):
             return None
         return await self._take_over(claim, etag)
 
@@ -422,8 +424,9 @@ class Tier:
 
     async def _wait(
         self, sha256: str, size: int, progress: Progress
-    ) -> Literal["ready", "dead", "released", "stalled", "failed"]:
-        """Until the blob is in the tier, or the claim dies, goes away or stalls."""
+    ) -> tuple[Literal["ready", "dead", "released", "stalled", "failed"], str | None]:
+        """Until the blob is in the tier, or the claim dies (then with its last ETag), goes
+        away or stalls."""
         cfg = self.config
         seen = _Seen(changed_at=self._clock(), progressed_at=self._clock())
         shown = 0
@@ -432,14 +435,14 @@ class Tier:
             while True:
                 head = await self._quietly("read", self._head(sha256))
                 if head is _FAILED:
-                    return "failed"
+                    return "failed", None
                 if isinstance(head, ObjectInfo):
-                    return "ready"
+                    return "ready", None
                 answer = await self._quietly("claim", self._read_claim(sha256))
                 if answer is _FAILED:
-                    return "failed"
+                    return "failed", None
                 if answer is None:
-                    return "released"
+                    return "released", None
                 body, etag = answer
                 now = self._clock()
                 state = _parse_claim(body)
@@ -448,8 +451,12 @@ class Tier:
                 if now - seen.changed_at > cfg.claim_lease or _expired(
                     body, time.time(), cfg.claim_lease
                 ):
-                    return "dead"
-                done = min(max(int(state.get("done", 0)), 0), size)
+                    return "dead", etag
+                reported = state.get("done")  # another host's word: a number, or nothing
+                done = (
+                    reported if isinstance(reported, int) and not isinstance(reported, bool) else 0
+                )
+                done = min(max(done, 0), size)
                 if done > seen.done:
                     seen.done, seen.progressed_at = done, now
                     progress(done - shown)
@@ -457,9 +464,9 @@ class Tier:
                 if state.get("phase") == "upload":
                     seen.upload_since = seen.upload_since or now
                     if now - seen.upload_since > cfg.claim_stall + size / cfg.upload_floor:
-                        return "stalled"
+                        return "stalled", None
                 elif now - seen.progressed_at > cfg.claim_stall:
-                    return "stalled"
+                    return "stalled", None
                 await asyncio.sleep(delay)  # another host's pace: wall time
                 delay = min(delay * 1.5, _POLL_MAX)
         finally:

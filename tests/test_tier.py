@@ -552,3 +552,32 @@ async def test_the_snapshot_is_reported_complete_while_its_uploads_go_on(
     assert in_tier_then < len(model.shards)  # the uploads were still going on
     assert result.tier is not None and result.tier.uploads == len(model.shards)
     assert tier_objects(s3server, s3bucket) == expected_tier(model)  # all up on return
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"not json at all",
+        json.dumps({"done": "lots", "size": "big", "expires": 1e300, "phase": 7}).encode(),
+        json.dumps({"done": True, "expires": "never"}).encode(),
+        json.dumps([1, 2, 3]).encode(),
+    ],
+)
+async def test_a_garbage_claim_never_breaks_a_host(
+    body: bytes,
+    s3server: S3Server,
+    s3bucket: str,
+    model: Checkpoint,
+    hub: FakeHub,
+    aws_env: None,
+    tmp_path: Path,
+) -> None:
+    """A claim object is another host's word, never trusted: one that cannot be read, or
+    says nonsense, is waited on at most a lease, then taken over."""
+    first = model.path(model.shards[0]).read_bytes()
+    s3(s3server).put_object(Bucket=s3bucket, Key=claim_key(PREFIX, sha(first)), Body=body)
+    config = host(tmp_path / "h", hub, s3server, s3bucket, claim_lease=1.0, claim_stall=30.0)
+    result = await asyncio.wait_for(prefetch(REPO, config), 60)
+    assert_snapshot_matches(result.snapshot_path, model)
+    assert result.tier is not None and result.tier.claims_taken_over == 1
+    assert tier_objects(s3server, s3bucket) == expected_tier(model)
