@@ -712,7 +712,11 @@ def _ls_lines(inv: Inventory) -> list[str]:
     rows = [("REPO", "REFS", "COMMIT", "SIZE", "COMPLETE", "LAST USED", "FLAGS")]
     for repo in inv.repos:
         for s in repo.snapshots:
-            flags = [f for f, on in (("pinned", s.pinned), ("leased", s.leased)) if on]
+            flags = [
+                f
+                for f, on in (("pinned", s.pinned), ("leased", s.leased), ("foreign", s.foreign))
+                if on
+            ]
             rows.append(
                 (
                     repo.repo,

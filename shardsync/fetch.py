@@ -952,13 +952,14 @@ class Fetcher:
             is_retryable_exception(exc)
         )
         if not retryable:
-            raise TransferError(f"{label}: {exc}") from exc
+            raise TransferError(f"{label}: {_describe(exc)}") from exc
         delay = backoff.next_delay(retry_after)
         if delay is None:
             if isinstance(exc, ShardsyncError) and not isinstance(exc, _RetryLater):
                 raise exc
             raise TransferError(
-                f"{label}: giving up after {backoff.attempts} attempts, last error: {exc}"
+                f"{label}: giving up after {backoff.attempts} attempts, last error: "
+                f"{_describe(exc)}"
             ) from exc
         self._retries[cause] += 1
         await self._sleep(delay)
@@ -1059,6 +1060,19 @@ def _cause(exc: BaseException) -> str:
     if isinstance(exc, TimeoutError):
         return "timeout"
     return "connection"
+
+
+def _describe(exc: BaseException) -> str:
+    """The error in a user's words: aiohttp's own text for a refused connection shows its
+    connection key (``ssl:default``, even for plain http); say what failed instead."""
+    if isinstance(exc, aiohttp.ClientConnectorError) and not isinstance(
+        exc, aiohttp.ClientConnectorCertificateError | aiohttp.ClientSSLError
+    ):
+        what = "the proxy " if isinstance(exc, aiohttp.ClientProxyConnectionError) else ""
+        code = exc.os_error.errno
+        reason = os.strerror(code) if code and code > 0 else (exc.strerror or str(exc.os_error))
+        return f"cannot connect to {what}{exc.host}:{exc.port}: {reason}"
+    return str(exc)
 
 
 def _disk_error(exc: OSError, doing: str) -> CacheError:

@@ -407,6 +407,7 @@ def inventory_to_json(inv: Inventory) -> dict[str, Any]:
                         "bytes_on_disk": s.nbytes,
                         "last_used": s.last_used,
                         "leased": s.leased,
+                        "foreign": s.foreign,
                     }
                     for s in r.snapshots
                 ],

@@ -426,8 +426,10 @@ def select_weights(listing: Listing, *, allow_pickle: bool = False) -> RemoteFil
             return pickles[0]
         raise ManifestError(
             f"the repository only has pickle weights ({pickles[0].path}); pickle can run "
-            "code when loaded, so it is refused unless you pass allow_pickle=True "
-            "(it is then loaded with torch.load(weights_only=True))"
+            "code when loaded, so it is refused unless allowed: `shardsync prefetch "
+            "--allow-pickle` on the command line, allow_pickle=True in Python "
+            "(shardsync.prefetch, load, stream, Client.prefetch); it is then loaded with "
+            "torch.load(weights_only=True). `shardsync load` streams safetensors only"
         )
     raise ManifestError(
         f"no weights found: expected {SAFETENSORS_INDEX}, {SAFETENSORS_SINGLE} or a "

@@ -32,7 +32,16 @@ TOP_KEYS = {
     "repos",
 }
 REPO_KEYS = {"repo", "kind", "dir", "bytes_on_disk", "last_used", "pinned", "leased", "snapshots"}
-SNAPSHOT_KEYS = {"commit", "refs", "complete", "files", "bytes_on_disk", "last_used", "leased"}
+SNAPSHOT_KEYS = {
+    "commit",
+    "refs",
+    "complete",
+    "files",
+    "bytes_on_disk",
+    "last_used",
+    "leased",
+    "foreign",
+}
 
 
 @pytest.fixture(scope="module")

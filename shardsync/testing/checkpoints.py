@@ -102,10 +102,14 @@ class _Layout:
         hidden = math.isqrt(max(total_bytes // itemsize, 1) // (10 * layers + 8))
         if hidden >= 64:
             hidden -= hidden % 8
-        return cls(max(hidden, 1), layers)
+        else:
+            hidden -= hidden % 2  # even, so every attention head has an even dimension
+        return cls(max(hidden, 2), layers)
 
     def config(self, dtype: str) -> dict[str, object]:
-        heads = math.gcd(self.hidden, 32)
+        # Up to 32 heads of an even head_dim (RoPE rotates pairs of dimensions; transformers
+        # refuses an odd one), and heads * head_dim == hidden_size (q_proj is hidden x hidden).
+        heads = math.gcd(self.hidden // 2, 32)
         return {
             "architectures": ["LlamaForCausalLM"],
             "model_type": "llama",
@@ -114,6 +118,7 @@ class _Layout:
             "num_hidden_layers": self.layers,
             "num_attention_heads": heads,
             "num_key_value_heads": heads,
+            "head_dim": self.hidden // heads,
             "vocab_size": self.vocab,
             "max_position_embeddings": 2048,
             "rms_norm_eps": 1e-6,
