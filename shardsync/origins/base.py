@@ -8,6 +8,7 @@ partial file is checked against. A new origin is a new class here, not an engine
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -40,34 +41,30 @@ class Origin(Protocol):
     @property
     def repo(self) -> RepoRef:
         """Names the origin in the cache (its snapshots live under ``repo.dirname``)."""
-        ...
 
     @property
-    def default_revision(self) -> str: ...
+    def default_revision(self) -> str:
+        """The revision asked for when none is given (``main``)."""
 
     @property
     def caller_only(self) -> bool:
         """True when only the calling process may read it (a local path): the daemon
         refuses such a source on a client's behalf, and the loader never hands it over."""
-        ...
 
     async def list_files(self, fetcher: Fetcher, revision: str, *, hidden: bool = False) -> Listing:
         """Every file at ``revision``: the commit (None when the origin has none), sizes,
         and sha256 where the origin publishes one. Folder-like origins leave out names
         starting with ``.`` unless ``hidden`` (a DCP checkpoint's ``.metadata``)."""
-        ...
 
     async def version(self, fetcher: Fetcher, entry: Entry) -> str | None:
         """What the origin calls the current version of ``entry`` (a strong ETag, a stat
         stamp), or None when it has none worth trusting. A cached copy recorded under this
         version is reused only while the origin still says the same."""
-        ...
 
     async def read_range(
         self, fetcher: Fetcher, commit: str | None, entry: Entry, start: int, end: int
     ) -> bytes:
         """Bytes ``[start, end)`` of one file (a safetensors header), short at its end."""
-        ...
 
     async def download(
         self,
@@ -80,14 +77,12 @@ class Origin(Protocol):
         """The whole file into a private temp name under ``slot``, verified against the
         origin's hash when it has one; ``FetchedBlob.etag`` is ``version`` at download time
         (recorded, so later runs can reuse the copy)."""
-        ...
 
     async def aclose(self) -> None:
         """Release what the origin opened (clients, sessions); called once by its engine."""
-        ...
 
 
-class RequestOrigin:
+class RequestOrigin(ABC):
     """What origins share whose files the fetcher reads from a request (the Hub, a base URL,
     S3): a subclass says how to ask for one entry (``request_for``) and whether the ETag it
     answers with is the version to record (``records_etag``: when no hash names the file)."""
@@ -95,8 +90,9 @@ class RequestOrigin:
     __slots__ = ()
     records_etag: ClassVar[bool] = True
 
+    @abstractmethod
     def request_for(self, commit: str | None, entry: Entry) -> BlobRequest:
-        raise NotImplementedError
+        """The request that reads ``entry`` at ``commit`` (None: the origin has no commits)."""
 
     async def read_range(
         self, fetcher: Fetcher, commit: str | None, entry: Entry, start: int, end: int
