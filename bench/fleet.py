@@ -39,7 +39,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import re
 import shutil
 import signal
 import statistics
@@ -48,9 +47,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,13 +57,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from download import (  # a sibling script, not a package
+    _LOG_LINE,  # nginx's access-log lines, as serve_nginx writes them
     REPO_ID,
+    Nginx,
     Origin,
+    cdn_directory,
     clean_env,
     ensure_origin,
     log,
     machine_info,
     remove_tree,
+    serve_hub_cdn,
+    serve_nginx,
     sha256_file,
     tail,
 )
@@ -78,10 +81,7 @@ from shardsync.tier import blob_key
 GOAL_EGRESS = 1.05
 HOST_TIMEOUT_S = 600.0
 """A host still running after this is killed and reported as failed (hung)."""
-READY_TIMEOUT_S = 600.0
 TIER_PREFIX = "fleet/"
-_NGINX_FORMAT = '$msec $request_time $status $body_bytes_sent "$request_method $uri"'
-_LOG_LINE = re.compile(r'^(\S+) (\S+) (\d+) (\d+) "(\S+) (\S+)"$')
 _TIER_COUNTERS = (
     "hits",
     "misses",
@@ -296,102 +296,6 @@ def pick_cache_root(settings: Settings, model: int) -> Path:
 # The checkpoint and the origin: fake Hub + nginx
 
 
-def lfs_files(origin: Origin) -> dict[str, tuple[int, str]]:
-    """The files the Hub serves through its CDN (and the tier carries): the shards."""
-    return {p: v for p, v in origin.files.items() if p.endswith(".safetensors")}
-
-
-def cdn_directory(origin: Origin, root: Path) -> Path:
-    """A directory of the LFS files named by their sha256 (hard links, else copies)."""
-    remove_tree(root)
-    root.mkdir(parents=True)
-    for rel, (_, digest) in lfs_files(origin).items():
-        source = origin.directory / rel
-        try:
-            os.link(source, root / digest)
-        except OSError:
-            shutil.copyfile(source, root / digest)
-    return root
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass(frozen=True, slots=True)
-class Nginx:
-    url: str
-    access_log: Path
-    pid: int
-
-
-@contextmanager
-def serve_nginx(root: Path, work: Path, bandwidth: float) -> Iterator[Nginx]:
-    """nginx in the foreground on a free loopback port: sendfile, a rate cap per connection,
-    an access log with the end time, duration and bytes sent of every request."""
-    nginx = shutil.which("nginx") or "/usr/sbin/nginx"
-    if not os.access(nginx, os.X_OK):
-        raise RuntimeError("nginx is not installed (apt-get install nginx)")
-    remove_tree(work)
-    work.mkdir(parents=True)
-    port = _free_port()
-    user = "user root;\n" if os.geteuid() == 0 else ""
-    conf = work / "nginx.conf"
-    conf.write_text(
-        f"""{user}daemon off;
-worker_processes 2;
-pid {work}/nginx.pid;
-error_log {work}/error.log;
-events {{ worker_connections 1024; }}
-http {{
-    log_format fleet '{_NGINX_FORMAT}';
-    access_log {work}/access.log fleet;
-    client_body_temp_path {work}/body;
-    proxy_temp_path {work}/proxy;
-    fastcgi_temp_path {work}/fastcgi;
-    uwsgi_temp_path {work}/uwsgi;
-    scgi_temp_path {work}/scgi;
-    default_type application/octet-stream;
-    sendfile on;
-    tcp_nopush on;
-    keepalive_requests 100000;
-    server {{
-        listen 127.0.0.1:{port};
-        root {root};
-        limit_rate {int(bandwidth)};
-    }}
-}}
-"""
-    )
-    stderr_path = work / "stderr.log"
-    with stderr_path.open("wb") as stderr:
-        proc = subprocess.Popen(
-            [nginx, "-c", str(conf), "-p", str(work)],
-            stdout=subprocess.DEVNULL,
-            stderr=stderr,
-            start_new_session=True,
-        )
-    try:
-        import socket
-
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"nginx did not start: {tail(stderr_path)}") from None
-                time.sleep(0.05)
-        yield Nginx(f"http://127.0.0.1:{port}", work / "access.log", proc.pid)
-    finally:
-        _stop(proc)
-
-
 def read_cdn(access_log: Path, offset: int, digests: Mapping[str, str]) -> tuple[Cdn, int]:
     """The LFS requests nginx logged after byte `offset` of its log; returns the new offset.
 
@@ -421,43 +325,6 @@ def read_cdn(access_log: Path, offset: int, digests: Mapping[str, str]) -> tuple
         first = start if first is None else min(first, start)
         last = float(end) if last is None else max(last, float(end))
     return Cdn(requests, total, first, last, per_file, per_file_end), offset + len(complete)
-
-
-@contextmanager
-def serve_hub(origin: Origin, cdn_url: str, latency: float, work: Path) -> Iterator[str]:
-    """The fake Hub in its own process, redirecting LFS files to `cdn_url`; yields its URL."""
-    ready = work / "hub.ready"
-    ready.unlink(missing_ok=True)
-    command = [sys.executable, "-m", "shardsync.testing", "serve"]
-    command += ["--checkpoint", str(origin.directory), "--repo", REPO_ID]
-    command += ["--ready-file", str(ready), "--cdn-base", cdn_url]
-    if latency > 0:
-        command += ["--latency", str(latency)]
-    stderr_path = work / "hub.log"
-    with stderr_path.open("wb") as stderr:
-        hub = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr)
-    try:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while not ready.is_file():
-            if hub.poll() is not None:
-                raise RuntimeError(f"fake hub exited with {hub.returncode}: {tail(stderr_path)}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"fake hub not ready after {READY_TIMEOUT_S:.0f} s")
-            time.sleep(0.05)
-        yield str(json.loads(ready.read_text())["endpoint"])
-    finally:
-        _stop(hub)
-
-
-def _stop(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is not None:
-        return
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
 
 
 def process_cpu_s(pid: int) -> float | None:
@@ -667,7 +534,7 @@ class Servers:
     log_offset: int = 0
 
     def cdn_since_last(self) -> Cdn:
-        digests = {rel: digest for rel, (_, digest) in lfs_files(self.origin).items()}
+        digests = {rel: digest for rel, (_, digest) in self.origin.lfs.items()}
         cdn, self.log_offset = read_cdn(self.nginx.access_log, self.log_offset, digests)
         return cdn
 
@@ -682,7 +549,7 @@ def one_round(servers: Servers, n: int, index: int, tier: bool, scratch: Path) -
     bucket = servers.s3.new_bucket(f"fleet-{n}") if tier else None
     if bucket is not None:
         warm_bucket(servers.s3, bucket)
-    digests = {rel: digest for rel, (_, digest) in lfs_files(servers.origin).items()}
+    digests = {rel: digest for rel, (_, digest) in servers.origin.lfs.items()}
     watcher = TierWatcher(servers.s3, bucket, digests) if bucket is not None else None
     config = write_config(work / "shardsync.toml", s3, bucket)
     servers.cdn_since_last()  # skip whatever came before
@@ -866,7 +733,7 @@ def write_json(
         "checkpoint": {
             "files": len(origin.files),
             "bytes": origin.total_size,
-            "lfs_bytes": sum(s for s, _ in lfs_files(origin).values()),
+            "lfs_bytes": sum(s for s, _ in origin.lfs.values()),
         },
         "baseline_s": statistics.median(r.slowest_s for r in baseline_rounds),
         "summary": [dataclasses.asdict(row) for row in rows],
@@ -970,7 +837,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ]
         )
     )
-    model = sum(size for size, _ in lfs_files(origin).values())
+    model = sum(size for size, _ in origin.lfs.values())
     log(f"checkpoint: {len(origin.files)} files, {model / 1e6:.0f} MB in LFS shards")
     scratch = settings.data_dir / "fleet"
     remove_tree(scratch)
@@ -985,7 +852,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         root = cdn_directory(origin, scratch / "cdn")
         with (
             serve_nginx(root, scratch / "nginx", settings.bandwidth) as nginx,
-            serve_hub(origin, nginx.url, settings.latency, scratch) as hub,
+            serve_hub_cdn(origin, nginx.url, settings.latency, scratch) as (hub, _pid),
             run_seaweedfs(scratch / "seaweedfs") as s3,
         ):
             servers = Servers(origin, hub, nginx, s3, cache_root)
