@@ -65,7 +65,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from download import _git_revision  # a sibling script, not a package
 from s3server import S3Server, find_weed, run_seaweedfs  # a helper module of the tests
 
 from shardsync.config import parse_size
@@ -846,23 +848,6 @@ def _cpu_model() -> str | None:
     except OSError:
         pass
     return None
-
-
-def _git_revision() -> str | None:
-    root = Path(__file__).resolve().parent.parent
-    head = subprocess.run(
-        ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=False
-    )
-    if head.returncode != 0:
-        return None
-    status = subprocess.run(
-        ["git", "status", "--porcelain", "--", "shardsync"],
-        cwd=root,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    return head.stdout.strip() + ("+dirty" if status.stdout.strip() else "")
 
 
 def write_json(
