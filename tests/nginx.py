@@ -25,6 +25,14 @@ def _free_port() -> int:
 @contextmanager
 def serve_directory(root: Path, work: Path) -> Iterator[str]:
     """Run nginx in the foreground on a free loopback port; yields the base URL."""
+    with run_nginx(work, f"root {root};") as url:
+        yield url + "/"
+
+
+@contextmanager
+def run_nginx(work: Path, server: str) -> Iterator[str]:
+    """nginx in the foreground on a free loopback port with ``server`` as the body of its one
+    ``server`` block; yields ``http://127.0.0.1:PORT``."""
     if NGINX is None:
         pytest.skip("nginx is not installed (apt-get install nginx)")
     port = _free_port()
@@ -48,7 +56,7 @@ http {{
     default_type application/octet-stream;
     server {{
         listen 127.0.0.1:{port};
-        root {root};
+        {server}
     }}
 }}
 """
@@ -69,7 +77,7 @@ http {{
                     err = proc.stderr.read().decode() if proc.stderr else ""
                     pytest.fail(f"nginx did not start: {err}")
                 time.sleep(0.05)
-        yield f"http://127.0.0.1:{port}/"
+        yield f"http://127.0.0.1:{port}"
     finally:
         proc.terminate()
         proc.wait(timeout=10)

@@ -20,7 +20,7 @@ import pytest
 import trustme
 from aiohttp import web
 from helpers import assert_snapshot_matches, assert_store_verified, fast_config
-from nginx import NGINX
+from nginx import run_nginx
 from s3server import S3Server
 from squid import Squid, SquidUnavailable, run_squid
 
@@ -328,29 +328,10 @@ async def test_a_proxy_that_drops_connections_gives_up_after_bounded_retries(
 def nginx_mirror(hub: FakeHub, work: Path, *, hide: str = "") -> Iterator[str]:
     """nginx in front of the Hub, answering resolves with 200 (it follows the CDN redirect
     itself), like an Artifactory/Nexus remote repository; ``hide`` drops a header."""
-    if NGINX is None:
-        pytest.skip("nginx is not installed (apt-get install nginx)")
-    from nginx import _free_port
-
-    port = _free_port()
-    work.mkdir(parents=True, exist_ok=True)
     hidden = f"proxy_hide_header {hide};" if hide else ""
-    (work / "nginx.conf").write_text(
-        f"""daemon off;
-worker_processes 1;
-pid {work}/nginx.pid;
-error_log {work}/error.log;
-events {{ worker_connections 64; }}
-http {{
-    access_log {work}/access.log;
-    client_body_temp_path {work}/body;
-    proxy_temp_path {work}/proxy;
-    fastcgi_temp_path {work}/fastcgi;
-    uwsgi_temp_path {work}/uwsgi;
-    scgi_temp_path {work}/scgi;
-    server {{
-        listen 127.0.0.1:{port};
-        location / {{
+    with run_nginx(
+        work,
+        f"""location / {{
             proxy_pass {hub.endpoint};
             proxy_intercept_errors on;
             error_page 301 302 307 = @cdn;
@@ -360,32 +341,9 @@ http {{
             set $target $upstream_http_location;
             proxy_pass $target;
             {hidden}
-        }}
-    }}
-}}
-"""
-    )
-    proc = subprocess.Popen(
-        [NGINX, "-c", str(work / "nginx.conf"), "-p", str(work)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        import socket
-        import time
-
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                assert proc.poll() is None and time.monotonic() < deadline, "nginx did not start"
-                time.sleep(0.05)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+        }}""",
+    ) as url:
+        yield url
 
 
 @pytest.mark.parametrize("hide", ["", "X-Linked-Etag"])
