@@ -443,49 +443,53 @@ class Fetcher:
             shown += n
             on_progress(n)
 
-        while True:
-            located = await self.locate(request)
-            try:
-                result = await self._download(
-                    request,
-                    located,
-                    data_path,
-                    sidecar_path,
-                    progress,
-                    single_stream,
-                    scratch,
-                    tally,
-                )
-            except (_Restart, _Relocate) as exc:
-                cause = "restart" if isinstance(exc, _Restart) else "relocate"
-                if isinstance(exc, _Restart):
-                    single_stream = single_stream or exc.single_stream
-                    _discard(data_path, sidecar_path)
-                    tally.resumed = 0  # nothing of an earlier run is reused after all
-                # the next attempt reports what is on disk again, as resumed: count it once
+        try:
+            while True:
+                located = await self.locate(request)
+                try:
+                    result = await self._download(
+                        request,
+                        located,
+                        data_path,
+                        sidecar_path,
+                        progress,
+                        single_stream,
+                        scratch,
+                        tally,
+                    )
+                except (_Restart, _Relocate) as exc:
+                    cause = "restart" if isinstance(exc, _Restart) else "relocate"
+                    if isinstance(exc, _Restart):
+                        single_stream = single_stream or exc.single_stream
+                        _discard(data_path, sidecar_path)
+                        tally.resumed = 0  # nothing of an earlier run is reused after all
+                    # the next attempt reports what is on disk again, as resumed: count it once
+                    progress(-shown)
+                    delay = setbacks.next_delay()
+                    if delay is None:
+                        raise TransferError(
+                            f"{request.label}: gave up after repeated {cause}s: {exc}"
+                        ) from None
+                    self._retries[cause] += 1
+                    await self._sleep(delay)
+                    continue
+                if result is not None:
+                    self._files += 1
+                    return result
+                verify_failures += 1
+                self._verify_failures += 1
+                _discard(data_path, sidecar_path)
+                tally.resumed = 0
                 progress(-shown)
-                delay = setbacks.next_delay()
-                if delay is None:
-                    raise TransferError(
-                        f"{request.label}: gave up after repeated {cause}s: {exc}"
-                    ) from None
-                self._retries[cause] += 1
-                await self._sleep(delay)
-                continue
-            if result is not None:
-                self._files += 1
-                return result
-            verify_failures += 1
-            self._verify_failures += 1
-            _discard(data_path, sidecar_path)
-            tally.resumed = 0
-            progress(-shown)
-            attempts = request.verify_attempts or self.config.max_verify_attempts
-            if verify_failures >= attempts:
-                raise IntegrityError(
-                    f"{request.label}: hash mismatch after {verify_failures} downloads; "
-                    "the origin serves different bytes than it advertises"
-                )
+                attempts = request.verify_attempts or self.config.max_verify_attempts
+                if verify_failures >= attempts:
+                    raise IntegrityError(
+                        f"{request.label}: hash mismatch after {verify_failures} downloads; "
+                        "the origin serves different bytes than it advertises"
+                    )
+        except BaseException:
+            progress(-shown)  # a failed fetch holds nothing: whoever goes on counts afresh
+            raise
 
     async def _download(
         self,

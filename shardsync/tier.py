@@ -269,9 +269,10 @@ class Tier:
             await self._discard_corrupt(key, f"{head.size} bytes, expected {size}")
             return "corrupt"
         bucket, client = self.location.bucket, self._client
+        known = [head]  # the HEAD just made serves the first locate
 
         async def locate() -> Located:
-            info = await client.head(bucket, key, checksum=False)
+            info = known.pop() if known else await client.head(bucket, key, checksum=False)
             url = await client.presign_get(bucket, key)
             return Located(
                 url=url, headers={}, size=info.size, etag=info.etag, linked_etag=None, commit=None
@@ -287,21 +288,12 @@ class Tier:
             validator="If-Match",
             verify_attempts=1,  # one mismatch means a corrupt object, not a flaky link
         )
-        shown = 0
-
-        def counted(n: int) -> None:
-            nonlocal shown
-            shown += n
-            progress(n)
-
-        try:
-            fetched = await slot_fetch(request, counted)
+        try:  # a failed fetch takes its bytes back off the progress it reported
+            fetched = await slot_fetch(request, progress)
         except IntegrityError:
-            progress(-shown)  # the origin's bytes count from zero
             await self._discard_corrupt(key, "its bytes do not hash to its name")
             return "corrupt"
         except ShardsyncError as exc:
-            progress(-shown)
             self._failed("read", exc)
             return "failed"
         self._n.hits += 1
