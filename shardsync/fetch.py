@@ -518,7 +518,6 @@ class Fetcher:
         if tally.resumed is None:
             tally.resumed = resumed
         identity = os.fstat(fd)
-        record = _Record.open(sidecar_path, temp_dir, resume=private.resumed)
         state = _FileState(
             fd=fd,
             size=size,
@@ -527,6 +526,9 @@ class Fetcher:
             single_stream=single_stream,
             temp_dir=temp_dir,
             identity=(identity.st_dev, identity.st_ino),
+        )
+        record = _Record.open(
+            sidecar_path, temp_dir, resume=private.resumed, first=_record_fields(request, state)
         )
         on_progress(resumed)
         verified: Literal["sha256", "git-sha1", "tofu"] | None = None
@@ -1269,10 +1271,13 @@ class _Record:
         self.length = 0
 
     @classmethod
-    def open(cls, path: Path, temp_dir: Path, *, resume: bool) -> _Record | None:
-        """The record of a resumed partial, or a new one renamed over ``path`` (a stale
-        record there belongs to the file the new partial replaced). None if the disk
-        refuses: a download without a record still completes, it just cannot resume."""
+    def open(
+        cls, path: Path, temp_dir: Path, *, resume: bool, first: Mapping[str, object]
+    ) -> _Record | None:
+        """The record of a resumed partial, or a new one holding ``first``, renamed over
+        ``path`` (a stale record there belongs to the file the new partial replaced), so a
+        record is never empty. None if the disk refuses: a download without a record still
+        completes, it just cannot resume."""
         flags = os.O_RDWR | getattr(os, "O_CLOEXEC", 0)
         if resume:
             try:
@@ -1291,14 +1296,16 @@ class _Record:
             fd = os.open(tmp, flags | os.O_CREAT | os.O_EXCL, 0o644)
         except OSError:
             return None
+        record = cls(fd)
         try:
+            os.pwrite(fd, record.encode(first), 0)
             os.replace(tmp, path)
         except OSError:
             os.close(fd)
             with contextlib.suppress(OSError):
                 tmp.unlink()
             return None
-        return cls(fd)
+        return record
 
     def encode(self, payload: Mapping[str, object]) -> bytes:
         fields = dict(payload)
@@ -1329,6 +1336,20 @@ def _read_record(path: Path) -> bytes:
         os.close(fd)
 
 
+def _record_fields(request: BlobRequest, state: _FileState) -> dict[str, object]:
+    """What a resume record binds: this object (URL, ETag, size, hash), this very file
+    (its inode), and the ranges on disk."""
+    return {
+        "version": _SIDECAR_VERSION,
+        "url": request.url,
+        "etag": state.etag,
+        "size": state.size,
+        "sha256": request.sha256,
+        "inode": list(state.identity),
+        "done": state.done.to_list(),
+    }
+
+
 def _write_record(fd: int, blob: bytes) -> None:
     with contextlib.suppress(OSError):  # best effort: a stale record costs a re-download
         os.pwrite(fd, blob, 0)
@@ -1339,17 +1360,7 @@ async def _save_record(record: _Record | None, request: BlobRequest, state: _Fil
     worker thread, so a slow disk never stalls the transfers sharing the event loop."""
     if record is None or state.etag is None:
         return  # without a strong validator a partial can never be resumed safely
-    blob = record.encode(
-        {
-            "version": _SIDECAR_VERSION,
-            "url": request.url,
-            "etag": state.etag,
-            "size": state.size,
-            "sha256": request.sha256,
-            "inode": list(state.identity),
-            "done": state.done.to_list(),
-        }
-    )
+    blob = record.encode(_record_fields(request, state))
     state.unsaved = 0
     # tracked and shielded: a cancelled transfer still finishes the write before the close
     await state.in_thread(_write_record, record.fd, blob)
