@@ -374,8 +374,8 @@ def child_shardsync(
     spec: Spec, dest: Path, *, connections: int | None = None
 ) -> Callable[[], tuple[Path, bool, str]]:
     from shardsync.config import Config, S3Config
-    from shardsync.fetch import FetchConfig
     from shardsync.prefetch import prefetch
+    from shardsync.records import FetchConfig
 
     fetch = FetchConfig() if connections is None else FetchConfig(connections_per_file=connections)
     config = Config(

@@ -13,10 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from shardsync import errors
-from shardsync.cache import RepoRef
 from shardsync.errors import ConfigError, ShardsyncError
-from shardsync.origins.hub import validate_revision
-from shardsync.prefetch import FileOutcome, PrefetchResult
+from shardsync.names import validate_revision
+from shardsync.records import FileOutcome, PrefetchResult, RepoRef
 
 __all__ = [
     "JobRequest",

@@ -35,8 +35,6 @@ import contextlib
 import errno
 import fcntl
 import hashlib
-import json
-import math
 import os
 import re
 import secrets
@@ -49,17 +47,16 @@ from pathlib import Path
 from types import TracebackType
 from typing import Literal, Self
 
-from shardsync.errors import CacheError, ConfigError, DiskFullError, UnsafeNameError
+from shardsync.errors import CacheError, ConfigError, DiskFullError
 from shardsync.manifest import validate_name
+from shardsync.names import check_commit, check_etag, check_sha256, is_commit, split_revision
+from shardsync.records import RepoRef, SnapshotRecord
 
 __all__ = [
     "LAYOUT_VERSION",
     "BlobLock",
     "CacheStore",
-    "FileRecord",
     "Quarantined",
-    "RepoRef",
-    "SnapshotRecord",
 ]
 
 LAYOUT_VERSION = 1
@@ -83,20 +80,11 @@ _DIR_MODE = 0o755
 _FILE_MODE = 0o644
 _BLOB_MODE = 0o444
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_RECORD_FORMAT = 1
 _MAX_SMALL_FILE = 64 * 1024 * 1024
 _MISSING_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EINVAL, errno.ELOOP})
 
-_COMMIT_RE = re.compile(r"[0-9a-f]{40}")
-_SHA256_RE = re.compile(r"[0-9a-f]{64}")
-_XXH3_128_RE = re.compile(r"[0-9a-f]{32}")
-_ETAG_RE = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
 _KEY_RE = re.compile(r"[a-z0-9_-]{1,128}")
 _DOWNLOAD_LOCK_RE = re.compile(r"(?:[0-9a-f]{64}|p-[0-9a-f]{40})\.lock")
-_HUB_SEGMENT_RE = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9._-]*[A-Za-z0-9_])?")
-_REF_SEGMENT_RE = re.compile(r"[A-Za-z0-9._+-]{1,255}")
-_SLUG_UNSAFE_RE = re.compile(r"[^A-Za-z0-9._]+")
-_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
 _DIRNAME_RE = re.compile(r"(?:models|url|local)--[A-Za-z0-9._-]{1,240}")
 _STATE_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 _JUNK_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,254}")
@@ -105,59 +93,16 @@ _JUNK_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,254}")
 # --------------------------------------------------------------------------- validation
 
 
-def _check_commit(commit: str) -> str:
-    if not isinstance(commit, str) or not _COMMIT_RE.fullmatch(commit):
-        raise CacheError(f"not a 40-hex commit hash: {commit!r}")
-    return commit
-
-
-def _check_sha256(sha256: str) -> str:
-    if not isinstance(sha256, str) or not _SHA256_RE.fullmatch(sha256):
-        raise CacheError(f"not a lowercase 64-hex sha256: {sha256!r}")
-    return sha256
-
-
-def _check_etag(etag: str) -> str:
-    if not isinstance(etag, str) or not _ETAG_RE.fullmatch(etag):
-        raise CacheError(f"not a 40- or 64-hex etag: {etag!r}")
-    return etag
-
-
 def _check_key(key: str) -> str:
     if not isinstance(key, str) or not _KEY_RE.fullmatch(key):
         raise CacheError(f"invalid cache key {key!r}: expected [a-z0-9_-]{{1,128}}")
     return key
 
 
-def _check_revision(revision: str) -> tuple[str, ...]:
-    """Split a branch/tag/commit name into path segments that are safe under ``refs/``."""
-    if not isinstance(revision, str) or not 0 < len(revision) <= 255:
-        raise ConfigError(f"invalid revision {revision!r}")
-    parts = tuple(revision.split("/"))
-    for part in parts:
-        if part in (".", "..") or not _REF_SEGMENT_RE.fullmatch(part) or part.endswith(".lock"):
-            raise ConfigError(f"invalid revision {revision!r}")
-    return parts
-
-
 def _check_relpath(relpath: str) -> tuple[str, ...]:
     """Split a repository file name into path segments, after the manifest's own checks:
     the name came from the network, and this is where it becomes a path."""
     return tuple(validate_name(relpath).split("/"))
-
-
-def _check_hub_name(name: str) -> None:
-    """Hugging Face repo-id rules, so that ``dirname`` maps back to exactly this name."""
-    segments = name.split("/")
-    if (
-        not 0 < len(name) <= 96
-        or len(segments) > 2
-        or "--" in name
-        or ".." in name
-        or name.endswith(".git")
-        or not all(_HUB_SEGMENT_RE.fullmatch(segment) for segment in segments)
-    ):
-        raise ConfigError(f"invalid Hugging Face repo id {name!r}")
 
 
 def _check_dirname(dirname: str) -> str:
@@ -243,220 +188,6 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 # --------------------------------------------------------------------------- values
-
-
-OriginKind = Literal["hub", "url", "local", "s3"]
-
-
-@dataclass(frozen=True, slots=True)
-class RepoRef:
-    """Where a snapshot comes from; its ``dirname`` names it inside the cache."""
-
-    kind: OriginKind
-    name: str
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name or _CONTROL_RE.search(self.name):
-            raise ConfigError(f"invalid {self.kind} origin name {self.name!r}")
-        if self.kind == "hub":
-            _check_hub_name(self.name)
-        elif self.kind == "local":
-            if not os.path.isabs(self.name):
-                raise ConfigError(f"a local origin needs an absolute path, got {self.name!r}")
-        elif self.kind == "s3":
-            if not self.name.startswith("s3://"):
-                raise ConfigError(f"an S3 origin name starts with s3://, got {self.name!r}")
-        elif self.kind != "url":
-            raise ConfigError(f"unknown origin kind {self.kind!r}")
-
-    @property
-    def dirname(self) -> str:
-        """``models--org--name`` for the Hub; ``{kind}--{slug}-{12 hex}`` otherwise.
-
-        The hash suffix keeps two URLs that slug alike apart; the slug keeps it readable.
-        """
-        if self.kind == "hub":
-            return "models--" + self.name.replace("/", "--")
-        digest = hashlib.sha256(self.name.encode("utf-8", "surrogateescape")).hexdigest()[:12]
-        slug = _SLUG_UNSAFE_RE.sub("-", self.name).strip("-._")[:64].rstrip("-._")
-        return f"{self.kind}--{slug}-{digest}" if slug else f"{self.kind}--{digest}"
-
-
-Verification = Literal["sha256", "git-sha1", "tofu"]
-
-
-@dataclass(frozen=True, slots=True)
-class FileRecord:
-    """One verified file of a snapshot.
-
-    ``verified`` says what the bytes were checked against: the Hub's LFS sha256, the git
-    blob id of a small Hub file, or nothing (``"tofu"``: the origin gave no hash, so the one
-    we computed is trusted on first use and every later read is checked against it).
-    """
-
-    path: str
-    size: int
-    sha256: str
-    xxh3_128: str
-    etag: str
-    verified: Verification
-    origin_etag: str | None = None  # what the origin called this version (URL/local origins)
-
-
-@dataclass(frozen=True, slots=True)
-class SnapshotRecord:
-    """Proof that every file of ``repo`` at ``commit`` is in the cache; written last."""
-
-    repo: RepoRef
-    revision: str
-    commit: str
-    files: tuple[FileRecord, ...]
-    completed_at: float
-
-    def to_json(self) -> bytes:
-        """Serialize, refusing a record that ``from_json`` would not read back."""
-        _check_record(self)
-        obj = {
-            "format": _RECORD_FORMAT,
-            "repo": {"kind": self.repo.kind, "name": self.repo.name},
-            "revision": self.revision,
-            "commit": self.commit,
-            "completed_at": self.completed_at,
-            "files": [
-                {
-                    "path": f.path,
-                    "size": f.size,
-                    "sha256": f.sha256,
-                    "xxh3_128": f.xxh3_128,
-                    "etag": f.etag,
-                    "verified": f.verified,
-                    "origin_etag": f.origin_etag,
-                }
-                for f in self.files
-            ],
-        }
-        return json.dumps(obj, indent=1, sort_keys=True, ensure_ascii=True).encode("ascii") + b"\n"
-
-    @classmethod
-    def from_json(cls, data: bytes) -> SnapshotRecord:
-        """Parse and validate a record; anything unexpected raises ``CacheError``."""
-        try:
-            obj = json.loads(data, object_pairs_hook=_unique_keys)
-        except (ValueError, RecursionError) as exc:
-            raise CacheError(f"snapshot record is not valid JSON: {exc}") from exc
-        record = _record_from_obj(obj)
-        _check_record(record)
-        return record
-
-
-def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
-    result = dict(pairs)
-    if len(result) != len(pairs):
-        raise ValueError("duplicate key in JSON object")
-    return result
-
-
-def _obj(value: object, keys: frozenset[str], what: str) -> dict[str, object]:
-    if not isinstance(value, dict) or set(value) != keys:
-        raise CacheError(f"snapshot record: {what} must be an object with keys {sorted(keys)}")
-    return value
-
-
-def _str(obj: dict[str, object], key: str) -> str:
-    value = obj[key]
-    if not isinstance(value, str):
-        raise CacheError(f"snapshot record: {key!r} must be a string")
-    return value
-
-
-def _optional_str(obj: dict[str, object], key: str) -> str | None:
-    value = obj[key]
-    if value is not None and not isinstance(value, str):
-        raise CacheError(f"snapshot record: {key!r} must be a string or null")
-    return value
-
-
-_RECORD_KEYS = frozenset({"format", "repo", "revision", "commit", "completed_at", "files"})
-_REPO_KEYS = frozenset({"kind", "name"})
-_FILE_KEYS = frozenset({"path", "size", "sha256", "xxh3_128", "etag", "verified", "origin_etag"})
-_KINDS: dict[str, OriginKind] = {"hub": "hub", "url": "url", "local": "local", "s3": "s3"}
-_VERIFICATIONS: dict[str, Verification] = {
-    "sha256": "sha256",
-    "git-sha1": "git-sha1",
-    "tofu": "tofu",
-}
-
-
-def _record_from_obj(value: object) -> SnapshotRecord:
-    top = _obj(value, _RECORD_KEYS, "the record")
-    if top["format"] != _RECORD_FORMAT or isinstance(top["format"], bool):
-        raise CacheError(f"snapshot record: unsupported format {top['format']!r}")
-    repo_obj = _obj(top["repo"], _REPO_KEYS, "'repo'")
-    kind = _KINDS.get(_str(repo_obj, "kind"))
-    if kind is None:
-        raise CacheError(f"snapshot record: unknown repo kind {repo_obj['kind']!r}")
-    try:
-        repo = RepoRef(kind, _str(repo_obj, "name"))
-    except ConfigError as exc:
-        raise CacheError(f"snapshot record: {exc}") from exc
-    completed_at = top["completed_at"]
-    if isinstance(completed_at, bool) or not isinstance(completed_at, int | float):
-        raise CacheError("snapshot record: 'completed_at' must be a number")
-    files_value = top["files"]
-    if not isinstance(files_value, list):
-        raise CacheError("snapshot record: 'files' must be a list")
-    files = []
-    for item in files_value:
-        entry = _obj(item, _FILE_KEYS, "a file entry")
-        size = entry["size"]
-        if isinstance(size, bool) or not isinstance(size, int):
-            raise CacheError("snapshot record: 'size' must be an integer")
-        verified = _VERIFICATIONS.get(_str(entry, "verified"))
-        if verified is None:
-            raise CacheError(f"snapshot record: unknown verification {entry['verified']!r}")
-        files.append(
-            FileRecord(
-                path=_str(entry, "path"),
-                size=size,
-                sha256=_str(entry, "sha256"),
-                xxh3_128=_str(entry, "xxh3_128"),
-                etag=_str(entry, "etag"),
-                verified=verified,
-                origin_etag=_optional_str(entry, "origin_etag"),
-            )
-        )
-    return SnapshotRecord(
-        repo=repo,
-        revision=_str(top, "revision"),
-        commit=_str(top, "commit"),
-        files=tuple(files),
-        completed_at=float(completed_at),
-    )
-
-
-def _check_record(record: SnapshotRecord) -> None:
-    try:
-        _check_revision(record.revision)
-        for f in record.files:
-            _check_relpath(f.path)
-    except (ConfigError, UnsafeNameError) as exc:
-        raise CacheError(f"snapshot record: {exc}") from exc
-    _check_commit(record.commit)
-    if not math.isfinite(record.completed_at) or record.completed_at < 0:
-        raise CacheError(f"snapshot record: bad completed_at {record.completed_at!r}")
-    seen: set[str] = set()
-    for f in record.files:
-        if f.path in seen:
-            raise CacheError(f"snapshot record: duplicate file {f.path!r}")
-        seen.add(f.path)
-        if isinstance(f.size, bool) or not isinstance(f.size, int) or f.size < 0:
-            raise CacheError(f"snapshot record: bad size {f.size!r} for {f.path!r}")
-        _check_sha256(f.sha256)
-        _check_etag(f.etag)
-        if not isinstance(f.xxh3_128, str) or not _XXH3_128_RE.fullmatch(f.xxh3_128):
-            raise CacheError(f"snapshot record: bad xxh3_128 {f.xxh3_128!r} for {f.path!r}")
-        if f.verified not in _VERIFICATIONS:
-            raise CacheError(f"snapshot record: unknown verification {f.verified!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -600,7 +331,7 @@ class CacheStore:
         return self.root.joinpath(*self._repo_parts(repo))
 
     def snapshot_dir(self, repo: RepoRef, commit: str) -> Path:
-        return self.repo_dir(repo) / "snapshots" / _check_commit(commit)
+        return self.repo_dir(repo) / "snapshots" / check_commit(commit)
 
     def blob_path(self, sha256: str) -> Path:
         return self.root.joinpath(*self._store_parts(sha256), sha256)
@@ -614,7 +345,7 @@ class CacheStore:
         return ("hub" if repo.kind == "hub" else "other", repo.dirname)
 
     def _store_parts(self, sha256: str) -> tuple[str, str, str]:
-        return ("store", "sha256", _check_sha256(sha256)[:2])
+        return ("store", "sha256", check_sha256(sha256)[:2])
 
     # -- blobs --------------------------------------------------------------------------
 
@@ -694,8 +425,8 @@ class CacheStore:
         symlink to it. Both appear by ``os.replace`` of a temp name; calling again is a no-op.
         """
         parts = _check_relpath(relpath)
-        _check_sha256(sha256)
-        _check_etag(etag)
+        check_sha256(sha256)
+        check_etag(etag)
         repo_parts = self._repo_parts(repo)
         snapshot = self.snapshot_dir(repo, commit).joinpath(*parts)
         try:
@@ -749,11 +480,11 @@ class CacheStore:
         Hugging Face readers resolve a branch through this file, and ``scan_cache_dir`` flags
         a ref whose snapshot folder is missing, so an unlinked commit is refused.
         """
-        parts = _check_revision(revision)
-        _check_commit(commit)
+        parts = split_revision(revision)
+        check_commit(commit)
         if revision == commit:
             return
-        if _COMMIT_RE.fullmatch(revision):
+        if is_commit(revision):
             raise ConfigError(f"revision {revision!r} is a commit hash other than {commit}")
         snapshot = self.snapshot_dir(repo, commit)
         if not os.path.isdir(snapshot):
@@ -767,7 +498,7 @@ class CacheStore:
 
     def read_ref(self, repo: RepoRef, revision: str) -> str | None:
         """The commit ``revision`` points to, or ``None`` when no ref is cached."""
-        path = self.repo_dir(repo).joinpath("refs", *_check_revision(revision))
+        path = self.repo_dir(repo).joinpath("refs", *split_revision(revision))
         data = self._read_small(path)
         if data is None:
             return None
@@ -799,7 +530,7 @@ class CacheStore:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        top = self.snapshot_dir(repo, _check_commit(commit))
+        top = self.snapshot_dir(repo, check_commit(commit))
         for folder, _dirs, _files in os.walk(top):
             fd = os.open(folder, _DIR_FLAGS)
             try:
@@ -824,10 +555,10 @@ class CacheStore:
         at its blob, which is a regular file of the recorded size. Only ``stat`` calls, no
         hashing. A corrupt ref or record counts as absent, so the next download rewrites it.
         """
-        if _COMMIT_RE.fullmatch(revision):
+        if is_commit(revision):
             commit: str | None = revision
         else:
-            ref = self._read_small(self.repo_dir(repo).joinpath("refs", *_check_revision(revision)))
+            ref = self._read_small(self.repo_dir(repo).joinpath("refs", *split_revision(revision)))
             commit = None if ref is None else _parse_commit(ref)
         if commit is None:
             return None
@@ -857,7 +588,7 @@ class CacheStore:
         return record
 
     def _record_path(self, repo: RepoRef, commit: str) -> Path:
-        return self.root / "state" / "snapshots" / repo.dirname / f"{_check_commit(commit)}.json"
+        return self.root / "state" / "snapshots" / repo.dirname / f"{check_commit(commit)}.json"
 
     # -- locks --------------------------------------------------------------------------
 
@@ -967,7 +698,7 @@ class CacheStore:
                 continue
             for name in _list_names(base / dirname):
                 commit, _, ext = name.partition(".")
-                if ext != "json" or not _COMMIT_RE.fullmatch(commit):
+                if ext != "json" or not is_commit(commit):
                     continue
                 data = self._read_small(base / dirname / name)
                 if data is None:
@@ -996,7 +727,7 @@ class CacheStore:
         refers to them.
         """
         area = _check_dirname(dirname)
-        _check_commit(commit)
+        check_commit(commit)
         path = self.repo_dir_of(dirname) / "snapshots" / commit
         try:
             self._remove_refs_to((area, dirname, "refs"), commit)
@@ -1008,7 +739,7 @@ class CacheStore:
     def remove_repo_blob(self, dirname: str, etag: str) -> bool:
         """Unlink ``blobs/<etag>`` of a repo (a hard link: the store keeps its own name)."""
         area = _check_dirname(dirname)
-        _check_etag(etag)
+        check_etag(etag)
         try:
             return self._unlink_at((area, dirname, "blobs"), etag)
         except OSError as exc:
@@ -1121,7 +852,7 @@ class CacheStore:
         next download links it again); False when it was already gone."""
         area = _check_dirname(dirname)
         parts = _check_relpath(relpath)
-        path = self.repo_dir_of(dirname).joinpath("snapshots", _check_commit(commit), *parts)
+        path = self.repo_dir_of(dirname).joinpath("snapshots", check_commit(commit), *parts)
         try:
             return self._unlink_at((area, dirname, "snapshots", commit, *parts[:-1]), parts[-1])
         except OSError as exc:
@@ -1138,7 +869,7 @@ class CacheStore:
         ``inode`` (st_dev, st_ino) is the file found corrupt: a store blob that is another inode
         by now was published again and stays.
         """
-        _check_sha256(sha256)
+        check_sha256(sha256)
         moved: Path | None = None
         try:
             target = inode
@@ -1424,4 +1155,4 @@ class CacheStore:
 
 def _parse_commit(data: bytes) -> str | None:
     text = data.decode("ascii", "replace").strip()
-    return text if _COMMIT_RE.fullmatch(text) else None
+    return text if is_commit(text) else None

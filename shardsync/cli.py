@@ -23,9 +23,10 @@ from shardsync.cache import CacheStore
 from shardsync.config import Config, check_endpoint, load_config, parse_duration, parse_size
 from shardsync.inventory import Inventory, inventory_to_json, scan
 from shardsync.origins import parse_source
-from shardsync.prefetch import PrefetchResult, ProgressSink, prefetch
+from shardsync.prefetch import prefetch
 from shardsync.progress import format_bytes, make_progress
 from shardsync.pruner import PruneReport, limits_from_config, prune_cache
+from shardsync.records import PrefetchResult, ProgressSink
 from shardsync.verify import EXIT_PROBLEMS, VerifyReport, verify_cache
 
 __all__ = ["EXIT_CODES", "main", "result_to_json"]

@@ -40,7 +40,8 @@ from shardsync.errors import (
     EntryNotFoundError,
     ShardsyncError,
 )
-from shardsync.prefetch import Engine, FileOutcome, PrefetchResult, ProgressSink
+from shardsync.prefetch import Engine
+from shardsync.records import FileOutcome, PrefetchResult, ProgressSink
 from shardsync.scheduler import TERMINAL_EVENTS, ScheduledJob, Scheduler
 
 if TYPE_CHECKING:

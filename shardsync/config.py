@@ -19,8 +19,8 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from shardsync.errors import ConfigError
-from shardsync.fetch import FetchConfig
 from shardsync.network import NetworkConfig, network_from_env
+from shardsync.records import FetchConfig
 from shardsync.retry import RetryPolicy
 
 __all__ = [

@@ -45,7 +45,7 @@ from typing import Any
 
 from aiohttp import web
 
-from shardsync import __version__
+from shardsync import __version__, strict_json
 from shardsync.api import JobRequest, error_json
 from shardsync.config import Config, daemon_socket, load_config
 from shardsync.errors import (
@@ -58,8 +58,8 @@ from shardsync.errors import (
 from shardsync.journal import Journal
 from shardsync.notify import Notifier
 from shardsync.prefetch import Engine
+from shardsync.records import TierStatistics
 from shardsync.scheduler import ScheduledJob, Scheduler, TokenBucket
-from shardsync.tier import TierStatistics
 
 __all__ = ["API_VERSION", "Daemon", "DaemonStatistics", "cache_summary", "run_daemon"]
 
@@ -335,8 +335,8 @@ class Daemon:
     async def _submit(self, request: web.Request) -> web.Response:
         body = await request.read()
         try:
-            obj = json.loads(body, object_pairs_hook=_unique_keys)
-        except (ValueError, RecursionError) as exc:
+            obj = strict_json.loads(body)
+        except strict_json.StrictJSONError as exc:
             return _error(400, "bad_request", f"the body is not valid JSON: {exc}")
         job, created = await self._sched.submit(JobRequest.from_json(obj))
         return web.json_response(job.info(), status=201 if created else 200)
@@ -536,13 +536,6 @@ def _status_for(exc: ShardsyncError) -> int:
     if isinstance(exc, JobCancelledError):
         return 409
     return 500
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    result = dict(pairs)
-    if len(result) != len(pairs):
-        raise ValueError("duplicate key in JSON object")
-    return result
 
 
 def cache_summary(root: Path) -> dict[str, Any]:

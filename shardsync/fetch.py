@@ -48,24 +48,19 @@ from shardsync.errors import (
     TransferError,
 )
 from shardsync.network import NetworkConfig
-from shardsync.retry import (
-    Backoff,
+from shardsync.ranges import (
     RangeSet,
-    RetryPolicy,
-    classify_status,
     format_range,
-    is_retryable_exception,
     is_strong_etag,
     parse_content_range,
-    parse_retry_after,
     parse_unsatisfied_range,
     split_ranges,
 )
+from shardsync.records import FetchConfig, FetchStatistics
+from shardsync.retry import Backoff, classify_status, parse_retry_after
 
 __all__ = [
     "BlobRequest",
-    "FetchConfig",
-    "FetchStatistics",
     "FetchedBlob",
     "Fetcher",
     "Located",
@@ -73,6 +68,7 @@ __all__ = [
     "Sleep",
     "Throttle",
     "Validator",
+    "is_retryable_exception",
     "redact_url",
 ]
 
@@ -90,24 +86,6 @@ Validator = Literal["If-Range", "If-Match"]
 Throttle = Callable[[int], Awaitable[None]]
 """Awaited with each body read's size: a shared bandwidth budget (the daemon's token bucket)."""
 ProgressFn = Callable[[int], None]
-
-
-@dataclass(frozen=True, slots=True)
-class FetchConfig:
-    """Transfer tuning. Defaults come from ``bench/download.py`` (see README)."""
-
-    connections_per_file: int = 8
-    chunk_size: int = 16 * MiB
-    read_size: int = 1 * MiB
-    write_size: int = 512 * 1024
-    connect_timeout: float = 10.0
-    read_timeout: float = 30.0
-    min_throughput: int = 32 * 1024  # bytes/s a connection must sustain ...
-    throughput_window: float = 30.0  # ... averaged over this many seconds
-    sidecar_interval: float = 0.1  # the resume record is saved this often while data lands ...
-    sidecar_bytes: int = 4 * MiB  # ... or once this much more of a file is on disk
-    max_verify_attempts: int = 3  # full re-downloads after a hash mismatch
-    retry: RetryPolicy = field(default_factory=RetryPolicy)
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,15 +142,21 @@ class FetchedBlob:
     source: Literal["network", "local", "tier"] = "network"
 
 
-@dataclass(frozen=True, slots=True)
-class FetchStatistics:
-    """A snapshot of the fetcher's counters (what ``shardsync status`` prints)."""
+def is_retryable_exception(exc: BaseException) -> bool:
+    """Whether a failed request is worth another attempt.
 
-    bytes_downloaded: int
-    files_fetched: int
-    active_connections: int
-    retries: Mapping[str, int]
-    verify_failures: int
+    Connection drops, truncated bodies and timeouts are; TLS certificate or
+    handshake failures, bad URLs and everything else are not.
+    """
+    if isinstance(exc, aiohttp.ClientSSLError):
+        return False
+    return isinstance(
+        exc,
+        aiohttp.ClientPayloadError
+        | aiohttp.ClientConnectionError
+        | asyncio.TimeoutError
+        | ConnectionError,
+    )
 
 
 @dataclass(slots=True)

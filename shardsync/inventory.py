@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shardsync.cache import CacheStore, SnapshotRecord, is_live_temp
+from shardsync.cache import CacheStore, is_live_temp
 from shardsync.errors import CacheError, ConfigError
 from shardsync.prune import Leftover, matches
+from shardsync.records import SnapshotRecord
 from shardsync.usage import AccessLog, LeaseInfo, Leases
 
 __all__ = [

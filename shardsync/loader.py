@@ -38,7 +38,8 @@ from shardsync.devicemap import MODES, DevicePlan, TensorSize, parse_memory, pla
 from shardsync.errors import ConfigError, HeaderError, LoadError, first_error
 from shardsync.manifest import Manifest, ManifestEntry
 from shardsync.origins import Origin, parse_source
-from shardsync.prefetch import Engine, FileOutcome, Job
+from shardsync.prefetch import Engine, Job
+from shardsync.records import FileOutcome
 from shardsync.safetensors_header import (
     Header,
     TensorInfo,

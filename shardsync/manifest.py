@@ -8,7 +8,6 @@ that disagree with the index) is rejected before any path or URL is built.
 from __future__ import annotations
 
 import fnmatch
-import json
 import posixpath
 import re
 import unicodedata
@@ -17,6 +16,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal
 
+from shardsync import strict_json
 from shardsync.errors import ManifestError, UnsafeNameError
 
 __all__ = [
@@ -315,33 +315,10 @@ def _ancestors(directory: str) -> list[str]:
 
 
 def _load_json(data: bytes, what: str) -> object:
-    """Strict JSON: bounded size, UTF-8 only, no duplicate keys, no NaN/Infinity."""
-    if len(data) > MAX_JSON_BYTES:
-        raise ManifestError(f"{what}: {len(data)} bytes is over the {MAX_JSON_BYTES} byte limit")
     try:
-        text = bytes(data).decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ManifestError(f"{what}: not valid UTF-8 ({exc.reason} at byte {exc.start})") from exc
-
-    def pairs(items: list[tuple[str, object]]) -> dict[str, object]:
-        result: dict[str, object] = {}
-        for key, value in items:
-            if key in result:
-                raise ManifestError(f"{what}: duplicate JSON key {key!r}")
-            result[key] = value
-        return result
-
-    def constant(name: str) -> object:
-        raise ManifestError(f"{what}: {name} is not valid JSON")
-
-    try:
-        return json.loads(text, object_pairs_hook=pairs, parse_constant=constant)
-    except json.JSONDecodeError as exc:
-        raise ManifestError(f"{what}: invalid JSON: {exc}") from exc
-    except RecursionError as exc:
-        raise ManifestError(f"{what}: JSON nested too deeply") from exc
-    except ValueError as exc:  # e.g. an integer literal over Python's digit limit
-        raise ManifestError(f"{what}: invalid JSON: {exc}") from exc
+        return strict_json.loads(data, limit=MAX_JSON_BYTES)
+    except strict_json.StrictJSONError as exc:
+        raise ManifestError(f"{what}: {exc}") from exc
 
 
 def _object(value: object, what: str) -> dict[str, object]:

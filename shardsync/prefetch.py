@@ -15,17 +15,17 @@ import os
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Protocol
 
 import aiohttp
 import xxhash
 
-from shardsync.cache import CacheStore, FileRecord, RepoRef, SnapshotRecord
+from shardsync.cache import CacheStore
 from shardsync.config import Config
 from shardsync.errors import CacheError, OfflineError, first_error
-from shardsync.fetch import BlobRequest, FetchedBlob, Fetcher, FetchStatistics, Sleep, Throttle
+from shardsync.fetch import BlobRequest, FetchedBlob, Fetcher, Sleep, Throttle
 from shardsync.manifest import (
     Listing,
     Manifest,
@@ -37,71 +37,29 @@ from shardsync.manifest import (
 from shardsync.network import ssl_context
 from shardsync.origins import Origin, Slot, parse_source
 from shardsync.origins.base import Progress
+from shardsync.records import (
+    FileOutcome,
+    FileRecord,
+    PrefetchResult,
+    ProgressSink,
+    RepoRef,
+    SnapshotRecord,
+)
 from shardsync.s3 import S3Client
-from shardsync.tier import Tier, TierStatistics, Upload
+from shardsync.tier import Tier, Upload
 from shardsync.usage import AccessLog, Lease, Leases
 
 __all__ = [
     "Engine",
     "FileGate",
-    "FileOutcome",
     "Job",
-    "PrefetchResult",
-    "ProgressSink",
     "Select",
     "prefetch",
 ]
 
-Source = Literal["network", "cache", "local", "tier"]
 Select = Callable[[Listing], Awaitable[Manifest]]
 """Decides a job's files from the origin's listing instead of the weights index (a training
 checkpoint's files: ``shardsync.checkpoint``)."""
-
-
-@dataclass(frozen=True, slots=True)
-class FileOutcome:
-    """How one file got into the snapshot."""
-
-    path: str
-    size: int
-    sha256: str
-    verified: Literal["sha256", "git-sha1", "tofu"]
-    source: Source
-    downloaded: int  # bytes received over the network for it in this run
-    resumed: int  # bytes reused from an earlier partial
-
-
-@dataclass(frozen=True, slots=True)
-class PrefetchResult:
-    """A complete snapshot: every file verified (or recorded, for tofu origins)."""
-
-    repo: RepoRef
-    revision: str
-    commit: str
-    snapshot_path: Path
-    files: tuple[FileOutcome, ...]
-    bytes_downloaded: int
-    elapsed: float
-    fetch: FetchStatistics | None
-    tier: TierStatistics | None = None  # this process's tier use (None: no tier, or remote)
-
-    @property
-    def total_size(self) -> int:
-        return sum(f.size for f in self.files)
-
-    @property
-    def bytes_from_tier(self) -> int:
-        return sum(f.downloaded for f in self.files if f.source == "tier")
-
-
-class ProgressSink(Protocol):
-    """Receives progress; the CLI draws bars from it, the daemon turns it into events."""
-
-    def add_file(self, path: str, size: int | None) -> None: ...
-
-    def advance(self, path: str, nbytes: int) -> None: ...
-
-    def file_done(self, outcome: FileOutcome) -> None: ...
 
 
 class FileGate(Protocol):

@@ -11,7 +11,7 @@ from typing import Never, TextIO
 
 from tqdm import tqdm
 
-from shardsync.prefetch import FileOutcome
+from shardsync.records import FileOutcome
 
 __all__ = ["BarProgress", "LogProgress", "format_bytes", "make_progress"]
 

@@ -15,13 +15,13 @@ no overlap and no hole, and the data section must end at the end of the file.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TypeGuard
 
+from shardsync import strict_json
 from shardsync.errors import HeaderError
 
 __all__ = [
@@ -172,34 +172,10 @@ def header_length(
 
 
 def _load(header: bytes, shard: str) -> object:
-    """Strict JSON: UTF-8 only, no duplicate keys at any level, no NaN/Infinity."""
     try:
-        text = str(header, "utf-8")
-    except UnicodeDecodeError as exc:
-        raise _fail(shard, f"header is not valid UTF-8 ({exc.reason} at byte {exc.start})") from exc
-
-    def pairs(items: list[tuple[str, object]]) -> dict[str, object]:
-        result = dict(items)
-        if len(result) != len(items):
-            seen: set[str] = set()
-            for key, _ in items:
-                if key in seen:
-                    raise _fail(shard, f"duplicate JSON key {_q(key)} in header")
-                seen.add(key)
-        return result
-
-    def constant(name: str) -> object:
-        raise _fail(shard, f"{name} is not valid JSON")
-
-    try:
-        return json.loads(text, object_pairs_hook=pairs, parse_constant=constant)
-    except json.JSONDecodeError as exc:
-        raise _fail(shard, f"header is not valid JSON: {exc}") from exc
-    except RecursionError as exc:
-        raise _fail(shard, "header JSON is nested too deeply") from exc
-    except ValueError as exc:
-        # Integers with thousands of digits trip Python's int-from-str limit.
-        raise _fail(shard, f"header is not usable JSON: {exc}") from exc
+        return strict_json.loads(header)
+    except strict_json.StrictJSONError as exc:
+        raise _fail(shard, f"header: {exc}") from exc
 
 
 def _check_text(value: str, shard: str, what: str) -> None:

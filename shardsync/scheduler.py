@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from shardsync.api import JobRequest, error_code, error_json, result_to_json
-from shardsync.cache import RepoRef
 from shardsync.checkpoint import CheckpointPlan, CheckpointResult, checkpoint_result, selector
 from shardsync.errors import (
     ConfigError,
@@ -42,8 +41,9 @@ from shardsync.errors import (
 from shardsync.journal import Journal
 from shardsync.manifest import Manifest, ManifestEntry
 from shardsync.origins import Origin
-from shardsync.prefetch import Engine, FileGate, FileOutcome, Job, PrefetchResult
+from shardsync.prefetch import Engine, FileGate, Job
 from shardsync.pruner import ensure_free, limits_from_config, needs_prune, prune_cache
+from shardsync.records import FileOutcome, PrefetchResult, RepoRef
 
 __all__ = [
     "TERMINAL_EVENTS",

@@ -45,9 +45,10 @@ from shardsync.errors import (
     TransferError,
 )
 from shardsync.fetch import BlobRequest, FetchedBlob, Located
+from shardsync.records import TierStatistics
 from shardsync.s3 import ObjectInfo, PreconditionFailed, S3Client, S3Location, parse_s3_url
 
-__all__ = ["Tier", "TierStatistics", "Upload", "blob_key", "claim_key"]
+__all__ = ["Tier", "Upload", "blob_key", "claim_key"]
 
 log = logging.getLogger("shardsync.tier")
 
@@ -64,26 +65,6 @@ def blob_key(prefix: str, sha256: str) -> str:
 
 def claim_key(prefix: str, sha256: str) -> str:
     return f"{prefix}claims/{sha256}"
-
-
-@dataclass(frozen=True, slots=True)
-class TierStatistics:
-    """What the tier did for this process (``shardsync status``, ``/metrics``, ``--json``)."""
-
-    url: str
-    hits: int  # blobs read from the tier
-    misses: int  # blobs this host fetched from the origin for the fleet (it held the claim)
-    bytes_from_tier: int
-    uploads: int
-    bytes_uploaded: int
-    claims_won: int
-    claims_waited: int  # blobs another host was fetching when we wanted them
-    claims_taken_over: int  # claims of dead holders taken over
-    stalled_fallbacks: int  # waits given up on a claim making no progress
-    corrupt_objects: int  # tier objects that failed verification (deleted)
-    errors: int  # tier requests that failed (the job went on from the origin)
-    disabled: bool  # the tier refused our credentials: off for this process
-    read_only: bool  # the tier refused our writes: we read from it, never upload or claim
 
 
 @dataclass(slots=True)

@@ -42,8 +42,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self, TypeVar
 
-from shardsync.cache import BlobLock, CacheStore, RepoRef
+from shardsync.cache import BlobLock, CacheStore
 from shardsync.errors import CacheError
+from shardsync.records import RepoRef
 
 __all__ = [
     "FOREIGN_LEASE_AGE",

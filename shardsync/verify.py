@@ -27,9 +27,10 @@ from typing import Any, Literal
 
 import xxhash
 
-from shardsync.cache import CacheStore, FileRecord, SnapshotRecord
+from shardsync.cache import CacheStore
 from shardsync.errors import CacheError, ConfigError
 from shardsync.prune import matches
+from shardsync.records import FileRecord, SnapshotRecord
 from shardsync.usage import prune_gate, wait_lock
 
 __all__ = ["EXIT_PROBLEMS", "Problem", "VerifyReport", "verify_cache"]

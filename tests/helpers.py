@@ -15,8 +15,7 @@ from pathlib import Path
 import pytest
 
 from shardsync.config import Config, DaemonConfig
-from shardsync.fetch import FetchConfig
-from shardsync.prefetch import FileOutcome
+from shardsync.records import FetchConfig, FileOutcome
 from shardsync.retry import RetryPolicy
 from shardsync.testing import Checkpoint, FakeHub, serve_in_thread
 

@@ -20,16 +20,9 @@ import pytest
 import xxhash
 from helpers import tmpfs
 
-from shardsync.cache import (
-    BlobLock,
-    CacheStore,
-    FileRecord,
-    RepoRef,
-    SnapshotRecord,
-    is_live_temp,
-    temp_name,
-)
+from shardsync.cache import BlobLock, CacheStore, is_live_temp, temp_name
 from shardsync.errors import CacheError, ConfigError, DiskFullError, UnsafeNameError
+from shardsync.records import FileRecord, RepoRef, SnapshotRecord
 
 COMMIT_A = "a" * 40
 COMMIT_B = "b" * 40

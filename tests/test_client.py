@@ -14,7 +14,8 @@ import shardsync
 from shardsync import errors
 from shardsync.client import Client, SyncClient
 from shardsync.daemon import Daemon
-from shardsync.prefetch import FileOutcome, PrefetchResult, prefetch
+from shardsync.prefetch import prefetch
+from shardsync.records import FileOutcome, PrefetchResult
 from shardsync.testing import Bandwidth, Checkpoint, FakeHub
 
 REPO = "acme/client"

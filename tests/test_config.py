@@ -16,7 +16,7 @@ from shardsync.config import (
     parse_size,
 )
 from shardsync.errors import ConfigError
-from shardsync.fetch import FetchConfig
+from shardsync.records import FetchConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 

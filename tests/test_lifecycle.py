@@ -24,9 +24,10 @@ from safetensors.torch import load_file
 import shardsync
 from shardsync.cache import CacheStore
 from shardsync.inventory import scan
-from shardsync.prefetch import PrefetchResult, prefetch
+from shardsync.prefetch import prefetch
 from shardsync.prune import Limits
 from shardsync.pruner import prune_cache
+from shardsync.records import PrefetchResult
 from shardsync.testing import Checkpoint, FakeHub, Status, build_checkpoint, serve_in_thread
 
 NAMES = ("a", "b", "c")

@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 from helpers import fast_config
 
-from shardsync.cache import CacheStore, RepoRef
+from shardsync.cache import CacheStore
 from shardsync.cli import main
 from shardsync.inventory import inventory_to_json, scan
 from shardsync.prefetch import prefetch
+from shardsync.records import RepoRef
 from shardsync.testing import Checkpoint, FakeHub, build_checkpoint, serve_in_thread
 from shardsync.usage import Leases
 

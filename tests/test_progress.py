@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import io
 
-from shardsync.prefetch import FileOutcome
 from shardsync.progress import BarProgress, LogProgress, format_bytes, make_progress
+from shardsync.records import FileOutcome
 
 
 class _Tty(io.StringIO):

@@ -17,13 +17,14 @@ import pytest
 from helpers import assert_snapshot_matches, assert_store_verified, fast_config
 from huggingface_hub import hf_hub_download, scan_cache_dir
 
-from shardsync.cache import CacheStore, RepoRef
+from shardsync.cache import CacheStore
 from shardsync.config import PruneConfig, load_config, parse_duration
 from shardsync.errors import CacheError, ConfigError, DiskFullError
 from shardsync.inventory import scan
-from shardsync.prefetch import PrefetchResult, prefetch
+from shardsync.prefetch import prefetch
 from shardsync.prune import Blob, CacheView, Leftover, Limits, Unit, plan_prune
 from shardsync.pruner import ensure_free, limits_from_config, needs_prune, prune_cache
+from shardsync.records import PrefetchResult, RepoRef
 from shardsync.testing import Checkpoint, FakeHub, build_checkpoint, serve_in_thread
 from shardsync.usage import AccessLog, Leases, prune_gate
 

@@ -187,8 +187,9 @@ async def test_load_with_a_cache_of_its_own_does_not_go_through_the_daemon(
     from daemons import daemon_in_loop, short_tmp
 
     import shardsync
-    from shardsync.cache import CacheStore, RepoRef
+    from shardsync.cache import CacheStore
     from shardsync.config import DaemonConfig
+    from shardsync.records import RepoRef
 
     fake_hub.add_checkpoint(REPO, checkpoint)
     mine = tmp_path / "mine"

@@ -14,20 +14,17 @@ import pytest
 from aiohttp.client_reqrep import ConnectionKey
 
 from shardsync.errors import ConfigError, ProtocolError
-from shardsync.retry import (
-    Backoff,
+from shardsync.fetch import is_retryable_exception
+from shardsync.ranges import (
     ContentRange,
     RangeSet,
-    RetryPolicy,
-    classify_status,
     format_range,
-    is_retryable_exception,
     is_strong_etag,
     parse_content_range,
-    parse_retry_after,
     parse_unsatisfied_range,
     split_ranges,
 )
+from shardsync.retry import Backoff, RetryPolicy, classify_status, parse_retry_after
 
 NOW = datetime(2024, 5, 1, 12, 0, 0, tzinfo=UTC).timestamp()
 

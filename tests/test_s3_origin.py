@@ -25,7 +25,8 @@ from s3server import S3Server
 from shardsync.client import Client
 from shardsync.config import Config, S3Config
 from shardsync.errors import AuthError, ConfigError, UnsafeNameError
-from shardsync.prefetch import Engine, FileOutcome, prefetch
+from shardsync.prefetch import Engine, prefetch
+from shardsync.records import FileOutcome
 from shardsync.testing import Checkpoint, build_checkpoint
 
 PREFIX = "models/tiny"

@@ -21,10 +21,10 @@ from shardsync.api import (
     result_from_json,
     result_to_json,
 )
-from shardsync.cache import RepoRef
 from shardsync.config import Config
 from shardsync.journal import Journal
 from shardsync.prefetch import Engine, prefetch
+from shardsync.records import RepoRef
 from shardsync.scheduler import (
     EventLog,
     Histogram,

@@ -29,7 +29,8 @@ from s3server import S3Server
 
 from shardsync.client import Client
 from shardsync.config import Config, S3Config, TierConfig
-from shardsync.prefetch import Engine, PrefetchResult, prefetch
+from shardsync.prefetch import Engine, prefetch
+from shardsync.records import PrefetchResult
 from shardsync.testing import Bandwidth, Checkpoint, FakeHub, build_checkpoint
 from shardsync.tier import blob_key, claim_key
 

@@ -15,11 +15,12 @@ from pathlib import Path
 import pytest
 from helpers import fast_config
 
-from shardsync.cache import CacheStore, RepoRef
+from shardsync.cache import CacheStore
 from shardsync.errors import CacheError
 from shardsync.prefetch import prefetch
 from shardsync.prune import Limits
 from shardsync.pruner import prune_cache
+from shardsync.records import RepoRef
 from shardsync.testing import Checkpoint, FakeHub, Status
 from shardsync.usage import FOREIGN_LEASE_AGE, MAX_LOG_BYTES, AccessLog, Leases, prune_gate
 
@@ -116,7 +117,8 @@ def test_invalid_arguments(cache: CacheStore) -> None:
 HOLDER = r"""
 import sys, time
 from pathlib import Path
-from shardsync.cache import CacheStore, RepoRef
+from shardsync.cache import CacheStore
+from shardsync.records import RepoRef
 from shardsync.usage import Leases
 lease = Leases(CacheStore(Path(sys.argv[1]))).hold(RepoRef("hub", "acme/tiny"), owner="holder")
 print(lease.id, flush=True)

@@ -17,8 +17,9 @@ from helpers import assert_snapshot_matches, assert_store_verified, fast_config,
 from huggingface_hub import hf_hub_download, scan_cache_dir
 from huggingface_hub.errors import LocalEntryNotFoundError
 
-from shardsync.cache import CacheStore, RepoRef
+from shardsync.cache import CacheStore
 from shardsync.prefetch import prefetch
+from shardsync.records import RepoRef
 from shardsync.testing import Checkpoint, FakeHub, build_checkpoint
 from shardsync.verify import EXIT_PROBLEMS, verify_cache
 

@@ -14,10 +14,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import ClassVar, Protocol
 
-from shardsync.cache import RepoRef
 from shardsync.fetch import BlobRequest, FetchedBlob, Fetcher
 from shardsync.manifest import Listing, ManifestEntry, RemoteFile
-from shardsync.retry import is_strong_etag
+from shardsync.ranges import is_strong_etag
+from shardsync.records import RepoRef
 
 __all__ = ["Origin", "Progress", "RequestOrigin", "Slot"]
 

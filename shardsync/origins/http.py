@@ -7,12 +7,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from urllib.parse import quote, urlsplit
 
-from shardsync.cache import RepoRef
 from shardsync.errors import ConfigError, EntryNotFoundError, ManifestError, first_error
 from shardsync.fetch import BlobRequest, Fetcher
 from shardsync.manifest import Listing, RemoteFile, validate_name
 from shardsync.origins.base import Entry, RequestOrigin
-from shardsync.retry import is_strong_etag
+from shardsync.ranges import is_strong_etag
+from shardsync.records import RepoRef
 
 __all__ = ["PROBED_FILES", "UrlOrigin"]
 

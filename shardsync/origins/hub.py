@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import ClassVar
@@ -12,7 +11,6 @@ import huggingface_hub
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
-from shardsync.cache import RepoRef
 from shardsync.errors import ConfigError, ManifestError
 from shardsync.fetch import BlobRequest, Fetcher
 from shardsync.manifest import (
@@ -21,9 +19,11 @@ from shardsync.manifest import (
     parse_hub_revision,
     parse_hub_tree,
 )
+from shardsync.names import validate_revision
 from shardsync.origins.base import Entry, RequestOrigin
+from shardsync.records import RepoRef
 
-__all__ = ["DEFAULT_ENDPOINT", "HubOrigin", "validate_revision"]
+__all__ = ["DEFAULT_ENDPOINT", "HubOrigin"]
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 _MAX_API_ANSWER = 64 << 20
@@ -31,19 +31,6 @@ _MAX_API_ANSWER = 64 << 20
 # lists large repos with the paginated tree API.
 _SIBLINGS_COMPLETE_BELOW = 1000
 _MAX_TREE_PAGES = 10_000
-_REVISION = re.compile(r"[A-Za-z0-9._\-/]{1,255}")
-
-
-def validate_revision(revision: str) -> str:
-    """Branch, tag, commit or ``refs/pr/N``; nothing that could walk a path or split a URL."""
-    parts = revision.split("/")
-    if (
-        not _REVISION.fullmatch(revision)
-        or any(p in ("", ".", "..") for p in parts)
-        or revision.endswith(".lock")
-    ):
-        raise ConfigError(f"invalid revision {revision!r}")
-    return revision
 
 
 @dataclass(frozen=True, slots=True)

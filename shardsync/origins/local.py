@@ -12,11 +12,12 @@ from pathlib import Path
 
 import xxhash
 
-from shardsync.cache import RepoRef, temp_name
+from shardsync.cache import temp_name
 from shardsync.errors import CacheError, ConfigError, DiskFullError, EntryNotFoundError
 from shardsync.fetch import FetchedBlob, Fetcher
 from shardsync.manifest import Listing, ManifestEntry, RemoteFile, validate_name
 from shardsync.origins.base import Entry, Progress, Slot
+from shardsync.records import RepoRef
 
 __all__ = ["LocalOrigin"]
 

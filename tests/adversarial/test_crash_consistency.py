@@ -37,10 +37,11 @@ from daemons import DaemonProcess, cli, short_tmp, write_config
 from helpers import assert_snapshot_matches, assert_store_verified, fast_config
 from huggingface_hub import scan_cache_dir
 
-from shardsync.cache import CacheStore, RepoRef
-from shardsync.prefetch import PrefetchResult, prefetch
+from shardsync.cache import CacheStore
+from shardsync.prefetch import prefetch
 from shardsync.prune import Limits
 from shardsync.pruner import prune_cache
+from shardsync.records import PrefetchResult, RepoRef
 from shardsync.testing import Checkpoint, FakeHub, build_checkpoint, serve_in_thread
 
 REPO = "acme/crash"

@@ -11,8 +11,8 @@ from helpers import fast_config
 
 from shardsync.cache import CacheStore
 from shardsync.errors import ConfigError
+from shardsync.names import validate_revision
 from shardsync.origins import parse_source
-from shardsync.origins.hub import validate_revision
 from shardsync.prefetch import prefetch
 from shardsync.testing import FakeHub
 

@@ -18,7 +18,7 @@ from helpers import assert_store_verified, fast_config
 
 from shardsync.errors import ProtocolError, ShardsyncError
 from shardsync.prefetch import prefetch
-from shardsync.retry import parse_content_range
+from shardsync.ranges import parse_content_range
 
 SHARD = b"\x08\x00\x00\x00\x00\x00\x00\x00{}      " + os.urandom(1 << 20)
 FILES = {"model.safetensors": SHARD, "config.json": b'{"model_type": "test"}'}

@@ -29,7 +29,8 @@ import pytest
 from daemons import DaemonProcess, api, short_tmp, write_config
 from helpers import assert_snapshot_matches, assert_store_verified, serving
 
-from shardsync.cache import CacheStore, RepoRef
+from shardsync.cache import CacheStore
+from shardsync.records import RepoRef
 from shardsync.testing import Bandwidth, Checkpoint, FakeHub, build_checkpoint
 
 REPO = "acme/lockless"

@@ -29,7 +29,8 @@ from helpers import assert_snapshot_matches, assert_store_verified, fast_config
 from nginx import serve_directory
 
 from shardsync.errors import ShardsyncError
-from shardsync.prefetch import PrefetchResult, prefetch
+from shardsync.prefetch import prefetch
+from shardsync.records import PrefetchResult
 from shardsync.retry import RetryPolicy
 from shardsync.testing import (
     Checkpoint,
