@@ -1,31 +1,50 @@
-"""`shardsync.checkpoint.DCPReader`: `dcp.load` straight from a run's origin, reading only the
-byte ranges its plan names (counted by a wrapper around the origin, and on SeaweedFS)."""
+"""`shardsync.checkpoint.DCPReader`: `dcp.load` from a run's origin through the cache.
+
+It reads only the byte ranges its plan names (counted by a wrapper around the origin, and
+on SeaweedFS); a second load from the same cache moves no checkpoint bytes, and neither
+does a load of a checkpoint `prefetch --checkpoint` put there; pieces of a file that
+changed at the origin, or that no longer hash right on disk, are never used; copies into
+tensors start while other ranges are still being read, within the reader's window.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import os
+import shutil
+import threading
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from helpers import fast_config
 from test_training import WORLD, dcp_expected, load_equal, runs  # noqa: F401 - fixture
 
-from shardsync.cache import RepoRef
-from shardsync.checkpoint import DCPReader
+from shardsync.cache import CacheStore
+from shardsync.checkpoint import DCPReader, prefetch_checkpoint
+from shardsync.checkpoint_cache import RangeCache
 from shardsync.fetch import FetchedBlob, Fetcher
 from shardsync.manifest import Listing, ManifestEntry
 from shardsync.origins import LocalOrigin, Slot
 from shardsync.origins.base import Entry, Progress
+from shardsync.training import parse_dcp_metadata
+
+if TYPE_CHECKING:
+    from shardsync.records import RepoRef
 
 
 @dataclass
 class CountingOrigin:
-    """A local directory that counts the bytes it serves by range."""
+    """A local directory that counts the bytes it serves by range (and can hold reads of
+    one file back until a gate opens)."""
 
     inner: LocalOrigin
     served: dict[str, int] = field(default_factory=dict)
+    gate: threading.Event | None = None
+    gated: str | None = None
 
     @property
     def repo(self) -> RepoRef:
@@ -48,6 +67,9 @@ class CountingOrigin:
     async def read_range(
         self, fetcher: Fetcher, commit: str | None, entry: Entry, start: int, end: int
     ) -> bytes:
+        if self.gate is not None and entry.path == self.gated:
+            opened = await asyncio.to_thread(self.gate.wait, 30)
+            assert opened, f"no tensor was copied while {entry.path} was being read"
         data = await self.inner.read_range(fetcher, commit, entry, start, end)
         self.served[entry.path] = self.served.get(entry.path, 0) + len(data)
         return data
@@ -62,7 +84,7 @@ class CountingOrigin:
         return None
 
 
-def _load(reader: Any, template: dict[str, Any]) -> dict[str, Any]:
+def _load(reader: Any, template: dict[str, Any], planner: Any = None) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
     state = {
@@ -70,7 +92,7 @@ def _load(reader: Any, template: dict[str, Any]) -> dict[str, Any]:
     }
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.load(state, storage_reader=reader, no_dist=True)
+        dcp.load(state, storage_reader=reader, planner=planner, no_dist=True)
     return state
 
 
@@ -78,38 +100,178 @@ def _data_bytes(root: Path) -> int:
     return sum(f.stat().st_size for f in root.glob("*.distcp"))
 
 
+def _counting(root: Path) -> CountingOrigin:
+    return CountingOrigin(LocalOrigin.from_path(str(root)))
+
+
 def test_dcp_reader_loads_exactly_what_was_saved_and_reads_only_what_the_plan_needs(
     runs: dict[str, Path],  # noqa: F811 - the fixture imported above
     tmp_path: Path,
 ) -> None:
-    config = fast_config(tmp_path / "cache")
     root = runs["dcp"]
     expected = dcp_expected(200)
 
-    counting = CountingOrigin(LocalOrigin.from_path(str(root)))
-    reader = DCPReader(str(root), config=config, origin=counting)
+    counting = _counting(root)
+    reader = DCPReader(str(root), config=fast_config(tmp_path / "c1"), origin=counting)
     load_equal(_load(reader, expected), expected)
-    data = {p: n for p, n in counting.served.items() if p.endswith(".distcp")}
     whole = _data_bytes(root / "step-200")
-    assert reader.statistics().checkpoint == "step-200"
-    assert sum(data.values()) == reader.statistics().bytes_read <= whole
+    stats = reader.statistics()
+    assert stats.checkpoint == "step-200"
+    assert sum(counting.served.values()) == stats.bytes_read  # .metadata counted too
+    data = sum(n for p, n in counting.served.items() if p.endswith(".distcp"))
+    assert data <= whole and stats.bytes_cached == 0
 
     one_rank = {"rank1.w": expected["rank1.w"]}  # what one rank of 4 would hold: ~1/4
-    counting = CountingOrigin(LocalOrigin.from_path(str(root)))
-    reader = DCPReader(str(root), config=config, origin=counting)
+    counting = _counting(root)
+    reader = DCPReader(str(root), config=fast_config(tmp_path / "c2"), origin=counting)
     load_equal(_load(reader, one_rank), one_rank)
     moved = sum(n for p, n in counting.served.items() if p.endswith(".distcp"))
     share = moved / whole
     print(f"DCPReader: 1 of {len(expected)} entries moved {moved} of {whole} bytes ({share:.0%})")
-    assert moved == reader.statistics().bytes_read
+    assert sum(counting.served.values()) == reader.statistics().bytes_read
     assert expected["rank1.w"].numel() * 4 <= moved < 0.35 * whole
     assert set(counting.served) <= {
         "step-200/.metadata",
         *(f"step-200/{p.name}" for p in (root / "step-200").glob("__1_*")),
     }
 
-    older = DCPReader(str(root), "step-100", config=config)
+    older = DCPReader(str(root), "step-100", config=fast_config(tmp_path / "c3"))
     load_equal(_load(older, dcp_expected(100)), dcp_expected(100))
+
+
+def test_a_second_load_from_the_same_cache_moves_no_bytes(
+    runs: dict[str, Path],  # noqa: F811 - the fixture imported above
+    tmp_path: Path,
+) -> None:
+    root = runs["dcp"]
+    config = fast_config(tmp_path / "cache")
+    expected = dcp_expected(200)
+    first_origin = _counting(root)
+    first = DCPReader(str(root), config=config, origin=first_origin)
+    load_equal(_load(first, expected), expected)
+    once = first.statistics()
+    assert once.bytes_read > _data_bytes(root / "step-200") * 0.9
+    assert once.bytes_kept == once.bytes_read  # no gap between the ranges: all of it kept
+
+    again_origin = _counting(root)
+    again = DCPReader(str(root), config=config, origin=again_origin)
+    load_equal(_load(again, expected), expected)
+    twice = again.statistics()
+    print(
+        f"DCPReader: first load {once.bytes_read} bytes from the origin, second {twice.bytes_read}"
+    )
+    assert again_origin.served == {} and twice.bytes_read == twice.ranges == 0
+    assert twice.bytes_cached == once.bytes_read
+
+    # A subset of what was loaded before is local too.
+    part = DCPReader(str(root), config=config, origin=_counting(root))
+    subset = {"shared.emb": expected["shared.emb"]}
+    load_equal(_load(part, subset), subset)
+    assert part.statistics().bytes_read == 0
+
+
+def test_a_checkpoint_prefetched_into_the_cache_is_read_from_it(
+    runs: dict[str, Path],  # noqa: F811 - the fixture imported above
+    tmp_path: Path,
+) -> None:
+    root = runs["dcp"]
+    expected = dcp_expected(200)
+    config = fast_config(tmp_path / "whole")
+    asyncio.run(prefetch_checkpoint(str(root), config))
+    counting = _counting(root)
+    reader = DCPReader(str(root), config=config, origin=counting)
+    load_equal(_load(reader, expected), expected)
+    assert counting.served == {} and reader.statistics().bytes_read == 0
+    assert reader.statistics().bytes_kept == 0  # blobs are read as they are, not copied
+
+    # Rank 1's files only: rank 1's own tensor is local, rank 0's come by range.
+    config = fast_config(tmp_path / "rank1")
+    asyncio.run(prefetch_checkpoint(str(root), config, rank=1, world_size=WORLD))
+    counting = _counting(root)
+    reader = DCPReader(str(root), config=config, origin=counting)
+    own = {"rank1.w": expected["rank1.w"]}
+    load_equal(_load(reader, own), own)
+    assert counting.served == {}
+    counting = _counting(root)
+    reader = DCPReader(str(root), config=config, origin=counting)
+    load_equal(_load(reader, expected), expected)
+    assert set(counting.served) == {f"step-200/{p.name}" for p in (root / "step-200").glob("__0_*")}
+
+
+def _kept_sidecar(cache: Path, repo: RepoRef, path: str) -> Path:
+    store = CacheStore(cache)
+    return store.partial_paths(RangeCache(store, repo).key(path))[1]
+
+
+def test_kept_pieces_of_a_changed_file_or_gone_bad_on_disk_are_never_used(
+    runs: dict[str, Path],  # noqa: F811 - the fixture imported above
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "run"
+    shutil.copytree(runs["dcp"], root)
+    config = fast_config(tmp_path / "cache")
+    expected = dcp_expected(200)
+    load_equal(_load(DCPReader(str(root), config=config), expected), expected)
+
+    # A kept piece whose bytes changed on disk: read again from the origin, and only it.
+    repo = LocalOrigin.from_path(str(root)).repo
+    sidecar = _kept_sidecar(tmp_path / "cache", repo, "step-200/__1_0.distcp")
+    start, end, _ = max(json.loads(sidecar.read_bytes())["pieces"], key=lambda p: p[1] - p[0])
+    with sidecar.with_suffix(".part").open("r+b") as f:
+        f.seek((start + end) // 2)  # inside the tensor's data
+        byte = f.read(1)
+        f.seek((start + end) // 2)  # inside the tensor's data
+        f.write(bytes([byte[0] ^ 0x40]))
+    counting = _counting(root)
+    reader = DCPReader(str(root), config=config, origin=counting)
+    load_equal(_load(reader, expected), expected)
+    assert counting.served == {"step-200/__1_0.distcp": end - start}
+
+    # The origin's files change (same names, same sizes, another step's bytes): what was
+    # kept for the old version must not be used, not even the .metadata.
+    for name in os.listdir(root / "step-100"):
+        old, new = root / "step-200" / name, root / "step-100" / name
+        assert old.stat().st_size == new.stat().st_size
+        mtime = old.stat().st_mtime_ns
+        shutil.copyfile(new, old)
+        os.utime(old, ns=(mtime + 10**9, mtime + 10**9))  # a new version, however coarse the clock
+    counting = _counting(root)
+    reader = DCPReader(str(root), config=config, origin=counting)
+    load_equal(_load(reader, dcp_expected(100)), dcp_expected(100))
+    assert reader.statistics().bytes_cached == 0
+    assert "step-200/.metadata" in counting.served
+
+
+def test_copies_start_while_reads_are_in_flight_and_stay_within_the_window(
+    runs: dict[str, Path],  # noqa: F811 - the fixture imported above
+    tmp_path: Path,
+) -> None:
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    root = runs["dcp"]
+    expected = dcp_expected(200)
+    copied = threading.Event()
+
+    class Planner(DefaultLoadPlanner):
+        def commit_tensor(self, read_item: Any, tensor: torch.Tensor) -> None:
+            super().commit_tensor(read_item, tensor)
+            copied.set()
+
+    # Rank 1's file is held back until a tensor of rank 0's file was copied: a reader that
+    # reads everything before copying anything would wait for ever (the gate gives up).
+    counting = _counting(root)
+    counting.gate, counting.gated = copied, "step-200/__1_0.distcp"
+    reader = DCPReader(str(root), config=fast_config(tmp_path / "c1"), origin=counting)
+    load_equal(_load(reader, expected, Planner()), expected)
+
+    # A window smaller than one tensor: one range at a time, whatever the plan.
+    meta = parse_dcp_metadata((root / "step-200" / ".metadata").read_bytes()).metadata
+    largest = max(info.length for info in meta.storage_data.values())
+    reader = DCPReader(str(root), config=fast_config(tmp_path / "c2"), window=16 << 10)
+    load_equal(_load(reader, expected), expected)
+    stats = reader.statistics()
+    assert largest < stats.bytes_read / 2
+    assert stats.peak_buffered == largest
 
 
 def test_dcp_reader_from_s3(
@@ -123,15 +285,40 @@ def test_dcp_reader_from_s3(
     from test_training import _upload_tree
 
     _upload_tree(s3server, s3bucket, runs["dcp"], "run")
+    url = f"s3://{s3bucket}/run/"
     config = s3_config(tmp_path / "cache", s3server)
     expected = dcp_expected(200)
-    reader = DCPReader(f"s3://{s3bucket}/run/", config=config)
+    reader = DCPReader(url, config=config)
     load_equal(_load(reader, expected), expected)
     stats = reader.statistics()
-    assert stats.checkpoint == "step-200"
-    part = DCPReader(f"s3://{s3bucket}/run/", config=config)
+    assert stats.checkpoint == "step-200" and stats.bytes_read > 0
+    again = DCPReader(url, config=config)
+    load_equal(_load(again, expected), expected)
+    assert again.statistics().bytes_read == 0
+    assert again.statistics().bytes_cached == stats.bytes_read
+
+    part = DCPReader(url, config=s3_config(tmp_path / "part", s3server))
     load_equal(
         _load(part, {"shared.emb": expected["shared.emb"]}), {"shared.emb": expected["shared.emb"]}
     )
     assert part.statistics().bytes_read < 0.25 * stats.bytes_read
-    assert WORLD == 2
+
+    # Prefetched: the blobs the listing's sha256 names are read, nothing else.
+    prefetched = s3_config(tmp_path / "prefetched", s3server)
+    asyncio.run(prefetch_checkpoint(url, prefetched))
+    local = DCPReader(url, config=prefetched)
+    load_equal(_load(local, expected), expected)
+    assert local.statistics().bytes_read == 0
+
+    # New objects under the same keys (new ETags): nothing kept for the old ones is used.
+    for p in (runs["dcp"] / "step-100").iterdir():
+        _put(s3server, s3bucket, f"run/step-200/{p.name}", p.read_bytes())
+    changed = DCPReader(url, config=config)
+    load_equal(_load(changed, dcp_expected(100)), dcp_expected(100))
+    assert changed.statistics().bytes_cached == 0 and changed.statistics().bytes_read > 0
+
+
+def _put(server: Any, bucket: str, key: str, data: bytes) -> None:
+    from test_s3_origin import put
+
+    put(server, bucket, key, data, True)
