@@ -608,3 +608,71 @@ async def test_daemon_jobs_per_rank_join_and_share_the_hosts_blobs(
             assert (results[0].path / ".metadata").resolve() == (
                 results[2].path / ".metadata"
             ).resolve()
+
+
+# ------------------------------------------------------------------------------ transformers
+
+
+def _tiny_trainer(output: Path, steps: int, save: bool) -> Any:
+    """A one-layer Llama of a few thousand parameters, trained by the real ``Trainer`` on
+    the CPU (seconds), on 16 fixed sequences."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")  # what the Trainer needs for torch
+
+    class Sequences(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+        def __len__(self) -> int:
+            return 16
+
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            ids = torch.randint(0, 64, (8,), generator=torch.Generator().manual_seed(i))
+            return {"input_ids": ids, "labels": ids}
+
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
+    )  # fmt: skip
+    transformers.set_seed(0)
+    args = transformers.TrainingArguments(
+        output_dir=str(output), max_steps=steps, per_device_train_batch_size=2,
+        save_strategy="steps" if save else "no", save_steps=1, report_to=[], use_cpu=True,
+        disable_tqdm=True, logging_strategy="no", seed=0,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config)
+    return transformers.Trainer(model=model, args=args, train_dataset=Sequences())
+
+
+def test_a_real_trainer_run_resumes_from_the_latest_checkpoint_fetched_from_a_directory_and_s3(
+    s3server: Any, s3bucket: str, aws_env: None, tmp_path: Path
+) -> None:
+    """``transformers.Trainer`` saves checkpoint-1..3; the upload of checkpoint-3 is torn
+    (no ``trainer_state.json``, which the Trainer writes last). ``--checkpoint latest``
+    picks checkpoint-2, and a Trainer resumed from the fetched folder reaches exactly the
+    weights the uninterrupted run had at step 3 (model, optimizer, scheduler and RNG all
+    restored from the cache)."""
+    from safetensors.torch import load_file
+    from test_s3_origin import s3_config
+
+    run = tmp_path / "run"
+    _tiny_trainer(run, steps=3, save=True).train()
+    assert sorted(os.listdir(run)) == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+    uninterrupted = load_file(run / "checkpoint-3" / "model.safetensors")
+    (run / "checkpoint-3" / "trainer_state.json").unlink()
+    _upload_tree(s3server, s3bucket, run, "trainer")
+
+    for n, source in enumerate((str(run), f"s3://{s3bucket}/trainer/")):
+        config = s3_config(tmp_path / f"cache{n}", s3server)
+        choice = latest(source, config=config)
+        assert (choice.format, choice.name) == ("trainer", "checkpoint-2")
+        assert [s.name for s in choice.skipped] == ["checkpoint-3"]
+        result = _run(prefetch_checkpoint(source, config))
+        assert result.checkpoint == "checkpoint-2" and result.path.name == "checkpoint-2"
+        assert {f.path for f in result.prefetch.files} == {
+            f"checkpoint-2/{name}" for name in os.listdir(run / "checkpoint-2")
+        }
+        trainer = _tiny_trainer(tmp_path / f"resumed{n}", steps=3, save=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the Trainer's notes on the resumed arguments
+            trainer.train(resume_from_checkpoint=str(result.path))
+        assert trainer.state.global_step == 3
+        resumed = {k: v.detach() for k, v in trainer.model.state_dict().items()}
+        load_equal({k: resumed[k] for k in uninterrupted}, uninterrupted)
