@@ -333,11 +333,11 @@ class _Source:
         self.counters = counters
         self.ranges = RangeCache(cache, origin.repo)
         self._files: dict[str, _OpenFile] = {}
-        self._opening = asyncio.Lock()
+        self._opening: dict[str, asyncio.Lock] = {}  # per file: files open side by side
         self._connections = asyncio.Semaphore(connections)
 
     async def file(self, path: str) -> _OpenFile:
-        async with self._opening:
+        async with self._opening.setdefault(path, asyncio.Lock()):
             if path not in self._files:
                 self._files[path] = await self._open(path)
             return self._files[path]

@@ -18,7 +18,7 @@ ranges live between loads, and where a reader looks first:
    version the origin named before and after they were read (the reader refuses a file
    whose version changed while it read it).
 
-This module owns the ``r-`` keys under ``R/partial`` (paths from ``CacheStore``): nothing
+This module owns the ``r-`` keys under ``R/partial`` (paths from the cache layout): nothing
 else reads or writes them. ``prune`` counts them as partial downloads and removes them once
 unused for ``stale_partial_age``; readers never depend on them being there.
 """
@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 
 import xxhash
 
-from shardsync.cache import CacheStore, temp_name
+from shardsync.cache import BlobLock, CacheStore, temp_name
 from shardsync.errors import CacheError
 
 if TYPE_CHECKING:
@@ -149,15 +149,14 @@ class KeptFile:
         self.path = path
         self.size = size
         self.version = version
-        self.data_path, self.sidecar_path = cache.partial_paths(key)
+        self.data_path, self.sidecar_path = cache.layout.partial(key)
         self._lock = threading.Lock()
         self._pieces: dict[tuple[int, int], str] = {}
         self._new: list[Piece] = []
         self._read_fd: int | None = None
         self._write_fd: int | None = None
-        self._fresh: Path | None = None  # a new .part for this version, renamed in on commit
         self._used = False
-        pieces = self._load_sidecar()
+        pieces = self._load_sidecar() or []
         if pieces:
             try:
                 self._read_fd = os.open(self.data_path, _READ_FLAGS)
@@ -187,39 +186,65 @@ class KeptFile:
     # -- writing
 
     def add(self, start: int, data: bytes | memoryview) -> None:
-        """Keep ``data`` read from the origin at ``start`` (recorded by ``commit``)."""
+        """Keep ``data`` read from the origin at ``start`` (listed by ``commit``)."""
         end = start + len(data)
         if not 0 <= start < end <= self.size:
             return
-        piece = Piece(start, end, xxhash.xxh3_128_hexdigest(data))
         fd = self._writer()
+        if fd is None:
+            return  # the key's lock was not had in time: not kept (read again next time)
+        piece = Piece(start, end, xxhash.xxh3_128_hexdigest(data))
         _pwrite_all(fd, data, start)
         with self._lock:
             self._new.append(piece)
 
-    def _writer(self) -> int:
+    def _writer(self) -> int | None:
+        """The ``.part`` that holds this version, opened for writing. Under the key's lock:
+        join the one there if its sidecar names this version, else put a new empty one in
+        its place (and a sidecar naming this version with no pieces), so every writer of a
+        version adds to the same file whatever the order they came in."""
         with self._lock:
             if self._write_fd is not None:
                 return self._write_fd
-            if self._read_fd is not None:  # the .part holds this version: add to it
+            lock = self._acquire()
+            if lock is None:
+                return None
+            try:
+                if self._load_sidecar() is not None:
+                    with contextlib.suppress(FileNotFoundError):
+                        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+                        self._write_fd = os.open(self.data_path, flags)
+                        return self._write_fd
+                fresh = self.cache.root / "tmp" / temp_name("ranges")
+                flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+                fd = os.open(fresh, flags, 0o644)
                 try:
-                    fd = os.open(self.data_path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-                    if os.fstat(fd)[1:3] == os.fstat(self._read_fd)[1:3]:
-                        self._write_fd = fd
-                        return fd
+                    os.replace(fresh, self.data_path)
+                    self._write_sidecar([])
+                except BaseException:
                     os.close(fd)
-                except OSError:
-                    pass
-            fresh = self.cache.root / "tmp" / temp_name("ranges")
-            flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-            self._write_fd = os.open(fresh, flags, 0o644)
-            self._fresh = fresh
-            return self._write_fd
+                    with contextlib.suppress(OSError):
+                        fresh.unlink()
+                    raise
+                self._write_fd = fd
+                return fd
+            finally:
+                lock.release()
+
+    def _acquire(self) -> BlobLock | None:
+        lock = self.cache.lock(self.key)
+        deadline = time.monotonic() + _LOCK_WAIT
+        while not lock.try_acquire():
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.02)
+        return lock
 
     def commit(self) -> int:
-        """Make the pieces added so far durable and listed; returns their bytes. Under the
-        key's lock: data fsynced, then the sidecar replaced (the commit point). Pieces that
-        cannot be merged (another writer replaced the file meanwhile) are dropped."""
+        """Make the pieces added so far durable and listed; returns their bytes. Data
+        fsynced first, then, under the key's lock, the sidecar replaced (the commit point).
+        Pieces written to a file that is no longer the key's ``.part`` of this version
+        (replaced by a newer version, pruned) are dropped: lost work, never wrong bytes."""
         with self._lock:
             new, self._new = self._new, []
         if not new:
@@ -229,27 +254,18 @@ class KeptFile:
             return 0
         assert self._write_fd is not None
         os.fsync(self._write_fd)
-        lock = self.cache.lock(self.key)
-        deadline = time.monotonic() + _LOCK_WAIT
-        while not lock.try_acquire():
-            if time.monotonic() > deadline:
-                return 0
-            time.sleep(0.02)
+        lock = self._acquire()
+        if lock is None:
+            return 0
         try:
             current = self._load_sidecar()
-            if self._fresh is not None:
-                os.replace(self._fresh, self.data_path)
-                self._fresh = None
-                merged: Iterable[Piece] = new
-            else:
-                try:
-                    same_file = os.stat(self.data_path)[1:3] == os.fstat(self._write_fd)[1:3]
-                except FileNotFoundError:
-                    same_file = False
-                if not same_file:
-                    return 0
-                merged = [*current, *new]
-            self._write_sidecar(merged)
+            try:
+                same_file = os.stat(self.data_path)[1:3] == os.fstat(self._write_fd)[1:3]
+            except FileNotFoundError:
+                same_file = False
+            if current is None or not same_file:
+                return 0
+            self._write_sidecar([*current, *new])
         finally:
             lock.release()
         return sum(p.end - p.start for p in new)
@@ -260,26 +276,22 @@ class KeptFile:
                 with contextlib.suppress(OSError):
                     os.close(fd)
         self._read_fd = self._write_fd = None
-        if self._fresh is not None:
-            with contextlib.suppress(OSError):
-                self._fresh.unlink()
-            self._fresh = None
 
     # -- the sidecar
 
-    def _load_sidecar(self) -> list[Piece]:
-        """The pieces the sidecar lists for this path, size and version; none when it is
+    def _load_sidecar(self) -> list[Piece] | None:
+        """The pieces the sidecar lists for this path, size and version; None when it is
         absent, malformed or about another version (stale pieces are never used)."""
         try:
             fd = os.open(self.sidecar_path, _READ_FLAGS)
         except OSError:
-            return []
+            return None
         try:
             with os.fdopen(fd, "rb") as f:
                 raw = f.read(_MAX_SIDECAR + 1)
             obj = json.loads(raw)
         except (OSError, ValueError):
-            return []
+            return None
         if (
             not isinstance(obj, dict)
             or obj.get("format") != _FORMAT
@@ -288,11 +300,11 @@ class KeptFile:
             or obj.get("version") != self.version
             or not isinstance(obj.get("pieces"), list)
         ):
-            return []
+            return None
         pieces: dict[tuple[int, int], Piece] = {}
         for item in obj["pieces"]:
             if not (isinstance(item, list) and len(item) == 3):
-                return []
+                return None
             start, end, digest = item
             if (
                 not all(type(v) is int for v in (start, end))
@@ -300,7 +312,7 @@ class KeptFile:
                 or not isinstance(digest, str)
                 or not _XXH_RE.fullmatch(digest)
             ):
-                return []
+                return None
             pieces[(start, end)] = Piece(start, end, digest)
         return list(pieces.values())
 

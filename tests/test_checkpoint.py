@@ -17,23 +17,21 @@ import threading
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from helpers import fast_config
 from test_training import WORLD, dcp_expected, load_equal, runs  # noqa: F401 - fixture
 
-from shardsync.cache import CacheStore
+from shardsync.cache import CacheStore, RepoRef
 from shardsync.checkpoint import DCPReader, prefetch_checkpoint
 from shardsync.checkpoint_cache import RangeCache
-from shardsync.fetch import FetchedBlob, Fetcher
+from shardsync.fetch import Fetcher
 from shardsync.manifest import Listing, ManifestEntry
 from shardsync.origins import LocalOrigin, Slot
 from shardsync.origins.base import Entry, Progress
+from shardsync.slot import VerifiedFile
 from shardsync.training import parse_dcp_metadata
-
-if TYPE_CHECKING:
-    from shardsync.records import RepoRef
 
 
 @dataclass
@@ -77,7 +75,7 @@ class CountingOrigin:
     async def download(
         self, fetcher: Fetcher, commit: str | None, entry: ManifestEntry, slot: Slot,
         progress: Progress,
-    ) -> FetchedBlob:  # fmt: skip
+    ) -> VerifiedFile:  # fmt: skip
         raise AssertionError("the reader never downloads whole files")
 
     async def aclose(self) -> None:
@@ -200,7 +198,7 @@ def test_a_checkpoint_prefetched_into_the_cache_is_read_from_it(
 
 def _kept_sidecar(cache: Path, repo: RepoRef, path: str) -> Path:
     store = CacheStore(cache)
-    return store.partial_paths(RangeCache(store, repo).key(path))[1]
+    return store.layout.partial(RangeCache(store, repo).key(path))[1]
 
 
 def test_kept_pieces_of_a_changed_file_or_gone_bad_on_disk_are_never_used(
@@ -322,3 +320,30 @@ def _put(server: Any, bucket: str, key: str, data: bytes) -> None:
     from test_s3_origin import put
 
     put(server, bucket, key, data, True)
+
+
+def test_writers_of_one_version_add_to_the_same_kept_file_in_any_order(tmp_path: Path) -> None:
+    """Two loads on one host (two ranks) that opened the same file before either kept
+    anything: both sets of pieces stay, whichever commits last. Another version's writer
+    starts the file afresh: the old pieces are gone for new readers of either version."""
+    store = CacheStore(tmp_path / "cache")
+    ranges = RangeCache(store, RepoRef("local", str(tmp_path / "run")))
+    data = os.urandom(4096)
+    a = ranges.open("step/__0_0.distcp", 4096, "v1")
+    b = ranges.open("step/__0_0.distcp", 4096, "v1")
+    a.add(0, data[:1000])
+    b.add(2000, data[2000:3000])
+    assert b.commit() == 1000 and a.commit() == 1000
+    a.close()
+    b.close()
+    c = ranges.open("step/__0_0.distcp", 4096, "v1")
+    assert c.read(0, 1000) == data[:1000] and c.read(2000, 3000) == data[2000:3000]
+    assert c.read(0, 999) is None  # only whole pieces, as they were kept
+
+    other = ranges.open("step/__0_0.distcp", 4096, "v2")
+    assert not other.has(0, 1000)
+    other.add(0, b"x" * 1000)
+    assert other.commit() == 1000
+    assert c.read(0, 1000) == data[:1000]  # what it had open still reads (the old file)
+    assert not ranges.open("step/__0_0.distcp", 4096, "v1").has(0, 1000)
+    assert ranges.open("step/__0_0.distcp", 4096, "v2").read(0, 1000) == b"x" * 1000
