@@ -38,6 +38,7 @@ from typing import Any
 
 from shardsync.client import Client
 from shardsync.config import parse_size
+from shardsync.events import Verified
 from shardsync.testing import Bandwidth, FakeHub, build_checkpoint, serve_in_thread
 
 REPO_ID = "bench/events"
@@ -64,7 +65,7 @@ def _start_daemon(config: Path, work: Path) -> tuple[subprocess.Popen[bytes], so
     return proc, notify
 
 
-async def _follow(socket_path: Path, job_id: str) -> list[tuple[float, dict[str, Any]]]:
+async def _follow(socket_path: Path, job_id: str) -> list[tuple[float, Verified]]:
     """Arrival times of the ``verified`` events this client saw live (replays are dropped:
     they arrive late by design)."""
     async with Client(socket=socket_path, fallback="error") as client:
@@ -73,7 +74,7 @@ async def _follow(socket_path: Path, job_id: str) -> list[tuple[float, dict[str,
         return [
             (time.time(), e)
             async for e in job.events()
-            if e["event"] == "verified" and e["time"] >= subscribed
+            if isinstance(e, Verified) and e.time >= subscribed
         ]
 
 
@@ -86,12 +87,12 @@ async def _run(socket_path: Path, repo: str, subscribers: int) -> list[dict[str,
     records = []
     for follower in followers:
         for received, event in follower.result():
-            published = os.lstat(event["file"]).st_mtime_ns / 1e9
+            published = os.lstat(event.file).st_mtime_ns / 1e9
             records.append(
                 {
                     "latency": received - published,
-                    "daemon": event["time"] - published,
-                    "transport": received - event["time"],
+                    "daemon": event.time - published,
+                    "transport": received - event.time,
                 }
             )
     return records

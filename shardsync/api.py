@@ -14,6 +14,7 @@ from typing import Any
 
 from shardsync import errors
 from shardsync.errors import ConfigError, ShardsyncError
+from shardsync.events import ErrorInfo
 from shardsync.names import validate_revision
 from shardsync.records import FileOutcome, PrefetchResult, RepoRef
 
@@ -21,6 +22,7 @@ __all__ = [
     "JobRequest",
     "error_class",
     "error_code",
+    "error_info",
     "error_json",
     "result_from_json",
     "result_to_json",
@@ -59,11 +61,16 @@ def error_class(code: str) -> type[ShardsyncError] | None:
     return _CLASS_OF.get(code)
 
 
-def error_json(exc: BaseException) -> dict[str, str]:
-    """``{"code": ..., "message": ...}``; unexpected errors never leak their internals."""
+def error_info(exc: BaseException) -> ErrorInfo:
+    """What the API says of an error; unexpected errors never leak their internals."""
     if isinstance(exc, ShardsyncError):
-        return {"code": error_code(exc), "message": str(exc)}
-    return {"code": "internal", "message": f"internal error ({type(exc).__name__}); see the log"}
+        return ErrorInfo(error_code(exc), str(exc))
+    return ErrorInfo("internal", f"internal error ({type(exc).__name__}); see the log")
+
+
+def error_json(exc: BaseException) -> dict[str, str]:
+    """``{"code": ..., "message": ...}``, the body of an API error answer."""
+    return error_info(exc).to_json()
 
 
 def result_to_json(result: PrefetchResult) -> dict[str, Any]:

@@ -12,8 +12,11 @@
 The same calls work whether a daemon answers or not: without one (and with the default
 ``fallback = "in-process"``) the client runs the same scheduler on its own engine, so jobs,
 events and results are identical; only the dedup across processes is then left to the
-cache's per-blob locks. Errors are the project's own exceptions carrying the daemon's message.
-``SyncClient`` offers the same API to code without an event loop.
+cache's per-blob locks. A ``JobHandle`` is this side's view of the scheduler's ``SharedJob``;
+its events are the typed ones of ``shardsync.events`` either way (over the daemon, each
+NDJSON line is parsed; a kind this version does not know is skipped). Errors are the
+project's own exceptions carrying the daemon's message. ``SyncClient`` offers the same API
+to code without an event loop.
 """
 
 from __future__ import annotations
@@ -40,14 +43,26 @@ from shardsync.errors import (
     EntryNotFoundError,
     ShardsyncError,
 )
+from shardsync.events import (
+    TERMINAL_EVENTS,
+    ErrorInfo,
+    FileStarted,
+    JobDone,
+    JobEvent,
+    JobFailed,
+    Progress,
+    Resolved,
+    Verified,
+    parse_event,
+)
 from shardsync.prefetch import Engine
-from shardsync.records import FileOutcome, PrefetchResult, ProgressSink
-from shardsync.scheduler import TERMINAL_EVENTS, ScheduledJob, Scheduler
+from shardsync.records import PrefetchResult, ProgressSink
+from shardsync.scheduler import Scheduler, SharedJob
 
 if TYPE_CHECKING:
     from shardsync.checkpoint import CheckpointResult
 
-__all__ = ["Client", "Job", "Shard", "SyncClient", "SyncJob", "daemon_serves"]
+__all__ = ["Client", "JobHandle", "Shard", "SyncClient", "SyncJobHandle", "daemon_serves"]
 
 _T = TypeVar("_T")
 _BASE = "http://shardsync"
@@ -56,7 +71,6 @@ _REQUEST_TIMEOUT = aiohttp.ClientTimeout(total=60, sock_connect=5)
 _STREAM_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=None)
 _NOT_THERE = frozenset({errno.ENOENT, errno.ECONNREFUSED, errno.ENOTDIR, errno.EACCES})
 
-Event = dict[str, Any]
 Mode = Literal["daemon", "in-process"]
 
 
@@ -70,6 +84,13 @@ class Shard:
     file: Path  # where to read it (the snapshot entry, or the blob for URL/local origins)
     size: int
     sha256: str
+
+    @classmethod
+    def from_event(cls, event: Verified, index: int, count: int) -> Shard:
+        o = event.outcome
+        return cls(
+            path=o.path, index=index, count=count, file=event.file, size=o.size, sha256=o.sha256
+        )
 
 
 def daemon_serves(
@@ -88,13 +109,12 @@ def daemon_serves(
     return not wanted or wanted == (status.get("endpoint") or "").rstrip("/")
 
 
-def error_from(error: Mapping[str, Any]) -> ShardsyncError:
+def error_from(error: ErrorInfo) -> ShardsyncError:
     """The exception for an API error object (``{"code", "message"}``)."""
-    code, message = str(error.get("code", "")), str(error.get("message", ""))
-    cls = error_class(code)
+    cls = error_class(error.code)
     if cls is None:
-        return DaemonError(f"{message} ({code})" if code else message)
-    return cls(message)
+        return DaemonError(f"{error.message} ({error.code})" if error.code else error.message)
+    return cls(error.message)
 
 
 class _Transport(Protocol):
@@ -106,10 +126,10 @@ class _Transport(Protocol):
 
     async def cancel(self, job_id: str) -> Mapping[str, Any]: ...
 
-    def events(self, job_id: str, since: int) -> AsyncIterator[Event]: ...
+    def events(self, job_id: str, since: int) -> AsyncIterator[JobEvent]: ...
 
 
-class Job:
+class JobHandle:
     """A handle on a job, however many clients share it; cheap to create again by id."""
 
     def __init__(self, transport: _Transport, info: Mapping[str, Any], *, created: bool) -> None:
@@ -121,7 +141,9 @@ class Job:
         """Whether this request started the job (False: it joined one already running)."""
 
     def __repr__(self) -> str:
-        return f"<shardsync.Job {self.id} {self.info.get('repo')}@{self.info.get('revision')}>"
+        return (
+            f"<shardsync.JobHandle {self.id} {self.info.get('repo')}@{self.info.get('revision')}>"
+        )
 
     async def refresh(self) -> Mapping[str, Any]:
         self.info = await self._transport.info(self.id)
@@ -131,35 +153,32 @@ class Job:
         """Cancel the job for every client; partial files stay for a later run."""
         self.info = await self._transport.cancel(self.id)
 
-    async def events(self, since: int = 0) -> AsyncIterator[Event]:
+    async def events(self, since: int = 0) -> AsyncIterator[JobEvent]:
         """The job's events from ``since``: past ones first, then live, ending with
-        ``job_done`` or ``job_failed``."""
+        ``JobDone`` or ``JobFailed``."""
         async for event in self._transport.events(self.id, since):
             yield event
 
     async def wait(self, progress: ProgressSink | None = None) -> PrefetchResult:
         """The complete snapshot; raises the job's error. ``progress`` gets the engine's
         progress calls, rebuilt from the events (the CLI draws its bars with it)."""
-        driver = _ProgressDriver(progress) if progress is not None else None
-        async for event in self.events():
-            if driver is not None:
-                driver.feed(event)
-            outcome = _outcome(event)
-            if outcome is not None:
-                return outcome
-        raise DaemonError(f"the event stream of job {self.id} ended without an outcome")
+        return result_from_json(await self._wait_done(progress))
 
     async def wait_checkpoint(self, progress: ProgressSink | None = None) -> CheckpointResult:
         """A training checkpoint job's outcome: which checkpoint, its local folder."""
         from shardsync.checkpoint import checkpoint_result_from_json
 
+        return checkpoint_result_from_json(await self._wait_done(progress))
+
+    async def _wait_done(self, progress: ProgressSink | None) -> Mapping[str, Any]:
+        """The ``JobDone`` result object; raises the job's error."""
         driver = _ProgressDriver(progress) if progress is not None else None
         async for event in self.events():
             if driver is not None:
                 driver.feed(event)
-            if event["event"] == "job_done":
-                return checkpoint_result_from_json(event["result"])
-            _outcome(event)  # raises for job_failed
+            if isinstance(event, JobDone):
+                return event.result
+            _raise_failure(event)
         raise DaemonError(f"the event stream of job {self.id} ended without an outcome")
 
     async def shards(self) -> AsyncIterator[Shard]:
@@ -168,36 +187,22 @@ class Job:
         count = 0
         following = 0
         async for event in self.events():
-            kind = event["event"]
-            if kind == "resolved":
-                count = sum(1 for f in event["files"] if f["shard_index"] is not None)
-            elif kind == "verified" and event["shard_index"] is not None:
-                ready[event["shard_index"]] = _shard(event, count)
+            if isinstance(event, Resolved):
+                count = event.shard_count
+            elif isinstance(event, Verified) and event.shard_index is not None:
+                ready[event.shard_index] = Shard.from_event(event, event.shard_index, count)
             while following in ready:
                 yield ready.pop(following)
                 following += 1
-            if _outcome(event) is not None:
+            if isinstance(event, JobDone):
                 return
+            _raise_failure(event)
 
 
-def _outcome(event: Event) -> PrefetchResult | None:
-    """The result of a ``job_done`` event; raises for ``job_failed``; None otherwise."""
-    if event["event"] == "job_done":
-        return result_from_json(event["result"])
-    if event["event"] == "job_failed":
-        raise error_from(event["error"])
-    return None
-
-
-def _shard(event: Event, count: int) -> Shard:
-    return Shard(
-        path=event["path"],
-        index=event["shard_index"],
-        count=count,
-        file=Path(event["file"]),
-        size=event["size"],
-        sha256=event["sha256"],
-    )
+def _raise_failure(event: JobEvent) -> None:
+    """Raise the job's error if ``event`` says it failed."""
+    if isinstance(event, JobFailed):
+        raise error_from(event.error)
 
 
 class _ProgressDriver:
@@ -212,32 +217,24 @@ class _ProgressDriver:
             self._done[path] = 0
             self._sink.add_file(path, size)
 
-    def feed(self, event: Event) -> None:
-        kind = event["event"]
-        if kind == "resolved":
-            for f in event["files"]:
-                self._add(f["path"], f["size"])
-        elif kind == "file_started":
-            self._add(event["path"], event["size"])
-        elif kind in ("progress", "verified"):
-            path = event["path"]
-            self._add(path, event["size"])
-            done = event["done"] if kind == "progress" else event["size"]
-            if done != self._done[path]:
-                self._sink.advance(path, done - self._done[path])
-                self._done[path] = done
-            if kind == "verified":
-                self._sink.file_done(
-                    FileOutcome(
-                        path=path,
-                        size=event["size"],
-                        sha256=event["sha256"],
-                        verified=event["verified"],
-                        source=event["source"],
-                        downloaded=event["downloaded"],
-                        resumed=event["resumed"],
-                    )
-                )
+    def _advance(self, path: str, size: int | None, done: int) -> None:
+        self._add(path, size)
+        if done != self._done[path]:
+            self._sink.advance(path, done - self._done[path])
+            self._done[path] = done
+
+    def feed(self, event: JobEvent) -> None:
+        match event:
+            case Resolved():
+                for f in event.files:
+                    self._add(f.path, f.size)
+            case FileStarted():
+                self._add(event.path, event.size)
+            case Progress():
+                self._advance(event.path, event.size, event.done)
+            case Verified(outcome=outcome):
+                self._advance(outcome.path, outcome.size, outcome.size)
+                self._sink.file_done(outcome)
 
 
 # ---------------------------------------------------------------------------------- transports
@@ -271,8 +268,7 @@ class _DaemonTransport:
         except ValueError as exc:
             raise DaemonError(f"the daemon answered {status} with a body that is not JSON") from exc
         if status >= 400:
-            error = obj.get("error") if isinstance(obj, dict) else None
-            raise error_from(error if isinstance(error, dict) else {"message": f"HTTP {status}"})
+            raise _answer_error(obj, f"HTTP {status}")
         return status, obj
 
     async def submit(self, request: JobRequest) -> tuple[Mapping[str, Any], bool]:
@@ -287,22 +283,24 @@ class _DaemonTransport:
         _, info = await self.request("DELETE", f"/v1/jobs/{job_id}")
         return dict(info)
 
-    async def events(self, job_id: str, since: int) -> AsyncIterator[Event]:
+    async def events(self, job_id: str, since: int) -> AsyncIterator[JobEvent]:
         url = f"{_BASE}/v1/jobs/{job_id}/events"
         try:
             async with self._session.get(
                 url, params={"since": str(since)}, timeout=_STREAM_TIMEOUT
             ) as resp:
                 if resp.status >= 400:
-                    body = await resp.read()
-                    with contextlib.suppress(ValueError):
-                        error = json.loads(body).get("error")
-                        if isinstance(error, dict):
-                            raise error_from(error)
-                    raise DaemonError(f"the daemon answered {resp.status} for job {job_id}")
-                async for event in _ndjson(resp):
+                    try:
+                        body = json.loads(await resp.read())
+                    except ValueError:
+                        body = None
+                    raise _answer_error(body, f"the daemon answered {resp.status} for job {job_id}")
+                async for line in _ndjson(resp):
+                    event = parse_event(line)
+                    if event is None:
+                        continue  # a kind from a newer daemon: not ours to read
                     yield event
-                    if event.get("event") in TERMINAL_EVENTS:
+                    if isinstance(event, TERMINAL_EVENTS):
                         return
         except aiohttp.ClientError as exc:
             reason = str(exc) or type(exc).__name__
@@ -313,8 +311,16 @@ class _DaemonTransport:
         raise DaemonError(f"the daemon closed the event stream of job {job_id} before it ended")
 
 
-async def _ndjson(resp: aiohttp.ClientResponse) -> AsyncIterator[Event]:
-    """Objects of a newline-delimited JSON body (no line-length limit below ``_MAX_LINE``)."""
+def _answer_error(body: object, fallback: str) -> ShardsyncError:
+    """The exception for an error answer's body (``{"error": {"code", "message"}}``)."""
+    error = body.get("error") if isinstance(body, dict) else None
+    if not isinstance(error, dict):
+        return DaemonError(fallback)
+    return error_from(ErrorInfo(str(error.get("code", "")), str(error.get("message", ""))))
+
+
+async def _ndjson(resp: aiohttp.ClientResponse) -> AsyncIterator[object]:
+    """Values of a newline-delimited JSON body (no line-length limit below ``_MAX_LINE``)."""
     buffer = bytearray()
     async for chunk in resp.content.iter_any():
         buffer += chunk
@@ -323,12 +329,10 @@ async def _ndjson(resp: aiohttp.ClientResponse) -> AsyncIterator[Event]:
             del buffer[: newline + 1]
             if line.strip():
                 try:
-                    event = json.loads(line)
+                    value = json.loads(line)
                 except ValueError as exc:
                     raise DaemonError("the daemon sent a malformed event") from exc
-                if not isinstance(event, dict) or not isinstance(event.get("event"), str):
-                    raise DaemonError("the daemon sent an event without a type")
-                yield event
+                yield value
         if len(buffer) > _MAX_LINE:
             raise DaemonError("the daemon sent an event line larger than 64 MiB")
 
@@ -339,7 +343,7 @@ class _LocalTransport:
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
 
-    def _job(self, job_id: str) -> ScheduledJob:
+    def _job(self, job_id: str) -> SharedJob:
         job = self.scheduler.get(job_id)
         if job is None:
             raise DaemonError(f"no job {job_id!r}")
@@ -356,9 +360,9 @@ class _LocalTransport:
         await self.scheduler.cancel(job_id)
         return self._job(job_id).info()
 
-    async def events(self, job_id: str, since: int) -> AsyncIterator[Event]:
+    async def events(self, job_id: str, since: int) -> AsyncIterator[JobEvent]:
         async for event in self._job(job_id).events.follow(since):
-            yield dict(event)
+            yield event
 
 
 # ---------------------------------------------------------------------------------- the client
@@ -453,7 +457,8 @@ class Client:
             await stack.aclose()
 
     @property
-    def _t(self) -> _DaemonTransport | _LocalTransport:
+    def _connection(self) -> _DaemonTransport | _LocalTransport:
+        """The transport, once connected."""
         if self._transport is None or self._stack is None:
             raise RuntimeError("connect first: 'async with Client() as client'")
         return self._transport
@@ -470,10 +475,10 @@ class Client:
         checkpoint: str | None = None,
         rank: int | None = None,
         world_size: int | None = None,
-    ) -> Job:
+    ) -> JobHandle:
         """Start (or join) the job making ``source`` complete in the cache; with
         ``checkpoint`` (``"latest"`` or a folder name) a training checkpoint of the run at
-        ``source``, or rank ``rank``'s files of it (``Job.wait_checkpoint``)."""
+        ``source``, or rank ``rank``'s files of it (``JobHandle.wait_checkpoint``)."""
         request = JobRequest(
             source=source,
             revision=revision,
@@ -485,17 +490,17 @@ class Client:
             rank=rank,
             world_size=world_size,
         )
-        info, created = await self._t.submit(request)
-        return Job(self._t, info, created=created)
+        info, created = await self._connection.submit(request)
+        return JobHandle(self._connection, info, created=created)
 
-    async def job(self, job_id: str) -> Job:
+    async def job(self, job_id: str) -> JobHandle:
         """A handle on an existing job (after a restart, the daemon keeps unfinished ids)."""
-        return Job(self._t, await self._t.info(job_id), created=False)
+        return JobHandle(self._connection, await self._connection.info(job_id), created=False)
 
     async def jobs(self) -> list[Mapping[str, Any]]:
-        if isinstance(self._t, _LocalTransport):
-            return [job.info() for job in self._t.scheduler.jobs()]
-        return list((await self._t.request("GET", "/v1/jobs"))[1]["jobs"])
+        if isinstance(self._connection, _LocalTransport):
+            return [job.info() for job in self._connection.scheduler.jobs()]
+        return list((await self._connection.request("GET", "/v1/jobs"))[1]["jobs"])
 
     async def wait_file(
         self,
@@ -512,14 +517,13 @@ class Client:
         """
         job = await self.prefetch(source, revision=revision, include=include)
         async for event in job.events():
-            kind = event["event"]
-            if kind == "verified" and event["path"] == filename:
-                return Path(event["file"])
-            if kind == "resolved" and filename not in {f["path"] for f in event["files"]}:
+            if isinstance(event, Verified) and event.outcome.path == filename:
+                return event.file
+            if isinstance(event, Resolved) and filename not in {f.path for f in event.files}:
                 break
-            _outcome(event)
-            if kind == "job_done":
+            if isinstance(event, JobDone):
                 break
+            _raise_failure(event)
         raise EntryNotFoundError(
             f"{filename} is not among the files prefetched from {source}"
             f"@{job.info.get('revision')} (weights, and small files matching include)"
@@ -527,8 +531,8 @@ class Client:
 
     async def status(self) -> dict[str, Any]:
         """The daemon's statistics (``GET /v1/status``), or this process's scheduler's."""
-        if isinstance(self._t, _LocalTransport):
-            scheduler = self._t.scheduler
+        if isinstance(self._connection, _LocalTransport):
+            scheduler = self._connection.scheduler
             fetch = scheduler.engine.fetcher.statistics()
             stats = scheduler.statistics()
             return {
@@ -542,15 +546,15 @@ class Client:
                 "retries": dict(fetch.retries),
                 "verify_failures": fetch.verify_failures,
             }
-        return {"mode": "daemon", **(await self._t.request("GET", "/v1/status"))[1]}
+        return {"mode": "daemon", **(await self._connection.request("GET", "/v1/status"))[1]}
 
     async def cache(self) -> dict[str, Any]:
         """The daemon's cache summary (``GET /v1/cache``); in-process, this cache's."""
-        if isinstance(self._t, _LocalTransport):
+        if isinstance(self._connection, _LocalTransport):
             from shardsync.daemon import cache_summary
 
             return await asyncio.to_thread(cache_summary, self.config.cache_dir)
-        return dict((await self._t.request("GET", "/v1/cache"))[1])
+        return dict((await self._connection.request("GET", "/v1/cache"))[1])
 
 
 # ---------------------------------------------------------------------------------- sync
@@ -656,7 +660,7 @@ class SyncClient:
         exclude: Sequence[str] = (),
         priority: int = 0,
         allow_pickle: bool = False,
-    ) -> SyncJob:
+    ) -> SyncJobHandle:
         job = self._call(
             self._client.prefetch(
                 source,
@@ -667,10 +671,10 @@ class SyncClient:
                 allow_pickle=allow_pickle,
             )
         )
-        return SyncJob(self, job)
+        return SyncJobHandle(self, job)
 
-    def job(self, job_id: str) -> SyncJob:
-        return SyncJob(self, self._call(self._client.job(job_id)))
+    def job(self, job_id: str) -> SyncJobHandle:
+        return SyncJobHandle(self, self._call(self._client.job(job_id)))
 
     def jobs(self) -> list[Mapping[str, Any]]:
         return self._call(self._client.jobs())
@@ -694,10 +698,10 @@ class SyncClient:
         return self._call(self._client.cache())
 
 
-class SyncJob:
-    """``Job`` with blocking methods and plain iterators."""
+class SyncJobHandle:
+    """``JobHandle`` with blocking methods and plain iterators."""
 
-    def __init__(self, client: SyncClient, job: Job) -> None:
+    def __init__(self, client: SyncClient, job: JobHandle) -> None:
         self._client = client
         self.job = job
 
@@ -718,7 +722,7 @@ class SyncJob:
     def wait(self, progress: ProgressSink | None = None) -> PrefetchResult:
         return self._client._call(self.job.wait(progress))
 
-    def events(self, since: int = 0) -> Iterator[Event]:
+    def events(self, since: int = 0) -> Iterator[JobEvent]:
         return self._client._iterate(self.job.events(since))
 
     def shards(self) -> Iterator[Shard]:

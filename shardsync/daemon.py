@@ -59,7 +59,7 @@ from shardsync.journal import Journal
 from shardsync.notify import Notifier
 from shardsync.prefetch import Engine
 from shardsync.records import TierStatistics
-from shardsync.scheduler import ScheduledJob, Scheduler, TokenBucket
+from shardsync.scheduler import Scheduler, SharedJob, TokenBucket
 
 __all__ = ["API_VERSION", "Daemon", "DaemonStatistics", "cache_summary", "run_daemon"]
 
@@ -363,7 +363,8 @@ class Daemon:
         await response.prepare(request)
         try:
             async for event in job.events.follow(int(since_text)):
-                await response.write(json.dumps(event, separators=(",", ":")).encode() + b"\n")
+                line = json.dumps(event.to_json(), separators=(",", ":"))
+                await response.write(line.encode() + b"\n")
             await response.write_eof()
         except ConnectionError:
             pass  # the client went away; the job goes on
@@ -383,7 +384,7 @@ class Daemon:
             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
         )
 
-    def _job(self, request: web.Request) -> ScheduledJob:
+    def _job(self, request: web.Request) -> SharedJob:
         job = self._sched.get(request.match_info["id"])
         if job is None:
             raise web.HTTPNotFound(text=f"no job {request.match_info['id'][:64]!r}")

@@ -36,6 +36,7 @@ from shardsync.cache import CacheStore
 from shardsync.config import Config, check_endpoint, load_config
 from shardsync.devicemap import MODES, DevicePlan, TensorSize, parse_memory, plan_device_map
 from shardsync.errors import ConfigError, HeaderError, LoadError, first_error
+from shardsync.events import Verified
 from shardsync.manifest import Manifest, ManifestEntry
 from shardsync.origins import Origin, parse_source
 from shardsync.prefetch import Engine, Job
@@ -47,6 +48,7 @@ from shardsync.safetensors_header import (
     header_length,
     parse_header,
 )
+from shardsync.scheduler import verified_event
 from shardsync.usage import Lease, Leases
 
 if TYPE_CHECKING:
@@ -125,10 +127,10 @@ class _Request:
 
 
 @dataclass(slots=True)
-class _Shared:
+class _Handoff:
     """What the two threads exchange: the consumer's devices, the producer's messages."""
 
-    events: queue.Queue[tuple[str, Any]] = field(default_factory=queue.Queue)
+    messages: queue.Queue[tuple[str, Any]] = field(default_factory=queue.Queue)
     devices: concurrent.futures.Future[tuple[tuple[str, ...], Mapping[str | int, int | str]]] = (
         field(default_factory=concurrent.futures.Future)
     )
@@ -137,21 +139,17 @@ class _Shared:
     go: asyncio.Event | None = None  # set by the consumer when iteration starts
 
 
-@dataclass(frozen=True, slots=True)
-class _Arrived:
-    """A verified file and where to read it (a store blob, or a daemon's snapshot entry)."""
-
-    path: str
-    file: Path
-    downloaded: int
-
-
 class _ShardSink:
-    """Engine progress sink that forwards each verified file to the consumer thread."""
+    """Engine progress sink that hands each verified file to the consumer thread as the
+    ``Verified`` event a daemon would send for it, so both ways read the same ``file``."""
 
-    def __init__(self, shared: _Shared, blobs: Path) -> None:
-        self._shared = shared
-        self._blobs = blobs
+    def __init__(self, handoff: _Handoff) -> None:
+        self._handoff = handoff
+        self.engine_job: Job | None = None
+        self._shard_index: dict[str, int] = {}
+
+    def resolved(self, manifest: Manifest) -> None:
+        self._shard_index = {e.path: i for i, e in enumerate(manifest.shards)}
 
     def add_file(self, path: str, size: int | None) -> None:
         return None
@@ -160,8 +158,9 @@ class _ShardSink:
         return None
 
     def file_done(self, outcome: FileOutcome) -> None:
-        blob = self._blobs / outcome.sha256[:2] / outcome.sha256
-        self._shared.events.put(("verified", _Arrived(outcome.path, blob, outcome.downloaded)))
+        assert self.engine_job is not None
+        index = self._shard_index.get(outcome.path)
+        self._handoff.messages.put(("verified", verified_event(self.engine_job, outcome, index)))
 
 
 class TensorStream:
@@ -195,7 +194,7 @@ class TensorStream:
     ) -> None:
         self._dtype = dtype
         self._started = time.monotonic()
-        self._shared = _Shared()
+        self._handoff = _Handoff()
         self._request = _Request(
             source=source,
             config=config,
@@ -212,7 +211,7 @@ class TensorStream:
         self._thread = threading.Thread(
             target=self._produce_in_thread, name="shardsync-loader", daemon=True
         )
-        self._verified: dict[str, _Arrived] = {}
+        self._verified: dict[str, Verified] = {}
         self._done = False
         self._plan: tuple[Manifest, Mapping[str, Header], DevicePlan | None] | None = None
         self._shard_times: list[float] = []
@@ -251,9 +250,9 @@ class TensorStream:
             if budgets is None:
                 budgets = _default_budgets(devices)
         except BaseException as exc:
-            self._shared.devices.set_exception(exc)
+            self._handoff.devices.set_exception(exc)
             raise
-        self._shared.devices.set_result((devices, budgets))
+        self._handoff.devices.set_result((devices, budgets))
         return devices
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -281,10 +280,10 @@ class TensorStream:
 
     def _stop(self) -> None:
         """Stop the background download; the lease lives on until ``close()``."""
-        shared = self._shared
-        if shared.loop is not None and shared.task is not None and self._thread.is_alive():
+        handoff = self._handoff
+        if handoff.loop is not None and handoff.task is not None and self._thread.is_alive():
             with contextlib.suppress(RuntimeError):
-                shared.loop.call_soon_threadsafe(shared.task.cancel)
+                handoff.loop.call_soon_threadsafe(handoff.task.cancel)
         self._thread.join(timeout=30)
 
     def statistics(self) -> LoadStatistics:
@@ -296,25 +295,24 @@ class TensorStream:
             finished=self._finished,
             tensors=self._tensors,
             bytes=self._bytes,
-            bytes_downloaded=sum(o.downloaded for o in self._verified.values()),
+            bytes_downloaded=sum(v.outcome.downloaded for v in self._verified.values()),
             peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         )
 
     def _iterate(self) -> Iterator[tuple[str, torch.Tensor]]:
-        shared = self._shared
-        if self._request.gated and shared.loop is not None and shared.go is not None:
+        handoff = self._handoff
+        if self._request.gated and handoff.loop is not None and handoff.go is not None:
             with contextlib.suppress(RuntimeError):  # the producer already ended (an error)
-                shared.loop.call_soon_threadsafe(shared.go.set)
+                handoff.loop.call_soon_threadsafe(handoff.go.set)
         try:
             for entry in self.manifest.shards:
-                arrived = self._wait_verified(entry.path)
-                yield from self._place_shard(entry, arrived)
+                yield from self._place_shard(entry, self._wait_verified(entry.path).file)
             self._wait_done()
             self._finished = time.monotonic() - self._started
         finally:
             self._stop()
 
-    def _wait_verified(self, path: str) -> _Arrived:
+    def _wait_verified(self, path: str) -> Verified:
         while path not in self._verified:
             self._pump()
         return self._verified[path]
@@ -326,26 +324,24 @@ class TensorStream:
 
     def _pump(self) -> None:
         """Take one message from the producer thread (errors are raised here)."""
-        kind, payload = self._shared.events.get()
+        kind, payload = self._handoff.messages.get()
         if kind == "error":
             raise payload
         if kind == "verified":
-            self._verified[payload.path] = payload
+            self._verified[payload.outcome.path] = payload
         elif kind == "plan":
             self._plan = payload
         elif kind == "done":
             self._done = True
 
-    def _place_shard(
-        self, entry: ManifestEntry, arrived: _Arrived
-    ) -> Iterator[tuple[str, torch.Tensor]]:
+    def _place_shard(self, entry: ManifestEntry, file: Path) -> Iterator[tuple[str, torch.Tensor]]:
         self._shard_times.append(time.monotonic() - self._started)
         if self.plan is None:
-            yield from self._place_pickle_shard(entry, arrived)
+            yield from self._place_pickle_shard(entry, file)
             return
         plan = self.plan
         header = self.headers[entry.path]
-        base = _map_file(arrived.file, header.file_size)
+        base = _map_file(file, header.file_size)
         pending: deque[tuple[str, torch.Tensor, Any, int]] = deque()
         for info in header.tensors:
             device = plan.device_of(info.name)
@@ -367,7 +363,7 @@ class TensorStream:
             yield self._hand_out(*pending.popleft())
 
     def _place_pickle_shard(
-        self, entry: ManifestEntry, arrived: _Arrived
+        self, entry: ManifestEntry, file: Path
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """``torch.load(weights_only=True, mmap=True)``: tensors are read lazily from the cache."""
         import pickle
@@ -375,7 +371,7 @@ class TensorStream:
         import torch
 
         try:
-            state = torch.load(arrived.file, map_location="cpu", weights_only=True, mmap=True)
+            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
         except (pickle.UnpicklingError, RuntimeError, ValueError, EOFError) as exc:
             raise LoadError(f"{entry.path}: not a weights-only torch checkpoint: {exc}") from exc
         if not isinstance(state, dict) or not all(
@@ -407,30 +403,32 @@ class TensorStream:
 
     def _produce_in_thread(self) -> None:
         loop = asyncio.new_event_loop()
-        self._shared.loop = loop
+        self._handoff.loop = loop
         try:
             task = loop.create_task(self._produce(self._request))
-            self._shared.task = task
+            self._handoff.task = task
             loop.run_until_complete(task)
         except asyncio.CancelledError:
-            self._shared.events.put(("error", LoadError("loading was cancelled")))
+            self._handoff.messages.put(("error", LoadError("loading was cancelled")))
         except BaseException as exc:  # handed to the consumer thread, which raises it
-            self._shared.events.put(("error", exc))
+            self._handoff.messages.put(("error", exc))
         finally:
             loop.run_until_complete(loop.shutdown_asyncgens())
             loop.close()
 
     async def _produce(self, request: _Request) -> None:
         async with Engine(request.config) as engine:
-            blobs = engine.cache.root / "store" / "sha256"
             origin = engine.origin(request.source, token=request.token)
+            sink = _ShardSink(self._handoff)
             job = engine.job(
                 origin,
                 revision=request.revision,
                 allow_pickle=request.allow_pickle,
-                sink=_ShardSink(self._shared, blobs),
+                sink=sink,
             )
+            sink.engine_job = job
             manifest = await job.prepare(include=())
+            sink.resolved(manifest)
             headers: dict[str, Header] = {}
             if not _is_pickle(manifest):
                 headers = await _read_headers(engine, job, manifest)
@@ -445,16 +443,16 @@ class TensorStream:
                 async with asyncio.TaskGroup() as tg:
                     if not request.gated:  # the download does not need the plan: start now
                         tg.create_task(self._download(request, origin, job))
-                    devices, budgets = await asyncio.wrap_future(self._shared.devices)
+                    devices, budgets = await asyncio.wrap_future(self._handoff.devices)
                     plan = _plan(request, manifest, headers, devices, budgets)
-                    self._shared.go = asyncio.Event()
-                    self._shared.events.put(("plan", (manifest, headers, plan)))
+                    self._handoff.go = asyncio.Event()
+                    self._handoff.messages.put(("plan", (manifest, headers, plan)))
                     if request.gated:
-                        await self._shared.go.wait()  # the consumer checked the keys first
+                        await self._handoff.go.wait()  # the consumer checked the keys first
                         await self._download(request, origin, job)
             except BaseExceptionGroup as group:
                 raise first_error(group) from None
-        self._shared.events.put(("done", None))
+        self._handoff.messages.put(("done", None))
 
     async def _download(self, request: _Request, origin: Origin, job: Job) -> None:
         if origin.caller_only or not await self._via_daemon(request, job):
@@ -488,8 +486,9 @@ class TensorStream:
                 include=(),
                 allow_pickle=request.allow_pickle,
             )
-            async for shard in remote.shards():
-                self._shared.events.put(("verified", _Arrived(shard.path, shard.file, 0)))
+            async for event in remote.events():
+                if isinstance(event, Verified):
+                    self._handoff.messages.put(("verified", event))
             await remote.wait()
         finally:
             await client.close()
@@ -535,7 +534,7 @@ async def _read_headers(engine: Engine, job: Job, manifest: Manifest) -> dict[st
     """Every shard's header, from the cache when the blob is there, else by Range requests."""
 
     async def one(entry: ManifestEntry) -> tuple[str, Header]:
-        if entry.sha256 is not None and engine.cache.has_blob(entry.sha256, entry.size):
+        if entry.sha256 is not None and await engine.store.has_blob(entry.sha256, entry.size):
             blob = engine.cache.blob_path(entry.sha256)
             return entry.path, await asyncio.to_thread(_header_from_file, blob, entry.path)
 
@@ -577,7 +576,7 @@ def _default_budgets(devices: Sequence[str]) -> dict[str | int, int | str]:
 
 
 def _map_file(path: Path, size: int) -> torch.Tensor:
-    """The whole blob as a uint8 tensor over a private read-only mapping (no bytes read yet)."""
+    """The whole file as a uint8 tensor over a private read-only mapping (no bytes read yet)."""
     import torch
 
     storage: Any = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=size)

@@ -8,9 +8,9 @@ another, so both produce the same jobs and the same events. What it adds to the 
   already downloading follows that job instead of downloading it again;
 * **priority**: every file of every job passes one ``PriorityGate`` of ``max_files`` slots,
   highest job priority first, then submission order, then the file's place in the index;
-* **events**: each job appends what happens to an ``EventLog`` that replays to late
-  subscribers and then goes live (``resolved``, ``file_started``, ``progress``, ``verified``,
-  ``failed``, ``job_done``, ``job_failed``);
+* **events**: each job appends what happens, as the typed events of ``shardsync.events``, to
+  an ``EventLog`` that replays to late subscribers and then goes live; the job's counters
+  and its state (moved only through ``events.transition``) follow from what it logs;
 * **a journal**: unfinished jobs are written to disk on every change, so a daemon restarted
   after ``kill -9`` resumes them from their partial files.
 """
@@ -27,16 +27,34 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass, field, replace
+from typing import Any, TypeVar
 
-from shardsync.api import JobRequest, error_code, error_json, result_to_json
+from shardsync.api import JobRequest, error_code, error_info, result_to_json
 from shardsync.checkpoint import CheckpointPlan, CheckpointResult, checkpoint_result, selector
 from shardsync.errors import (
     ConfigError,
     DaemonStoppingError,
     JobCancelledError,
     ShardsyncError,
+)
+from shardsync.events import (
+    FINISHED,
+    JOB_STATES,
+    TERMINAL_EVENTS,
+    ErrorInfo,
+    FileFailed,
+    FileStarted,
+    JobDone,
+    JobEvent,
+    JobFailed,
+    JobState,
+    Progress,
+    Pruning,
+    Resolved,
+    ResolvedFile,
+    Verified,
+    transition,
 )
 from shardsync.journal import Journal
 from shardsync.manifest import Manifest, ManifestEntry
@@ -46,23 +64,20 @@ from shardsync.pruner import ensure_free, limits_from_config, needs_prune, prune
 from shardsync.records import FileOutcome, PrefetchResult, RepoRef
 
 __all__ = [
-    "TERMINAL_EVENTS",
     "EventLog",
     "Histogram",
+    "JobCounters",
     "PriorityGate",
-    "ScheduledJob",
     "Scheduler",
     "SchedulerStatistics",
+    "SharedJob",
     "TokenBucket",
+    "verified_event",
 ]
 
 log = logging.getLogger("shardsync.scheduler")
 
-JobState = Literal[
-    "pending", "resolving", "downloading", "interrupted", "done", "failed", "cancelled"
-]
-TERMINAL_EVENTS = frozenset({"job_done", "job_failed"})
-_FINISHED: frozenset[JobState] = frozenset({"done", "failed", "cancelled"})
+_Event = TypeVar("_Event", bound=JobEvent)
 _PROGRESS_INTERVAL = 0.2  # seconds between progress events of one file
 
 
@@ -211,13 +226,17 @@ class Histogram:
 class EventLog:
     """Every event of one job, replayed to late subscribers, then live.
 
+    The log stamps what it takes with the job's id, the event's number and the time, so an
+    event mirrored from another job (``Scheduler._follow``) becomes this job's own.
     Progress events are compacted: a new one for a file replaces the previous one in place,
     so a subscriber joining a long download replays the files' current progress, not every
     step of it, and the log stays small.
     """
 
-    def __init__(self) -> None:
-        self._events: list[dict[str, Any] | None] = []
+    def __init__(self, job_id: str, *, clock: Callable[[], float] = time.time) -> None:
+        self.job_id = job_id
+        self._clock = clock
+        self._events: list[JobEvent | None] = []
         self._progress_at: dict[str, int] = {}
         self._changed = asyncio.Event()
         self.closed = False
@@ -225,26 +244,27 @@ class EventLog:
     def __len__(self) -> int:
         return len(self._events)
 
-    def append(self, event: dict[str, Any]) -> dict[str, Any]:
+    def append(self, event: _Event) -> _Event:
+        """Stamp ``event`` and log it; returns it as logged."""
         if self.closed:
             raise RuntimeError("the job's event log is closed")
-        event["seq"] = len(self._events)
-        if event["event"] == "progress":
-            old = self._progress_at.get(event["path"])
+        event = replace(event, job=self.job_id, seq=len(self._events), time=self._clock())
+        if isinstance(event, Progress):
+            old = self._progress_at.get(event.path)
             if old is not None:
                 self._events[old] = None
-            self._progress_at[event["path"]] = event["seq"]
+            self._progress_at[event.path] = event.seq
         self._events.append(event)
-        if event["event"] in TERMINAL_EVENTS:
+        if isinstance(event, TERMINAL_EVENTS):
             self.closed = True
         self._changed.set()
         self._changed = asyncio.Event()
         return event
 
-    def past(self) -> list[dict[str, Any]]:
+    def past(self) -> list[JobEvent]:
         return [e for e in self._events if e is not None]
 
-    async def follow(self, since: int = 0) -> AsyncIterator[dict[str, Any]]:
+    async def follow(self, since: int = 0) -> AsyncIterator[JobEvent]:
         """Events with ``seq >= since``, then new ones until the job's terminal event."""
         pos = max(since, 0)
         while True:
@@ -261,9 +281,40 @@ class EventLog:
 # ------------------------------------------------------------------------------ jobs
 
 
+@dataclass(slots=True)
+class JobCounters:
+    """A job's files and bytes as ``info`` reports them: a fold over the events it logs."""
+
+    files_total: int | None = None
+    bytes_total: int | None = None
+    files_verified: int = 0
+    bytes_downloaded: int = 0
+    done_by_path: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def bytes_done(self) -> int:
+        return sum(self.done_by_path.values())
+
+    def observe(self, event: JobEvent) -> None:
+        match event:
+            case Resolved():
+                self.files_total = len(event.files)
+                self.bytes_total = event.total_size
+            case Progress():
+                self.done_by_path[event.path] = event.done
+            case Verified(outcome=outcome):
+                self.done_by_path[outcome.path] = outcome.size
+                self.files_verified += 1
+                self.bytes_downloaded += outcome.downloaded
+
+
 @dataclass(eq=False, slots=True)
-class ScheduledJob:
-    """One snapshot being made complete for any number of clients."""
+class SharedJob:
+    """One snapshot being made complete for any number of clients: the scheduler's job.
+
+    (The engine's ``prefetch.Job`` does the work of one run; the client's ``JobHandle`` is a
+    caller's view of this one, over the daemon's API or in-process.)
+    """
 
     id: str
     seq: int
@@ -272,7 +323,8 @@ class ScheduledJob:
     revision: str
     priority: int
     submitted_at: float
-    events: EventLog = field(default_factory=EventLog)
+    events: EventLog = field(init=False)
+    counters: JobCounters = field(default_factory=JobCounters)
     state: JobState = "pending"
     commit: str | None = None
     clients: int = 1
@@ -280,15 +332,13 @@ class ScheduledJob:
     finished_at: float | None = None
     merged_into: str | None = None
     result: PrefetchResult | None = None
-    error: dict[str, str] | None = None
-    files_total: int | None = None
-    bytes_total: int | None = None
-    files_verified: int = 0
-    bytes_downloaded: int = 0
+    error: ErrorInfo | None = None
     task: asyncio.Task[None] | None = None
     stop_error: ShardsyncError | None = None  # why we cancelled the task ourselves
     checkpoint: CheckpointResult | None = None  # a training checkpoint job's outcome
-    _done: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.events = EventLog(self.id)
 
     @property
     def repo(self) -> RepoRef:
@@ -296,25 +346,15 @@ class ScheduledJob:
 
     @property
     def finished(self) -> bool:
-        return self.state in _FINISHED
+        return self.state in FINISHED
 
-    @property
-    def bytes_done(self) -> int:
-        return sum(self._done.values())
+    def move_to(self, state: JobState) -> None:
+        """Change state through the one table of allowed moves (``events.TRANSITIONS``)."""
+        self.state = transition(self.state, state)
 
-    def emit(self, kind: str, **fields: Any) -> dict[str, Any]:
-        """Append an event (and keep the counters ``info`` reports in step with it)."""
-        if kind == "progress":
-            self._done[fields["path"]] = fields["done"]
-        elif kind == "verified":
-            self._done[fields["path"]] = fields["size"]
-            self.files_verified += 1
-            self.bytes_downloaded += fields["downloaded"]
-        elif kind == "resolved":
-            self.commit = fields["commit"]
-            self.files_total = len(fields["files"])
-            self.bytes_total = fields["total_size"]
-        return self.events.append({"event": kind, "job": self.id, "time": time.time(), **fields})
+    def emit(self, event: JobEvent) -> None:
+        """Log an event; the counters follow from what is logged, nowhere else."""
+        self.counters.observe(self.events.append(event))
 
     def info(self) -> dict[str, Any]:
         """The job as ``GET /v1/jobs/{id}`` shows it."""
@@ -344,14 +384,14 @@ class ScheduledJob:
             "started_at": self.started_at,
             "finished_at": self.finished_at,
             "merged_into": self.merged_into,
-            "files": {"total": self.files_total, "verified": self.files_verified},
+            "files": {"total": self.counters.files_total, "verified": self.counters.files_verified},
             "bytes": {
-                "total": self.bytes_total,
-                "done": self.bytes_done,
-                "downloaded": self.bytes_downloaded,
+                "total": self.counters.bytes_total,
+                "done": self.counters.bytes_done,
+                "downloaded": self.counters.bytes_downloaded,
             },
             "snapshot_path": str(self.result.snapshot_path) if self.result else None,
-            "error": self.error,
+            "error": None if self.error is None else self.error.to_json(),
             "events": len(self.events),
         }
 
@@ -368,7 +408,7 @@ class ScheduledJob:
 class _JobSink:
     """The engine's ``ProgressSink`` for one job: turns its calls into the job's events."""
 
-    def __init__(self, job: ScheduledJob, engine_job: Job | None = None) -> None:
+    def __init__(self, job: SharedJob, engine_job: Job | None = None) -> None:
         self._job = job
         self.engine_job = engine_job
         self._sizes: dict[str, int | None] = {}
@@ -385,7 +425,7 @@ class _JobSink:
     def add_file(self, path: str, size: int | None) -> None:
         self._sizes[path] = size
         if self._job.state == "resolving":  # the index, fetched while the job resolves
-            self._job.emit("file_started", path=path, size=size, shard_index=None)
+            self._job.emit(FileStarted(path=path, size=size, shard_index=None))
 
     def advance(self, path: str, nbytes: int) -> None:
         if not nbytes:
@@ -394,31 +434,28 @@ class _JobSink:
         now = time.monotonic()
         if now - self._last.get(path, 0.0) >= _PROGRESS_INTERVAL:
             self._last[path] = now
-            self._job.emit("progress", path=path, done=self._done[path], size=self._sizes.get(path))
+            self._job.emit(Progress(path=path, done=self._done[path], size=self._sizes.get(path)))
 
     def file_done(self, outcome: FileOutcome) -> None:
-        job, engine_job = self._job, self.engine_job
-        assert engine_job is not None
-        cache = engine_job.cache
-        blob = cache.blob_path(outcome.sha256)
-        readable = (
-            cache.snapshot_dir(engine_job.origin.repo, engine_job.commit) / outcome.path
-            if engine_job.commit
-            else blob
-        )
-        job.emit(
-            "verified",
-            path=outcome.path,
-            size=outcome.size,
-            sha256=outcome.sha256,
-            verified=outcome.verified,
-            source=outcome.source,
-            downloaded=outcome.downloaded,
-            resumed=outcome.resumed,
-            shard_index=self.shard_index(outcome.path),
-            file=str(readable),
-            blob=str(blob),
-        )
+        assert self.engine_job is not None
+        self._job.emit(verified_event(self.engine_job, outcome, self.shard_index(outcome.path)))
+
+
+def verified_event(engine_job: Job, outcome: FileOutcome, shard_index: int | None) -> Verified:
+    """The ``Verified`` event of a file the engine reports done; the one place that says
+    where a verified file is read (clients over the daemon and the loader in-process alike).
+
+    That is its snapshot entry (the engine links it before reporting the file), or the blob
+    while the snapshot has no id: origins without commits are named by content at the end.
+    """
+    cache = engine_job.cache
+    blob = cache.blob_path(outcome.sha256)
+    readable = (
+        cache.snapshot_dir(engine_job.origin.repo, engine_job.commit) / outcome.path
+        if engine_job.commit
+        else blob
+    )
+    return Verified(outcome=outcome, shard_index=shard_index, file=readable, blob=blob)
 
 
 @dataclass(frozen=True, slots=True)
@@ -457,9 +494,9 @@ class Scheduler:
         self.history = history
         self._journal = journal
         self._allow_local = allow_local
-        self._jobs: dict[str, ScheduledJob] = {}
-        self._by_request: dict[tuple[object, ...], ScheduledJob] = {}
-        self._by_commit: dict[tuple[object, ...], ScheduledJob] = {}
+        self._jobs: dict[str, SharedJob] = {}
+        self._by_request: dict[tuple[object, ...], SharedJob] = {}
+        self._by_commit: dict[tuple[object, ...], SharedJob] = {}
         self._seq = 0
         self._submitted = 0
         self._deduplicated = 0
@@ -485,10 +522,10 @@ class Scheduler:
     def stopping(self) -> bool:
         return self._stopping is not None
 
-    def get(self, job_id: str) -> ScheduledJob | None:
+    def get(self, job_id: str) -> SharedJob | None:
         return self._jobs.get(job_id)
 
-    def jobs(self) -> list[ScheduledJob]:
+    def jobs(self) -> list[SharedJob]:
         """Unfinished jobs in scheduling order, then finished ones, newest first."""
         active = sorted((j for j in self._jobs.values() if not j.finished), key=_order)
         done = sorted(
@@ -499,7 +536,7 @@ class Scheduler:
     def statistics(self) -> SchedulerStatistics:
         states = Counter(j.state for j in self._jobs.values())
         return SchedulerStatistics(
-            jobs={s: states.get(s, 0) for s in _STATES},
+            jobs={s: states.get(s, 0) for s in JOB_STATES},
             files_waiting=self.gate.waiting,
             jobs_submitted=self._submitted,
             jobs_deduplicated=self._deduplicated,
@@ -507,7 +544,7 @@ class Scheduler:
 
     # -- commands -----------------------------------------------------------------------
 
-    async def submit(self, request: JobRequest) -> tuple[ScheduledJob, bool]:
+    async def submit(self, request: JobRequest) -> tuple[SharedJob, bool]:
         """The job for ``request``: an unfinished one that covers it, else a new one.
 
         Returns (job, created). Raises ``ConfigError`` for a source that cannot be used and
@@ -559,7 +596,7 @@ class Scheduler:
         await self._save_journal()
         return restored
 
-    async def cancel(self, job_id: str) -> ScheduledJob | None:
+    async def cancel(self, job_id: str) -> SharedJob | None:
         """Cancel a job for every client waiting on it; its partial files are kept."""
         job = self._jobs.get(job_id)
         if job is None or job.finished:
@@ -589,11 +626,11 @@ class Scheduler:
         job_id: str | None = None,
         priority: int | None = None,
         submitted_at: float | None = None,
-    ) -> ScheduledJob:
+    ) -> SharedJob:
         if self._tg is None:
             raise RuntimeError("use the scheduler as 'async with Scheduler(engine)'")
         self._seq += 1
-        job = ScheduledJob(
+        job = SharedJob(
             id=job_id or secrets.token_hex(8),
             seq=self._seq,
             request=request,
@@ -609,44 +646,44 @@ class Scheduler:
         self._changed()
         return job
 
-    def _raise_priority(self, job: ScheduledJob, priority: int) -> bool:
+    def _raise_priority(self, job: SharedJob, priority: int) -> bool:
         """A client asking with a higher priority raises it for the job (and the job it
         follows); returns whether anything changed."""
         changed = False
-        current: ScheduledJob | None = job
+        current: SharedJob | None = job
         while current is not None and priority > current.priority:
             current.priority = priority
             changed = True
             current = self._jobs.get(current.merged_into) if current.merged_into else None
         return changed
 
-    def _interrupt(self, job: ScheduledJob, error: ShardsyncError) -> None:
+    def _interrupt(self, job: SharedJob, error: ShardsyncError) -> None:
         if job.stop_error is None:
             job.stop_error = error
         if job.state == "pending":  # its task has not run yet, so it cannot answer itself
-            self._finish(job, "cancelled" if isinstance(error, JobCancelledError) else None, error)
+            self._finish_failed(job, _stopped_state(error), error_info(error))
         if job.task is not None:
             job.task.cancel()
 
-    async def _run(self, job: ScheduledJob) -> None:
+    async def _run(self, job: SharedJob) -> None:
         """The job's task: never raises (a failure belongs to the job, not the daemon)."""
         try:
             await self._execute(job)
         except asyncio.CancelledError:
             error = job.stop_error or DaemonStoppingError("the daemon is stopping")
-            self._finish(job, "cancelled" if isinstance(error, JobCancelledError) else None, error)
+            self._finish_failed(job, _stopped_state(error), error_info(error))
             if job.stop_error is None:
                 raise
         except ShardsyncError as exc:
-            self._finish(job, "failed", exc)
+            self._finish_failed(job, "failed", error_info(exc))
         except Exception as exc:
             log.exception("job %s failed unexpectedly", job.id)
-            self._finish(job, "failed", exc)
+            self._finish_failed(job, "failed", error_info(exc))
         if job.finished or self._stopping is None:
             await self._save_journal()
 
-    async def _execute(self, job: ScheduledJob) -> None:
-        job.state = "resolving"
+    async def _execute(self, job: SharedJob) -> None:
+        job.move_to("resolving")
         job.started_at = time.time()
         sink = _JobSink(job)
         engine_job = self.engine.job(
@@ -672,20 +709,17 @@ class Scheduler:
         else:
             manifest = await engine_job.prepare(job.request.include, job.request.exclude)
         sink.resolved(manifest)
+        job.commit = engine_job.commit or None
         job.emit(
-            "resolved",
-            commit=engine_job.commit or None,
-            revision=job.revision,
-            total_size=manifest.total_size,
-            files=[
-                {
-                    "path": e.path,
-                    "size": e.size,
-                    "role": e.role,
-                    "shard_index": sink.shard_index(e.path),
-                }
-                for e in manifest.entries
-            ],
+            Resolved(
+                commit=job.commit,
+                revision=job.revision,
+                total_size=manifest.total_size,
+                files=tuple(
+                    ResolvedFile(e.path, e.size, e.role, sink.shard_index(e.path))
+                    for e in manifest.entries
+                ),
+            )
         )
         if engine_job.commit:
             key = _commit_key(job, engine_job.commit)
@@ -695,7 +729,7 @@ class Scheduler:
                 return
             self._by_commit[key] = job
         await self._make_room(job, manifest)
-        job.state = "downloading"
+        job.move_to("downloading")
         files = await engine_job.download()
         now = time.time()
         job.result = PrefetchResult(
@@ -714,9 +748,9 @@ class Scheduler:
             await self._auto_prune(job)
         except ShardsyncError as exc:  # the job is done; a failed prune is the cache's problem
             log.warning("auto-prune after job %s failed: %s", job.id, exc)
-        self._finish(job, "done", None)
+        self._finish_done(job)
 
-    async def _make_room(self, job: ScheduledJob, manifest: Manifest) -> None:
+    async def _make_room(self, job: SharedJob, manifest: Manifest) -> None:
         """Before a download: prune past the high-water mark, and make room if it won't fit.
 
         The job's own repo is kept; a download that still can't fit fails the job with a
@@ -724,14 +758,10 @@ class Scheduler:
         """
         cache, config = self.engine.cache, self.engine.config.prune
         await self._auto_prune(job)
-        missing = sum(
-            e.size or 0
-            for e in manifest.entries
-            if not (e.sha256 is not None and cache.has_blob(e.sha256, e.size))
-        )
+        missing = await self.engine.store.missing_bytes(manifest.entries)
         free = shutil.disk_usage(cache.root).free
         if missing and free < missing + (config.min_free or 0):
-            job.emit("pruning", needed=missing, free=free)
+            job.emit(Pruning(needed=missing, free=free))
             await asyncio.to_thread(
                 ensure_free,
                 cache,
@@ -741,7 +771,7 @@ class Scheduler:
                 keep=(job.repo.name,),
             )
 
-    async def _auto_prune(self, job: ScheduledJob) -> None:
+    async def _auto_prune(self, job: SharedJob) -> None:
         """Prune down to the limits once the cache passed its high-water mark (cheap check)."""
         cache, config = self.engine.cache, self.engine.config.prune
         if not await asyncio.to_thread(needs_prune, cache, config):
@@ -757,42 +787,40 @@ class Scheduler:
         if report.freed_bytes:
             log.info("auto-prune freed %d bytes (high-water mark)", report.freed_bytes)
 
-    async def _follow(self, job: ScheduledJob, other: ScheduledJob) -> None:
+    async def _follow(self, job: SharedJob, other: SharedJob) -> None:
         """Mirror the job already downloading this commit instead of downloading it again."""
         log.info("job %s follows job %s (same commit %s)", job.id, other.id, job.commit)
         job.merged_into = other.id
-        job.state = "downloading"
+        job.move_to("downloading")
         other.clients += job.clients
         self._raise_priority(other, job.priority)
         async for event in other.events.follow():
-            kind = event["event"]
-            if kind == "job_done":
-                job.result, job.checkpoint = other.result, other.checkpoint
-                self._finish(job, "done", None)
-                return
-            if kind == "job_failed":
-                error = event["error"]
-                cancelled = error.get("code") == error_code(JobCancelledError())
-                self._finish_with(job, "cancelled" if cancelled else "failed", error)
-                return
-            if kind != "resolved":
-                fields = {
-                    k: v for k, v in event.items() if k not in ("event", "job", "seq", "time")
-                }
-                job.emit(kind, **fields)
+            match event:
+                case JobDone():
+                    job.result, job.checkpoint = other.result, other.checkpoint
+                    self._finish_done(job)
+                    return
+                case JobFailed(error=error):
+                    cancelled = error.code == error_code(JobCancelledError())
+                    self._finish_failed(job, "cancelled" if cancelled else "failed", error)
+                    return
+                case Resolved():
+                    pass  # the follower logged its own
+                case _:
+                    job.emit(event)  # stamped anew by the follower's log
 
-    def _gate_for(self, job: ScheduledJob, sink: _JobSink) -> FileGate:
+    def _gate_for(self, job: SharedJob, sink: _JobSink) -> FileGate:
         gate = self.gate
 
         @contextlib.asynccontextmanager
         async def admit(entry: ManifestEntry, position: int) -> AsyncIterator[None]:
             async with gate.admit(lambda: (-job.priority, job.seq, position)):
                 index = sink.shard_index(entry.path)
-                job.emit("file_started", path=entry.path, size=entry.size, shard_index=index)
+                job.emit(FileStarted(path=entry.path, size=entry.size, shard_index=index))
                 try:
                     yield
                 except Exception as exc:
-                    job.emit("failed", path=entry.path, shard_index=index, error=error_json(exc))
+                    job.emit(FileFailed(path=entry.path, shard_index=index, error=error_info(exc)))
                     raise
 
         def gate_fn(entry: ManifestEntry, position: int) -> AbstractAsyncContextManager[None]:
@@ -800,38 +828,30 @@ class Scheduler:
 
         return gate_fn
 
-    def _finish(
-        self, job: ScheduledJob, state: JobState | None, error: BaseException | None
-    ) -> None:
-        if error is None:
-            assert job.result is not None
-            job.state = "done"
-            job.commit = job.result.commit
-            job.finished_at = time.time()
-            self._release(job)
-            self.latency.observe(job.finished_at - job.submitted_at)
-            result = job.checkpoint.to_json() if job.checkpoint else result_to_json(job.result)
-            job.emit("job_done", result=result)
-            return
-        self._finish_with(job, state, error_json(error))
+    def _finish_done(self, job: SharedJob) -> None:
+        assert job.result is not None
+        job.move_to("done")
+        job.commit = job.result.commit
+        job.finished_at = time.time()
+        self._release(job)
+        self.latency.observe(job.finished_at - job.submitted_at)
+        result = job.checkpoint.to_json() if job.checkpoint else result_to_json(job.result)
+        job.emit(JobDone(result=result))
 
-    def _finish_with(
-        self, job: ScheduledJob, state: JobState | None, error: dict[str, str]
-    ) -> None:
-        """End a job with an error; ``state`` None: interrupted, resumes from the journal."""
+    def _finish_failed(self, job: SharedJob, state: JobState, error: ErrorInfo) -> None:
+        """End a job with an error (``interrupted``: it resumes from the journal)."""
+        job.move_to(state)
         job.error = error
         job.finished_at = time.time()
-        job.state = state or "interrupted"
         self._release(job)
-        if not job.events.closed:
-            job.emit("job_failed", error=error)
+        job.emit(JobFailed(error=error))
 
     def _changed(self) -> None:
         """A job started or ended (the daemon updates its systemd STATUS= line)."""
         if self._on_change is not None:
             self._on_change()
 
-    def _release(self, job: ScheduledJob) -> None:
+    def _release(self, job: SharedJob) -> None:
         self._changed()
         for index in (self._by_request, self._by_commit):
             for key, value in list(index.items()):
@@ -856,18 +876,12 @@ class Scheduler:
                 log.warning("cannot write the job journal: %s", exc)
 
 
-_STATES: tuple[JobState, ...] = (
-    "pending",
-    "resolving",
-    "downloading",
-    "interrupted",
-    "done",
-    "failed",
-    "cancelled",
-)
+def _stopped_state(error: ShardsyncError) -> JobState:
+    """A job we stopped: cancelled for good, or interrupted (the daemon stops; it resumes)."""
+    return "cancelled" if isinstance(error, JobCancelledError) else "interrupted"
 
 
-def _order(job: ScheduledJob) -> tuple[int, int]:
+def _order(job: SharedJob) -> tuple[int, int]:
     return (-job.priority, job.seq)
 
 
@@ -883,5 +897,5 @@ def _request_key(origin: Origin, revision: str, request: JobRequest) -> tuple[ob
     )
 
 
-def _commit_key(job: ScheduledJob, commit: str) -> tuple[object, ...]:
+def _commit_key(job: SharedJob, commit: str) -> tuple[object, ...]:
     return (*_request_key(job.origin, commit, job.request), "commit")

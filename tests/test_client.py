@@ -14,6 +14,7 @@ import shardsync
 from shardsync import errors
 from shardsync.client import Client, SyncClient
 from shardsync.daemon import Daemon
+from shardsync.events import JobDone, Verified
 from shardsync.prefetch import prefetch
 from shardsync.records import FileOutcome, PrefetchResult
 from shardsync.testing import Bandwidth, Checkpoint, FakeHub
@@ -118,9 +119,9 @@ async def test_shards_come_in_index_order_even_when_they_finish_out_of_order(
         job = await client.prefetch(REPO)
         yielded = [shard.path async for shard in job.shards()]
         verified = [
-            e["path"]
+            e.outcome.path
             async for e in job.events()
-            if e["event"] == "verified" and e["shard_index"] is not None
+            if isinstance(e, Verified) and e.shard_index is not None
         ]
     assert verified[-1] == slow  # the first shard was verified last ...
     assert yielded == list(checkpoint.shards)  # ... and still handed out first
@@ -178,7 +179,7 @@ async def test_sync_client_in_process(hub: FakeHub, checkpoint: Checkpoint, work
             job = client.prefetch(REPO)
             assert [s.path for s in job.shards()] == list(checkpoint.shards)
             result = job.wait()
-            assert [e["event"] for e in job.events()][-1] == "job_done"
+            assert isinstance(list(job.events())[-1], JobDone)
             assert client.status()["jobs"]["done"] == 1
         with pytest.raises(errors.DaemonUnavailableError):
             SyncClient(config, socket=_no_daemon(workdir), fallback="error")

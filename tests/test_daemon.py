@@ -25,6 +25,7 @@ from shardsync import daemon as daemon_module
 from shardsync import errors
 from shardsync.client import Client
 from shardsync.daemon import Daemon
+from shardsync.events import FileStarted, JobDone, JobEvent, Progress, Verified
 from shardsync.testing import Bandwidth, Checkpoint, FakeHub, build_checkpoint
 
 REPO = "acme/daemon"
@@ -44,7 +45,7 @@ async def daemon(fake_hub: FakeHub, checkpoint: Checkpoint, workdir: Path) -> As
         yield d
 
 
-async def _done(socket_path: Path, job_id: str) -> list[dict[str, Any]]:
+async def _done(socket_path: Path, job_id: str) -> list[JobEvent]:
     """Every event of a job, read from the API until its end."""
     async with Client(socket=socket_path, fallback="error") as client:
         job = await client.job(job_id)
@@ -114,21 +115,26 @@ async def test_a_late_subscriber_gets_the_earlier_events(
     assert status == 201 and job["state"] not in ("failed", "cancelled")
     first = await _done(daemon.socket_path, job["id"])
     late = await _done(daemon.socket_path, job["id"])  # after the end: a full replay
-    assert late == first and first[-1]["event"] == "job_done"
-    shards = [e["path"] for e in first if e["event"] == "verified" and e["shard_index"] is not None]
+    assert late == first
+    shards = [
+        e.outcome.path for e in first if isinstance(e, Verified) and e.shard_index is not None
+    ]
     assert sorted(shards) == sorted(checkpoint.shards)
-    since = first[5]["seq"]
+    since = first[5].seq
     status, text = await api(
         daemon.socket_path, "GET", f"/v1/jobs/{job['id']}/events?since={since}"
     )
     assert status == 200
-    assert [json.loads(line)["seq"] for line in text.splitlines()] == [
-        e["seq"] for e in first if e["seq"] >= since
+    # the wire is each event's to_json, one per line, from ``since``
+    assert [json.loads(line) for line in text.splitlines()] == [
+        e.to_json() for e in first if e.seq >= since
     ]
     bad = await api(daemon.socket_path, "GET", f"/v1/jobs/{job['id']}/events?since=-1")
     assert bad[0] == 400 and bad[1]["error"]["code"] == "bad_request"
     status, info = await api(daemon.socket_path, "GET", f"/v1/jobs/{job['id']}")
-    assert info["state"] == "done" and info["snapshot_path"] == first[-1]["result"]["snapshot_path"]
+    done = first[-1]
+    assert isinstance(done, JobDone)
+    assert info["state"] == "done" and info["snapshot_path"] == done.result["snapshot_path"]
     listed = (await api(daemon.socket_path, "GET", "/v1/jobs"))[1]["jobs"]
     assert [j["id"] for j in listed] == [job["id"]]
     again = await api(daemon.socket_path, "DELETE", f"/v1/jobs/{job['id']}")
@@ -188,7 +194,7 @@ async def test_cancel_over_the_api(daemon: Daemon, fake_hub: FakeHub) -> None:
     async with Client(socket=daemon.socket_path, fallback="error") as client:
         job = await client.prefetch(REPO)
         async for event in job.events():
-            if event["event"] == "file_started" and event["shard_index"] is not None:
+            if isinstance(event, FileStarted) and event.shard_index is not None:
                 break
         status, info = await api(daemon.socket_path, "DELETE", f"/v1/jobs/{job.id}")
         assert status == 200 and info["state"] == "cancelled"
@@ -332,8 +338,7 @@ async def test_sigterm_answers_waiters_and_exits(
         status = await asyncio.to_thread(process.wait_for, "STATUS")  # systemctl status shows
         assert status["STATUS"].endswith("; 1 active job(s)"), status
         async for event in job.events():
-            shard = event.get("path", "").endswith(".safetensors")
-            if event["event"] == "progress" and shard and event["done"] >= 128 * 1024:
+            if isinstance(event, Progress) and event.done >= 128 * 1024:
                 break  # some bytes of a shard are on disk (two 64 KiB write buffers' worth)
         process.signal(signal.SIGTERM)
         with pytest.raises(errors.DaemonStoppingError, match="daemon stopping"):

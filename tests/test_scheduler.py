@@ -22,6 +22,17 @@ from shardsync.api import (
     result_to_json,
 )
 from shardsync.config import Config
+from shardsync.events import (
+    ErrorInfo,
+    FileFailed,
+    FileStarted,
+    JobDone,
+    JobFailed,
+    Progress,
+    Pruning,
+    Resolved,
+    Verified,
+)
 from shardsync.journal import Journal
 from shardsync.prefetch import Engine, prefetch
 from shardsync.records import RepoRef
@@ -29,13 +40,14 @@ from shardsync.scheduler import (
     EventLog,
     Histogram,
     PriorityGate,
-    ScheduledJob,
     Scheduler,
+    SharedJob,
     TokenBucket,
 )
 from shardsync.testing import Bandwidth, Checkpoint, FakeHub, Status, build_checkpoint
 
 REPO = "acme/tiny"
+INDEX = "model.safetensors.index.json"
 
 
 async def _until(predicate: Callable[[], bool]) -> None:
@@ -56,12 +68,24 @@ def _shard_bytes(checkpoint: Checkpoint) -> int:
     return sum(checkpoint.path(s).stat().st_size for s in checkpoint.shards)
 
 
-async def _outcome(job: ScheduledJob) -> dict[str, Any]:
+async def _outcome(job: SharedJob) -> JobDone | JobFailed:
     """The job's terminal event (replayed if it already happened)."""
     async for event in job.events.follow():
-        if event["event"] in ("job_done", "job_failed"):
+        if isinstance(event, JobDone | JobFailed):
             return event
     raise AssertionError("the event log closed without a terminal event")
+
+
+async def _done(job: SharedJob) -> JobDone:
+    outcome = await _outcome(job)
+    assert isinstance(outcome, JobDone), outcome
+    return outcome
+
+
+async def _failed(job: SharedJob) -> JobFailed:
+    outcome = await _outcome(job)
+    assert isinstance(outcome, JobFailed), outcome
+    return outcome
 
 
 @pytest.fixture
@@ -79,30 +103,32 @@ async def scheduler(
 # ---------------------------------------------------------------------------- pure parts
 
 
-def test_event_log_replays_then_follows_and_compacts_progress() -> None:
+def test_event_log_stamps_replays_then_follows_and_compacts_progress() -> None:
     async def scenario() -> None:
-        log = EventLog()
-        log.append({"event": "file_started", "path": "a"})
+        log = EventLog("j1", clock=lambda: 7.5)
+        log.append(FileStarted(path="a", size=30, shard_index=0))
         for done in (10, 20, 30):
-            log.append({"event": "progress", "path": "a", "done": done})
+            log.append(Progress(path="a", done=done, size=30))
         # a late subscriber replays the file's current progress, not every step of it
-        assert [e.get("done") for e in log.past()] == [None, 30]
-        seen: list[dict[str, Any]] = []
+        assert [getattr(e, "done", None) for e in log.past()] == [None, 30]
+        assert {(e.job, e.time) for e in log.past()} == {("j1", 7.5)}
+        seen: list[str] = []
 
         async def follow() -> None:
             async for event in log.follow():
-                seen.append(event)
+                seen.append(event.kind)
 
         async with asyncio.TaskGroup() as tg:
             tg.create_task(follow())
             await asyncio.sleep(0)
-            log.append({"event": "verified", "path": "a"})
-            log.append({"event": "job_done"})
-        assert [e["event"] for e in seen] == ["file_started", "progress", "verified", "job_done"]
-        assert [e["seq"] for e in seen] == [0, 3, 4, 5]
-        assert [e["seq"] async for e in log.follow(since=4)] == [4, 5]
+            log.append(FileFailed(path="a", shard_index=0, error=ErrorInfo("transfer", "x")))
+            log.append(JobFailed(job="other", seq=99, error=ErrorInfo("transfer", "x")))
+        assert seen == ["file_started", "progress", "failed", "job_failed"]
+        assert [e.seq for e in log.past()] == [0, 3, 4, 5]
+        assert [e.seq async for e in log.follow(since=4)] == [4, 5]
+        assert log.past()[-1].job == "j1"  # an event mirrored from another job becomes ours
         with pytest.raises(RuntimeError):
-            log.append({"event": "progress", "path": "a", "done": 1})
+            log.append(Progress(path="a", done=1, size=30))
 
     asyncio.run(scenario())
 
@@ -234,41 +260,45 @@ async def test_same_request_joins_the_running_job(
     second, again = await scheduler.submit(JobRequest(REPO, priority=7))
     assert (created, again) == (True, False)
     assert second is first and first.clients == 2 and first.priority == 7
-    done = await _outcome(first)
-    assert done["event"] == "job_done", done
-    result = result_from_json(done["result"])
+    done = await _done(first)
+    result = result_from_json(done.result)
     assert_snapshot_matches(result.snapshot_path, checkpoint)
-    assert result_to_json(result) == done["result"]
+    assert result_to_json(result) == done.result
     assert fake_hub.bytes_served("*.safetensors") == _shard_bytes(checkpoint)
     # after it finished, a new request starts a new job that finds everything cached
     third, created = await scheduler.submit(JobRequest(REPO))
     assert created and third is not first
-    assert (await _outcome(third))["result"]["bytes_downloaded"] == 0
+    assert (await _done(third)).result["bytes_downloaded"] == 0
 
 
 async def test_events_describe_the_download(scheduler: Scheduler, checkpoint: Checkpoint) -> None:
     job, _ = await scheduler.submit(JobRequest(REPO))
     await _outcome(job)
     events = job.events.past()
-    kinds = [e["event"] for e in events]
-    assert kinds[0] == "file_started" and events[0]["path"] == "model.safetensors.index.json"
+    kinds = [e.kind for e in events]
+    assert isinstance(events[0], FileStarted)
+    assert events[0].path == INDEX
     assert kinds.count("resolved") == 1 and kinds[-1] == "job_done"
-    resolved = events[kinds.index("resolved")]
-    shards = [f for f in resolved["files"] if f["shard_index"] is not None]
-    assert [f["path"] for f in shards] == list(checkpoint.shards)
-    verified = {e["path"]: e for e in events if e["event"] == "verified"}
-    assert set(verified) == {f["path"] for f in resolved["files"]}
+    (resolved,) = [e for e in events if isinstance(e, Resolved)]
+    shards = [f for f in resolved.files if f.shard_index is not None]
+    assert [f.path for f in shards] == list(checkpoint.shards)
+    assert resolved.shard_count == len(checkpoint.shards)
+    verified = {e.outcome.path: e for e in events if isinstance(e, Verified)}
+    assert set(verified) == {f.path for f in resolved.files}
+    assert job.result is not None
     for index, name in enumerate(checkpoint.shards):
         event = verified[name]
-        assert event["shard_index"] == index
-        assert _same_bytes(Path(event["file"]), checkpoint.path(name))
-        assert Path(event["blob"]).name == event["sha256"]
-        started = next(e for e in events if e["event"] == "file_started" and e["path"] == name)
-        assert started["seq"] < event["seq"]
-    assert [e["seq"] for e in events] == sorted(e["seq"] for e in events)
+        assert event.shard_index == index
+        assert event.file == job.result.snapshot_path / name
+        assert _same_bytes(event.file, checkpoint.path(name))
+        assert event.blob.name == event.outcome.sha256
+        started = next(e for e in events if isinstance(e, FileStarted) and e.path == name)
+        assert started.seq < event.seq
+    assert [e.seq for e in events] == sorted(e.seq for e in events)
+    assert {e.job for e in events} == {job.id}
     info = job.info()
     assert info["state"] == "done" and info["files"]["verified"] == info["files"]["total"]
-    assert info["bytes"]["done"] == info["bytes"]["total"] == resolved["total_size"]
+    assert info["bytes"]["done"] == info["bytes"]["total"] == resolved.total_size
 
 
 async def test_files_of_the_highest_priority_job_go_first(
@@ -290,11 +320,11 @@ async def test_files_of_the_highest_priority_job_go_first(
     started = []
     for job in (low, high):
         events = job.events.past()
-        resolved = next(e["seq"] for e in events if e["event"] == "resolved")
+        resolved = next(e.seq for e in events if isinstance(e, Resolved))
         started += [
-            (e["time"], job.request.source, e["path"])
+            (e.time, job.request.source, e.path)
             for e in events
-            if e["event"] == "file_started" and e["seq"] > resolved
+            if isinstance(e, FileStarted) and e.seq > resolved
         ]
     started.sort()
     sources = [source for _, source, _ in started]
@@ -312,14 +342,15 @@ async def test_a_revision_naming_a_running_commit_follows_that_job(
     by_branch, _ = await scheduler.submit(JobRequest(REPO))
     by_commit, created = await scheduler.submit(JobRequest(REPO, revision=commit))
     assert created
-    done = [await _outcome(by_branch), await _outcome(by_commit)]
-    assert [d["event"] for d in done] == ["job_done", "job_done"]
-    assert done[0]["result"]["snapshot_path"] == done[1]["result"]["snapshot_path"]
+    done = [await _done(by_branch), await _done(by_commit)]
+    assert done[0].result["snapshot_path"] == done[1].result["snapshot_path"]
     assert {by_branch.merged_into, by_commit.merged_into} - {None} <= {by_branch.id, by_commit.id}
     assert (by_branch.merged_into is None) != (by_commit.merged_into is None)
     follower = by_commit if by_commit.merged_into else by_branch
-    verified = [e["path"] for e in follower.events.past() if e["event"] == "verified"]
-    assert set(checkpoint.shards) <= set(verified)
+    verified = [e for e in follower.events.past() if isinstance(e, Verified)]
+    assert set(checkpoint.shards) <= {e.outcome.path for e in verified}
+    assert {e.job for e in verified} == {follower.id}  # mirrored events are the follower's
+    assert follower.info()["files"]["verified"] == len(verified)
     assert fake_hub.bytes_served("*.safetensors") < 1.1 * _shard_bytes(checkpoint)
 
 
@@ -329,11 +360,11 @@ async def test_cancel_stops_the_job_and_keeps_partials(
     fake_hub.faults.add(Bandwidth(200_000, times=None))
     job, _ = await scheduler.submit(JobRequest(REPO))
     async for event in job.events.follow():
-        if event["event"] == "progress" and event["path"].endswith(".safetensors"):
+        if isinstance(event, Progress) and event.path.endswith(".safetensors"):
             break
     await scheduler.cancel(job.id)
-    outcome = await _outcome(job)
-    assert outcome["error"]["code"] == "job_cancelled"
+    outcome = await _failed(job)
+    assert outcome.error.code == "job_cancelled"
     assert job.state == "cancelled" and job.finished
     partial = scheduler.engine.cache.root / "partial"
     assert any(p.suffix == ".part" for p in partial.iterdir())
@@ -346,18 +377,19 @@ async def test_a_failing_file_is_reported_with_its_path(
     broken = checkpoint.shards[1]
     fake_hub.faults.add(Status(503, times=None, path=broken))
     job, _ = await scheduler.submit(JobRequest(REPO))
-    outcome = await _outcome(job)
-    assert outcome["event"] == "job_failed" and outcome["error"]["code"] == "transfer"
-    failed = [e for e in job.events.past() if e["event"] == "failed"]
-    assert [e["path"] for e in failed] == [broken]
-    assert failed[0]["shard_index"] == 1 and "503" in failed[0]["error"]["message"]
-    assert job.state == "failed" and job.error == outcome["error"]
+    outcome = await _failed(job)
+    assert outcome.error.code == "transfer"
+    failed = [e for e in job.events.past() if isinstance(e, FileFailed)]
+    assert [e.path for e in failed] == [broken]
+    assert failed[0].shard_index == 1 and "503" in failed[0].error.message
+    assert job.state == "failed" and job.error == outcome.error
+    assert job.info()["error"] == outcome.error.to_json()
 
 
 async def test_origin_errors_fail_the_job_not_the_submission(scheduler: Scheduler) -> None:
     job, _ = await scheduler.submit(JobRequest("acme/missing"))
-    outcome = await _outcome(job)
-    assert outcome["error"]["code"] == "repo_not_found"
+    outcome = await _failed(job)
+    assert outcome.error.code == "repo_not_found"
     with pytest.raises(errors.ConfigError, match="invalid repo id"):
         await scheduler.submit(JobRequest("not a repo!"))
 
@@ -377,8 +409,8 @@ async def test_stopping_refuses_jobs_and_interrupts_running_ones(
     fake_hub.faults.add(Bandwidth(200_000, times=None))
     job, _ = await scheduler.submit(JobRequest(REPO))
     scheduler.stop(errors.DaemonStoppingError("daemon stopping"))
-    outcome = await _outcome(job)
-    assert outcome["error"] == {"code": "daemon_stopping", "message": "daemon stopping"}
+    outcome = await _failed(job)
+    assert outcome.error == ErrorInfo("daemon_stopping", "daemon stopping")
     assert job.state == "interrupted" and not job.finished
     with pytest.raises(errors.DaemonStoppingError):
         await scheduler.submit(JobRequest(REPO))
@@ -397,8 +429,7 @@ async def test_journaled_jobs_resume_from_their_partial_files(
         job, _ = await scheduler.submit(JobRequest(REPO, priority=4))
         assert [r["id"] for r in await journal.load()] == [job.id]
         async for event in job.events.follow():
-            shard = event.get("path", "").endswith(".safetensors")
-            if event["event"] == "progress" and shard and event["done"] > 60_000:
+            if isinstance(event, Progress) and event.done > 60_000 and event.path != INDEX:
                 break
     records = await journal.load()
     assert [(r["id"], r["priority"]) for r in records] == [(job.id, 4)]
@@ -407,11 +438,11 @@ async def test_journaled_jobs_resume_from_their_partial_files(
         assert await scheduler.restore() == 1
         resumed = scheduler.get(job.id)
         assert resumed is not None and resumed.priority == 4
-        outcome = await _outcome(resumed)
-    assert outcome["event"] == "job_done", outcome
-    assert sum(f["resumed"] for f in outcome["result"]["files"]) > 0
+        outcome = await _done(resumed)
+    result = result_from_json(outcome.result)
+    assert sum(f.resumed for f in result.files) > 0
     assert await journal.load() == []
-    assert_snapshot_matches(Path(outcome["result"]["snapshot_path"]), checkpoint)
+    assert_snapshot_matches(result.snapshot_path, checkpoint)
 
 
 async def test_a_corrupt_journal_is_set_aside(tmp_path: Path) -> None:
@@ -438,7 +469,7 @@ async def test_scheduler_result_matches_plain_prefetch(
     scheduler: Scheduler, fake_hub: FakeHub, tmp_path: Path
 ) -> None:
     job, _ = await scheduler.submit(JobRequest(REPO))
-    ours = result_from_json((await _outcome(job))["result"])
+    ours = result_from_json((await _done(job)).result)
     plain = await prefetch(REPO, fast_config(tmp_path / "plain", fake_hub.endpoint))
     assert (ours.repo, ours.commit, ours.revision) == (plain.repo, plain.commit, plain.revision)
     assert [(f.path, f.size, f.sha256, f.verified) for f in ours.files] == [
@@ -458,7 +489,7 @@ async def test_the_bandwidth_hook_sees_every_body_byte(
     config = fast_config(tmp_path / "cache", fake_hub.endpoint)
     async with Engine(config, throttle=throttle) as engine, Scheduler(engine) as scheduler:
         job, _ = await scheduler.submit(JobRequest(REPO))
-        assert (await _outcome(job))["event"] == "job_done"
+        await _done(job)
         assert sum(charged) == engine.fetcher.statistics().bytes_downloaded > 0
 
 
@@ -483,7 +514,7 @@ async def test_the_daemon_prunes_past_the_high_water_mark(
         Scheduler(engine) as scheduler,
     ):
         job, _ = await scheduler.submit(JobRequest(REPO))
-        assert (await _outcome(job))["event"] == "job_done"
+        await _done(job)
         cache = engine.cache
         assert cache.find_complete(job.repo, "main") is not None
         assert cache.find_complete(RepoRef("hub", "acme/old"), "main") is None
@@ -505,15 +536,14 @@ async def test_a_download_that_would_not_fit_prunes_first(
         async with Engine(config) as engine, Scheduler(engine) as scheduler:
             job, _ = await scheduler.submit(JobRequest(REPO))
             outcome = await _outcome(job)
-            kinds = [e["event"] for e in job.events.past()]
-            assert "pruning" in kinds
+            assert any(isinstance(e, Pruning) for e in job.events.past())
             if pinned:
-                assert outcome["event"] == "job_failed"
-                assert outcome["error"]["code"] == "disk_full"
-                assert "not enough disk space" in outcome["error"]["message"]
+                assert isinstance(outcome, JobFailed)
+                assert outcome.error.code == "disk_full"
+                assert "not enough disk space" in outcome.error.message
                 assert engine.cache.find_complete(RepoRef("hub", "acme/old"), "main")
             else:
-                assert outcome["event"] == "job_done", outcome
-                result = result_from_json(outcome["result"])
+                assert isinstance(outcome, JobDone), outcome
+                result = result_from_json(outcome.result)
                 assert_snapshot_matches(result.snapshot_path, new)
                 assert engine.cache.find_complete(RepoRef("hub", "acme/old"), "main") is None

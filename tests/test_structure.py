@@ -16,6 +16,7 @@ PURE = [
     "shardsync.config",
     "shardsync.devicemap",
     "shardsync.errors",
+    "shardsync.events",
     "shardsync.manifest",
     "shardsync.names",
     "shardsync.network",

@@ -306,7 +306,7 @@ class RequestRecord:
     """The repository file path the request was about, if any."""
 
 
-@dataclass(slots=True)
+@dataclass(eq=False, slots=True)
 class _Exchange:
     """What a handler learns while answering, for the record written when it finishes."""
 
@@ -444,6 +444,7 @@ class FakeHub:
         self._repos: dict[str, _Repo] = {}
         self._store: dict[str, _Blob] = {}
         self._log: list[RequestRecord] = []
+        self._answering: set[_Exchange] = set()  # bodies being sent, counted while they flow
         self._runners: list[web.BaseRunner] = []
         self._endpoints: tuple[str, str] | None = None
         self._secret = secrets.token_bytes(16)
@@ -572,13 +573,15 @@ class FakeHub:
             self._log.clear()
 
     def bytes_served(self, path_glob: str = "*") -> int:
-        """File-content bytes sent (CDN bodies and direct ``resolve`` bodies) for matching paths."""
+        """File-content bytes sent (CDN bodies and direct ``resolve`` bodies) for matching
+        paths, bodies still being sent included (a kill "40% in" is timed by it)."""
+        with self._lock:
+            answering = [(e.file, e.status, e.bytes_sent) for e in self._answering]
+            done = [(r.file, r.status, r.bytes_sent) for r in self._log]
         return sum(
-            record.bytes_sent
-            for record in self.log
-            if record.file is not None
-            and record.status in (200, 206)
-            and fnmatchcase(record.file, path_glob)
+            sent
+            for file, status, sent in done + answering
+            if file is not None and status in (200, 206) and fnmatchcase(file, path_glob)
         )
 
     # --- serving -----------------------------------------------------------------------------
@@ -588,6 +591,8 @@ class FakeHub:
 
         async def handle(request: web.BaseRequest) -> web.StreamResponse:
             exchange = _Exchange()
+            with self._lock:
+                self._answering.add(exchange)
             try:
                 response = await route(request, exchange)
                 if not response.prepared:
@@ -623,6 +628,7 @@ class FakeHub:
         )
         with self._lock:
             self._log.append(record)
+            self._answering.discard(exchange)
 
     async def _route_hub(self, request: web.BaseRequest, exchange: _Exchange) -> web.StreamResponse:
         if request.method not in ("GET", "HEAD"):

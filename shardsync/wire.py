@@ -1,0 +1,286 @@
+"""Body transfers off the event loop: HTTP/1.1 Range responses read straight into the file.
+
+The event loop is one thread; at GPU-host line rates it cannot also move every body byte
+through Python objects (aiohttp hands each socket read over as a new ``bytes``, joined,
+written with ``pwritev`` and read back again to hash). Here a worker thread reads a 206
+body with ``recv_into`` straight into a shared mapping of the partial file, so each byte is
+copied once, by the kernel, into the page cache, and is hashed later from that same page.
+The threads release the GIL in ``recv_into`` and ``sha256``, so transfers use every core.
+
+Only the happy path lives here: a plain HTTP/1.1 response whose body length is known. The
+fetcher decides what every other answer means (the same code as for aiohttp's), and sends
+requests through a proxy or without a mapping (an empty file, a filesystem without
+``fallocate``) down the aiohttp path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import mmap
+import os
+import socket
+import ssl
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from shardsync.errors import ProtocolError
+
+__all__ = ["BodyTruncated", "Head", "RangeReader", "Stream", "map_for_writing"]
+
+_MAX_HEAD = 64 * 1024
+_MAX_HEADERS = 200
+_IDLE_PER_HOST = 32
+_NO_RESERVATION = frozenset(
+    {errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.ENOSPC, errno.EDQUOT}
+)
+
+
+class BodyTruncated(ConnectionError):
+    """The server closed the connection before the body's last byte (retryable)."""
+
+
+def map_for_writing(fd: int, size: int) -> mmap.mmap | None:
+    """A shared writable mapping of the whole file, its blocks reserved first.
+
+    Without the reservation a full disk would surface as SIGBUS on a page fault instead of
+    an error. None where the file is empty, the filesystem cannot reserve blocks, or the
+    disk has no room for the whole file: the caller then writes with ``pwritev``, which
+    fills what fits, keeps it for a resume and reports the full disk as an error.
+    """
+    if size <= 0:
+        return None
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno in _NO_RESERVATION:
+            return None
+        raise
+    return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+
+
+@dataclass(frozen=True, slots=True)
+class Head:
+    """Status line and headers of a response; header names lowercased, repeats joined."""
+
+    status: int
+    headers: Mapping[str, str]
+    version: str
+
+    def get(self, name: str, default: str | None = None) -> str | None:
+        return self.headers.get(name.lower(), default)
+
+
+_Key = tuple[str, str, int]
+
+
+class RangeReader:
+    """Keep-alive HTTP/1.1 connections for body transfers, used from worker threads."""
+
+    def __init__(
+        self, ssl_context: ssl.SSLContext | None, *, connect_timeout: float, read_timeout: float
+    ) -> None:
+        self._ssl = ssl_context
+        self._connect_timeout = connect_timeout
+        self._read_timeout = read_timeout
+        self._idle: dict[_Key, list[socket.socket]] = {}
+        self._lock = threading.Lock()
+
+    def open(self, url: str, headers: Mapping[str, str]) -> Stream:
+        """Send a GET and read the response head (blocking; call it in a worker thread).
+
+        A pooled connection the server has closed meanwhile fails before any answer byte;
+        then the request goes once more on a fresh connection, as browsers do.
+        """
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ProtocolError(f"cannot fetch {parts.scheme!r} URLs")
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        key: _Key = (parts.scheme, parts.hostname, port)
+        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        default_port = port == (443 if parts.scheme == "https" else 80)
+        host = parts.hostname if default_port else f"{parts.hostname}:{port}"
+        if ":" in parts.hostname and not default_port:
+            host = f"[{parts.hostname}]:{port}"
+        lines = [f"GET {target} HTTP/1.1", f"Host: {host}"]
+        lines += [f"{name}: {value}" for name, value in headers.items() if name.lower() != "host"]
+        request = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+        pooled = self._take(key)
+        if pooled is not None:
+            try:
+                return self._exchange(pooled, key, request)
+            except (BodyTruncated, ConnectionResetError, BrokenPipeError):
+                pass  # closed while idle: nothing was answered, so asking again is safe
+        return self._exchange(self._connect(key), key, request)
+
+    def close(self) -> None:
+        """Close the idle connections (transfers in flight close their own)."""
+        with self._lock:
+            idle, self._idle = self._idle, {}
+        for socks in idle.values():
+            for sock in socks:
+                sock.close()
+
+    def _take(self, key: _Key) -> socket.socket | None:
+        with self._lock:
+            socks = self._idle.get(key)
+            return socks.pop() if socks else None
+
+    def _give_back(self, key: _Key, sock: socket.socket) -> None:
+        with self._lock:
+            socks = self._idle.setdefault(key, [])
+            if len(socks) < _IDLE_PER_HOST:
+                socks.append(sock)
+                return
+        sock.close()
+
+    def _connect(self, key: _Key) -> socket.socket:
+        scheme, hostname, port = key
+        sock = socket.create_connection((hostname, port), timeout=self._connect_timeout)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if scheme == "https":
+                if self._ssl is None:
+                    raise ProtocolError("an https URL without a TLS context")
+                sock = self._ssl.wrap_socket(sock, server_hostname=hostname)
+            sock.settimeout(self._read_timeout)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    def _exchange(self, sock: socket.socket, key: _Key, request: bytes) -> Stream:
+        try:
+            sock.sendall(request)
+            head, rest = _read_head(sock)
+        except BaseException:
+            sock.close()
+            raise
+        return Stream(self, key, sock, head, rest)
+
+
+def _read_head(sock: socket.socket) -> tuple[Head, bytes]:
+    data = b""
+    while True:
+        end = data.find(b"\r\n\r\n")
+        if end >= 0:
+            break
+        if len(data) > _MAX_HEAD:
+            raise ProtocolError(f"response head over {_MAX_HEAD} bytes")
+        more = sock.recv(65536)
+        if not more:
+            raise BodyTruncated("the connection closed before a response")
+        data += more
+    return _parse_head(data[:end]), data[end + 4 :]
+
+
+def _parse_head(raw: bytes) -> Head:
+    try:
+        text = raw.decode("latin-1")
+    except UnicodeDecodeError as exc:  # latin-1 decodes every byte; kept for clarity
+        raise ProtocolError("response head is not text") from exc
+    status_line, *header_lines = text.split("\r\n")
+    version, _, rest = status_line.partition(" ")
+    code = rest[:3]
+    if version not in ("HTTP/1.1", "HTTP/1.0") or not code.isdigit() or len(code) != 3:
+        raise ProtocolError(f"malformed status line {status_line[:100]!r}")
+    if len(header_lines) > _MAX_HEADERS:
+        raise ProtocolError(f"more than {_MAX_HEADERS} response headers")
+    headers: dict[str, str] = {}
+    for line in header_lines:
+        name, sep, value = line.partition(":")
+        if not sep or not name or name != name.strip() or line[0] in " \t":
+            raise ProtocolError(f"malformed response header {line[:100]!r}")
+        lower, value = name.lower(), value.strip(" \t")
+        headers[lower] = f"{headers[lower]}, {value}" if lower in headers else value
+    return Head(status=int(code), headers=headers, version=version)
+
+
+class Stream:
+    """One response: its head, then its body read into caller memory."""
+
+    def __init__(
+        self, reader: RangeReader, key: _Key, sock: socket.socket, head: Head, rest: bytes
+    ) -> None:
+        self.head = head
+        self._reader = reader
+        self._key = key
+        self._sock: socket.socket | None = sock
+        self._rest = rest
+        self._aborted = threading.Event()
+        length = head.get("content-length")
+        self.length = int(length) if length is not None and length.isdigit() else None
+        self._left = self.length
+
+    @property
+    def framed(self) -> bool:
+        """The body ends by its Content-Length: the only framing read here."""
+        return self.length is not None and self.head.get("transfer-encoding") is None
+
+    def readinto(self, view: memoryview) -> int:
+        """Up to ``len(view)`` body bytes into ``view``; 0 at the end of the body."""
+        return self._read_into(view)
+
+    def _read_into(self, view: memoryview) -> int:
+        if self._left is None:
+            raise ProtocolError("a body without Content-Length is not read here")
+        want = min(len(view), self._left)
+        if want == 0:
+            return 0
+        if self._rest:
+            n = min(want, len(self._rest))
+            view[:n] = self._rest[:n]
+            self._rest = self._rest[n:]
+        else:
+            sock = self._sock
+            if sock is None or self._aborted.is_set():
+                raise BodyTruncated("the transfer was stopped")
+            with view[:want] as target:
+                n = sock.recv_into(target)
+            if n == 0:
+                raise BodyTruncated(f"the connection closed with {self._left} body bytes to come")
+        self._left -= n
+        return n
+
+    def read_small(self, cap: int) -> bytes:
+        """The start of a short body (an error's message); the connection is then closed."""
+        if not self.framed or self.length is None or self.length > cap:
+            return b""
+        buffer = bytearray(self.length)
+        with memoryview(buffer) as view:
+            got = 0
+            with contextlib.suppress(OSError):
+                while got < len(buffer):
+                    n = self._read_into(view[got:])
+                    if n == 0:
+                        break
+                    got += n
+        return bytes(buffer[:got])
+
+    def abort(self) -> None:
+        """Stop a transfer blocked in another thread (its ``readinto`` raises)."""
+        self._aborted.set()
+        sock = self._sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        """Hand a fully read keep-alive connection back to the pool; close any other."""
+        sock, self._sock = self._sock, None
+        if sock is None:
+            return
+        reusable = (
+            self._left == 0
+            and not self._rest
+            and not self._aborted.is_set()
+            and self.framed
+            and self.head.version == "HTTP/1.1"
+            and "close" not in (self.head.get("connection") or "").lower()
+        )
+        if reusable:
+            self._reader._give_back(self._key, sock)
+        else:
+            sock.close()
