@@ -97,8 +97,8 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "resume-etag-ignored",
-        "shardsync/fetch.py",
-        (('            and raw.get("etag") == etag\n', ""),),
+        "shardsync/slot.py",
+        (('                and raw.get("etag") == what.etag\n', ""),),
         (INTEGRITY,),
         "the resume record's ETag is not compared with the server's on the next run",
     ),
@@ -107,16 +107,25 @@ MUTANTS: tuple[Mutant, ...] = (
         "shardsync/fetch.py",
         (
             (
-                "                if not whole:\n"
-                "                    # Range ignored (same object: fall back to one stream) or "
-                "If-Range\n",
-                "                if False:\n"
-                "                    # Range ignored (same object: fall back to one stream) or "
-                "If-Range\n",
+                "    if status == 200:\n        # Range ignored",
+                "    if status == 200:\n        return\n    if False:\n        # Range ignored",
             ),
         ),
         (INTEGRITY,),
         "a 200 answer to a Range request is written at the range's offset",
+    ),
+    Mutant(
+        "wire-range-unchecked",
+        "shardsync/fetch.py",
+        (
+            (
+                "                _check_range_answer(head.status, head.get, request.label, state, "
+                "start, end)\n",
+                "",
+            ),
+        ),
+        (INTEGRITY,),
+        "a body read by a worker thread is written wherever its range says, unchecked",
     ),
     # --- more of the same family
     Mutant(
@@ -157,8 +166,8 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "short-partial-trusted",
-        "shardsync/fetch.py",
-        (("            and st.st_size == size\n", ""),),
+        "shardsync/slot.py",
+        (("                and st.st_size == what.size\n", ""),),
         (INTEGRITY,),
         "a partial file shorter than its resume record says is resumed",
     ),
@@ -176,7 +185,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "read-only-partial-reopened",
-        "shardsync/fetch.py",
+        "shardsync/slot.py",
         (("            os.chmod(path, 0o644)\n", "            pass\n"),),
         ("tests/adversarial/test_crash_consistency.py", "-k", "wedges"),
         "a read-only partial left by a crash inside publishing is not made writable again",

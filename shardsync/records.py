@@ -323,7 +323,7 @@ class FetchConfig:
 
     connections_per_file: int = 8
     chunk_size: int = 16 * MiB
-    read_size: int = 1 * MiB
+    read_size: int = 4 * MiB
     write_size: int = 512 * 1024
     connect_timeout: float = 10.0
     read_timeout: float = 30.0

@@ -165,10 +165,10 @@ def _read_head(sock: socket.socket) -> tuple[Head, bytes]:
     data = b""
     while True:
         end = data.find(b"\r\n\r\n")
+        if end > _MAX_HEAD or (end < 0 and len(data) > _MAX_HEAD):
+            raise ProtocolError(f"response head over {_MAX_HEAD} bytes")
         if end >= 0:
             break
-        if len(data) > _MAX_HEAD:
-            raise ProtocolError(f"response head over {_MAX_HEAD} bytes")
         more = sock.recv(65536)
         if not more:
             raise BodyTruncated("the connection closed before a response")

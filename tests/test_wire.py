@@ -1,0 +1,195 @@
+"""The body-transfer path (``shardsync.wire``) against servers that answer raw bytes.
+
+The whole suite downloads through it (every loopback server without a proxy); these tests
+aim at what only it parses: the response head, the body framing, keep-alive reuse, and the
+answers it hands back to aiohttp's path.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+from helpers import fast_config
+
+from shardsync.errors import ProtocolError
+from shardsync.prefetch import prefetch
+from shardsync.wire import BodyTruncated, RangeReader
+
+Answer = Callable[[bytes], bytes]
+"""Given a request's bytes, the raw bytes a connection answers (then it waits for the next)."""
+
+
+@contextmanager
+def raw_server(answer: Answer, *, close_after: bool = False) -> Iterator[tuple[str, list[int]]]:
+    """A loopback server writing ``answer(request)`` per request; yields its URL and a list
+    that gets one entry per accepted connection."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    connections: list[int] = []
+    stop = threading.Event()
+
+    def serve(conn: socket.socket) -> None:
+        with conn:
+            while not stop.is_set():
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    more = conn.recv(65536)
+                    if not more:
+                        return
+                    data += more
+                conn.sendall(answer(data))
+                if close_after:
+                    return
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            connections.append(1)
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}/blob", connections
+    finally:
+        stop.set()
+        listener.close()
+
+
+def reader() -> RangeReader:
+    return RangeReader(None, connect_timeout=5, read_timeout=5)
+
+
+def read_all(url: str, rd: RangeReader) -> tuple[int, bytes]:
+    stream = rd.open(url, {})
+    try:
+        out = bytearray(stream.length or 0)
+        with memoryview(out) as view:
+            got = 0
+            while got < len(out):
+                got += stream.readinto(view[got:])
+        return stream.head.status, bytes(out)
+    finally:
+        stream.close()
+
+
+def ok(body: bytes, extra: str = "") -> Answer:
+    return lambda _req: (
+        f"HTTP/1.1 200 OK\r\nContent-Length: {len(body)}\r\n{extra}\r\n".encode() + body
+    )
+
+
+def test_a_kept_alive_connection_is_reused_and_a_closing_one_is_not() -> None:
+    with raw_server(ok(b"x" * 1000)) as (url, connections):
+        rd = reader()
+        assert read_all(url, rd) == (200, b"x" * 1000)
+        assert read_all(url, rd) == (200, b"x" * 1000)
+        assert len(connections) == 1
+        rd.close()
+    with raw_server(ok(b"y" * 10, "Connection: close\r\n")) as (url, connections):
+        rd = reader()
+        read_all(url, rd)
+        read_all(url, rd)
+        assert len(connections) == 2
+        rd.close()
+
+
+def test_a_pooled_connection_the_server_closed_is_replaced_once() -> None:
+    with raw_server(ok(b"z" * 100), close_after=True) as (url, connections):
+        rd = reader()
+        assert read_all(url, rd) == (200, b"z" * 100)
+        # the server hung up after answering: the next request finds a dead pooled socket
+        assert read_all(url, rd) == (200, b"z" * 100)
+        assert len(connections) == 2
+        rd.close()
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"HTTP/2 200 OK\r\nContent-Length: 1\r\n\r\nx",
+        b"ICY 200 OK\r\n\r\n",
+        b"HTTP/1.1 2x0 OK\r\nContent-Length: 1\r\n\r\nx",
+        b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\n continued: header\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\n" + b"X-Pad: " + b"a" * 70_000 + b"\r\n\r\n",
+    ],
+    ids=["http2", "not-http", "bad-code", "no-colon", "folded", "huge-head"],
+)
+def test_a_malformed_head_is_a_protocol_error(head: bytes) -> None:
+    with raw_server(lambda _req: head) as (url, _):
+        rd = reader()
+        with pytest.raises(ProtocolError):
+            rd.open(url, {})
+        rd.close()
+
+
+def test_a_body_cut_short_is_a_retryable_connection_error() -> None:
+    cut = b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nabc"
+    with raw_server(lambda _req: cut, close_after=True) as (url, _):
+        rd = reader()
+        with pytest.raises(BodyTruncated):
+            read_all(url, rd)
+        rd.close()
+
+
+def test_the_request_carries_host_range_and_headers() -> None:
+    seen: list[bytes] = []
+
+    def answer(req: bytes) -> bytes:
+        seen.append(req)
+        return ok(b"")(req)
+
+    with raw_server(answer) as (url, _):
+        rd = reader()
+        rd.open(url + "?sig=1", {"Range": "bytes=0-9", "X-A": "b"}).close()
+        rd.close()
+    lines = seen[0].decode().split("\r\n")
+    assert lines[0] == "GET /blob?sig=1 HTTP/1.1"
+    port = url.split(":")[2].split("/")[0]
+    assert f"Host: 127.0.0.1:{port}" in lines
+    assert "Range: bytes=0-9" in lines and "X-A: b" in lines
+
+
+async def test_a_chunked_206_goes_through_aiohttp_and_lands_intact(tmp_path: Path) -> None:
+    """A 206 without Content-Length is not read by the worker threads: the range is asked
+    again on aiohttp's path, which reads any framing, and the file lands intact."""
+    data = bytes(range(256)) * 4096 * 3  # 3 MiB
+    ranges: list[str] = []
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        if request.match_info["name"] != "model.safetensors":
+            raise web.HTTPNotFound()
+        headers = {"ETag": '"v1"', "Accept-Ranges": "bytes"}
+        if request.method == "HEAD":
+            return web.Response(headers={**headers, "Content-Length": str(len(data))})
+        ranges.append(request.headers["Range"])
+        first, last = (int(x) for x in request.headers["Range"][6:].split("-"))
+        headers["Content-Range"] = f"bytes {first}-{last}/{len(data)}"
+        response = web.StreamResponse(status=206, headers=headers)
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        await response.write(data[first : last + 1])
+        await response.write_eof()
+        return response
+
+    app = web.Application()
+    app.router.add_route("*", "/ckpt/{name}", handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    port = runner.addresses[0][1]
+    try:
+        config = fast_config(tmp_path / "cache", chunk_size=1 << 20)
+        result = await prefetch(f"http://127.0.0.1:{port}/ckpt/", config)
+    finally:
+        await runner.cleanup()
+    assert (result.snapshot_path / "model.safetensors").read_bytes() == data
+    assert len(ranges) == 2 * len(set(ranges)) == 6  # each range asked once per path
