@@ -25,7 +25,7 @@ from shardsync.inventory import Inventory, inventory_to_json, scan
 from shardsync.origins import parse_source
 from shardsync.prefetch import prefetch
 from shardsync.progress import format_bytes, make_progress
-from shardsync.pruner import PruneReport, limits_from_config, prune_cache
+from shardsync.prune import PruneReport, limits_from_config, prune_cache
 from shardsync.records import PrefetchResult, ProgressSink
 from shardsync.verify import EXIT_PROBLEMS, VerifyReport, verify_cache
 

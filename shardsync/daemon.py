@@ -55,7 +55,9 @@ from shardsync.errors import (
     ManifestError,
     ShardsyncError,
 )
+from shardsync.inventory import summary_to_json, survey
 from shardsync.journal import Journal
+from shardsync.layout import CacheLayout
 from shardsync.notify import Notifier
 from shardsync.prefetch import Engine
 from shardsync.records import TierStatistics
@@ -166,7 +168,7 @@ class Daemon:
         runner = web.AppRunner(self._app(), access_log=None, shutdown_timeout=2.0)
         await runner.setup()
         stack.push_async_callback(runner.cleanup)
-        journal = Journal(self.config.cache_dir / "state" / "daemon" / "jobs.json")
+        journal = Journal(CacheLayout(self.config.cache_dir).journal())
         scheduler = Scheduler(
             engine,
             journal=journal,
@@ -541,45 +543,7 @@ def _status_for(exc: ShardsyncError) -> int:
 
 def cache_summary(root: Path) -> dict[str, Any]:
     """Blobs, partial downloads, repositories and free space of a cache root (reads only)."""
-    blobs = nbytes = partial_files = partial_bytes = 0
-    for shard_dir in _scan(root / "store" / "sha256"):
-        for blob in _scan(Path(shard_dir.path)):
-            with contextlib.suppress(OSError):
-                nbytes += blob.stat(follow_symlinks=False).st_size
-                blobs += 1
-    for entry in _scan(root / "partial"):
-        if entry.name.endswith(".part"):
-            with contextlib.suppress(OSError):
-                partial_bytes += entry.stat(follow_symlinks=False).st_blocks * 512
-                partial_files += 1
-    repos = []
-    for area in ("hub", "other"):
-        for repo in sorted(_scan(root / area), key=lambda e: e.name):
-            snapshots = sorted(e.name for e in _scan(Path(repo.path) / "snapshots"))
-            name = repo.name.removeprefix("models--").replace("--", "/") if area == "hub" else None
-            repos.append({"dir": repo.name, "repo": name, "snapshots": snapshots})
-    free = total = None
-    with contextlib.suppress(OSError):
-        vfs = os.statvfs(root)
-        free, total = vfs.f_bavail * vfs.f_frsize, vfs.f_blocks * vfs.f_frsize
-    return {
-        "root": str(root),
-        "blobs": blobs,
-        "bytes": nbytes,
-        "partial_files": partial_files,
-        "partial_bytes": partial_bytes,
-        "repos": repos,
-        "disk_free": free,
-        "disk_total": total,
-    }
-
-
-def _scan(path: Path) -> list[os.DirEntry[str]]:
-    try:
-        with os.scandir(path) as it:
-            return [e for e in it if not e.name.startswith(".")]
-    except OSError:
-        return []
+    return summary_to_json(survey(root))
 
 
 def render_metrics(stats: DaemonStatistics, scheduler: Scheduler, cache: Mapping[str, Any]) -> str:

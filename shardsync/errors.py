@@ -33,6 +33,8 @@ inside a library for a condition we anticipated.
 
 from __future__ import annotations
 
+import errno
+
 __all__ = [
     "AuthError",
     "CacheError",
@@ -56,6 +58,7 @@ __all__ = [
     "StalledError",
     "TransferError",
     "UnsafeNameError",
+    "disk_error",
     "first_error",
 ]
 
@@ -166,3 +169,15 @@ def first_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
         if isinstance(exc, ShardsyncError):
             return exc
     return leaves[0] if leaves else group
+
+
+KEPT = "the partial download is kept and resumes on the next run"
+
+
+def disk_error(exc: OSError, action: str, *, then: str | None = None) -> CacheError:
+    """The one mapping of a local file error (``action``: what failed, "write /x"): a full
+    disk or quota gets its own error. Both say ``then``, what becomes of the work, when given
+    (a full disk says by default that the partial download is kept)."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return DiskFullError(f"no space left on device while trying to {action}; {then or KEPT}")
+    return CacheError(f"cannot {action}: {exc.strerror or exc}" + (f"; {then}" if then else ""))

@@ -16,27 +16,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import hashlib
 import json
 import os
-import stat
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal, TypeVar
 from urllib.parse import urljoin, urlsplit, urlunsplit
 
 import aiohttp
 import xxhash
 
-from shardsync.cache import temp_name
 from shardsync.errors import (
     AuthError,
-    CacheError,
-    DiskFullError,
     EntryNotFoundError,
     IntegrityError,
     OriginError,
@@ -46,6 +40,7 @@ from shardsync.errors import (
     ShardsyncError,
     StalledError,
     TransferError,
+    disk_error,
 )
 from shardsync.network import NetworkConfig
 from shardsync.ranges import (
@@ -58,10 +53,10 @@ from shardsync.ranges import (
 )
 from shardsync.records import FetchConfig, FetchStatistics
 from shardsync.retry import Backoff, classify_status, parse_retry_after
+from shardsync.slot import Resumable, ResumeRecord, Slot, VerifiedFile
 
 __all__ = [
     "BlobRequest",
-    "FetchedBlob",
     "Fetcher",
     "Located",
     "Locator",
@@ -125,23 +120,6 @@ class BlobRequest:
     verify_attempts: int | None = None  # full downloads after a mismatch (None: the config's)
 
 
-@dataclass(frozen=True, slots=True)
-class FetchedBlob:
-    """A fully downloaded, verified (or trust-on-first-use) temp file."""
-
-    path: Path
-    size: int
-    sha256: str
-    xxh3_128: str
-    etag: str | None
-    verified: Literal["sha256", "git-sha1", "tofu"]
-    downloaded: int  # bytes received over the network by this call
-    resumed: int  # bytes reused from an earlier partial
-    identity: tuple[int, int]  # (st_dev, st_ino) of the file that was hashed
-    shared: Path  # the name a resume finds it by: remove it once ``path`` is published
-    source: Literal["network", "local", "tier"] = "network"
-
-
 def is_retryable_exception(exc: BaseException) -> bool:
     """Whether a failed request is worth another attempt.
 
@@ -189,8 +167,6 @@ class _FileState:
     etag: str | None
     done: RangeSet
     single_stream: bool
-    temp_dir: Path  # where the sidecar's next version is written before its rename
-    identity: tuple[int, int]  # (st_dev, st_ino) of the file: the sidecar is bound to it
     downloaded: int = 0
     unsaved: int = 0  # bytes on disk that the resume record does not claim yet
     closing: bool = False  # the connections are done: the record keeper stops
@@ -401,21 +377,15 @@ class Fetcher:
     async def fetch(
         self,
         request: BlobRequest,
-        data_path: Path,
-        sidecar_path: Path,
+        slot: Slot,
         on_progress: ProgressFn = lambda n: None,
-        *,
-        temp_dir: Path | None = None,
-    ) -> FetchedBlob:
-        """Download ``request`` into ``data_path``, resuming from a validated partial.
+    ) -> VerifiedFile:
+        """Download ``request`` into ``slot``, resuming from a partial it proves is this object.
 
         Returns only when every byte is on disk and the hash matched (or was
-        recorded, for origins that publish none). The temp file is left in
-        place on error so the next run can resume. New files are made in ``temp_dir``
-        (default: beside ``data_path``; same filesystem) and renamed into place, so a file
-        another process may still be writing is never truncated.
+        recorded, for origins that publish none); the caller commits the slot. The
+        partial is kept on error so the next run can resume.
         """
-        scratch = data_path.parent if temp_dir is None else temp_dir
         verify_failures = 0
         single_stream = False
         setbacks = Backoff(self.config.retry)  # restarts and relocations, bounded too
@@ -432,20 +402,13 @@ class Fetcher:
                 located = await self.locate(request)
                 try:
                     result = await self._download(
-                        request,
-                        located,
-                        data_path,
-                        sidecar_path,
-                        progress,
-                        single_stream,
-                        scratch,
-                        tally,
+                        request, located, slot, progress, single_stream, tally
                     )
                 except (_Restart, _Relocate) as exc:
                     cause = "restart" if isinstance(exc, _Restart) else "relocate"
                     if isinstance(exc, _Restart):
                         single_stream = single_stream or exc.single_stream
-                        _discard(data_path, sidecar_path)
+                        slot.abandon()
                         tally.resumed = 0  # nothing of an earlier run is reused after all
                     # the next attempt reports what is on disk again, as resumed: count it once
                     progress(-shown)
@@ -462,7 +425,7 @@ class Fetcher:
                     return result
                 verify_failures += 1
                 self._verify_failures += 1
-                _discard(data_path, sidecar_path)
+                slot.abandon()
                 tally.resumed = 0
                 progress(-shown)
                 attempts = request.verify_attempts or self.config.max_verify_attempts
@@ -479,13 +442,11 @@ class Fetcher:
         self,
         request: BlobRequest,
         located: Located,
-        data_path: Path,
-        sidecar_path: Path,
+        slot: Slot,
         on_progress: ProgressFn,
         single_stream: bool,
-        temp_dir: Path,
         tally: _Tally,
-    ) -> FetchedBlob | None:
+    ) -> VerifiedFile | None:
         size = located.size
         if size is None:
             size = await self._probe_size(located, request.label)
@@ -494,26 +455,12 @@ class Fetcher:
                 f"{request.label}: origin reports {size} bytes, manifest says {request.size}"
             )
         etag = located.etag if is_strong_etag(located.etag) else None
-        done = _load_sidecar(sidecar_path, data_path, request, size, etag)
-        fd, private = _open_partial(data_path, size, temp_dir, resume=done.total() > 0)
-        if not private.resumed:
-            done = RangeSet()
+        partial = slot.open(Resumable(request.url, etag, size, request.sha256))
+        fd, done, record = partial.fd, partial.done, partial.record
         resumed = done.total()
         if tally.resumed is None:
             tally.resumed = resumed
-        identity = os.fstat(fd)
-        state = _FileState(
-            fd=fd,
-            size=size,
-            etag=etag,
-            done=done,
-            single_stream=single_stream,
-            temp_dir=temp_dir,
-            identity=(identity.st_dev, identity.st_ino),
-        )
-        record = _Record.open(
-            sidecar_path, temp_dir, resume=private.resumed, first=_record_fields(request, state)
-        )
+        state = _FileState(fd=fd, size=size, etag=etag, done=done, single_stream=single_stream)
         on_progress(resumed)
         verified: Literal["sha256", "git-sha1", "tofu"] | None = None
         try:
@@ -538,7 +485,7 @@ class Fetcher:
                 finally:
                     os.close(fd)
                     if record is not None:
-                        os.close(record.fd)
+                        record.close()
             if request.sha256 is not None:
                 verified = "sha256" if digest == request.sha256 else None
             elif request.git_blob_id is not None:
@@ -546,12 +493,12 @@ class Fetcher:
             else:
                 verified = "tofu"
         finally:
-            if verified is None:  # the shared name keeps the bytes for a resume
-                private.path.unlink(missing_ok=True)
+            if verified is None:
+                slot.suspend()
         if verified is None:
             return None
-        return FetchedBlob(
-            path=private.path,
+        return VerifiedFile(
+            path=slot.verified(),
             size=size,
             sha256=digest,
             xxh3_128=xxh,
@@ -559,8 +506,6 @@ class Fetcher:
             verified=verified,
             downloaded=tally.downloaded,  # every attempt's bytes: each arrived once
             resumed=tally.resumed or 0,
-            identity=(identity.st_dev, identity.st_ino),
-            shared=data_path,
         )
 
     async def _probe_size(self, located: Located, label: str) -> int:
@@ -740,7 +685,7 @@ class Fetcher:
             try:
                 await asyncio.shield(future)
             except OSError as exc:
-                raise _disk_error(exc, "writing the partial file") from exc
+                raise disk_error(exc, "write the partial file") from exc
             written = queued
 
         def landed(first: int, stop: int) -> Callable[[asyncio.Future[None]], None]:
@@ -821,7 +766,7 @@ class Fetcher:
     # ------------------------------------------------------------------ sidecar
 
     async def _keep_record(
-        self, record: _Record | None, request: BlobRequest, state: _FileState
+        self, record: ResumeRecord | None, request: BlobRequest, state: _FileState
     ) -> None:
         """Save the resume record once ``sidecar_bytes`` more are on disk, or every
         ``sidecar_interval`` while any are: a ``kill -9`` then loses about what was in
@@ -1065,16 +1010,6 @@ def _describe(exc: BaseException) -> str:
     return str(exc)
 
 
-def _disk_error(exc: OSError, doing: str) -> CacheError:
-    """Map a local file error; a full disk gets its own, actionable message."""
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return DiskFullError(
-            f"no space left on device while {doing} ({exc.filename or 'cache'}); "
-            "the partial download is kept and resumes on the next run"
-        )
-    return CacheError(f"{doing}: {exc}")
-
-
 def _covered_until(done: RangeSet, start: int) -> int:
     """End of the downloaded interval that contains ``start`` (``start`` if none)."""
     for lo, hi in done.to_list():
@@ -1132,219 +1067,15 @@ def _hash_range(fd: int, start: int, end: int, hashers: tuple[object, ...]) -> i
     return pos
 
 
-@dataclass(frozen=True, slots=True)
-class _Private:
-    path: Path  # this download's own name for its file, in the temp dir
-    resumed: bool
-
-
-def _open_partial(path: Path, size: int, temp_dir: Path, *, resume: bool) -> tuple[int, _Private]:
-    """Open the file to download into, under two names: ``path`` (shared: where a later run
-    resumes from) and a private one in ``temp_dir`` (published from when verified).
-
-    A new file is made under a temp name and renamed over ``path``: truncating in place
-    would zero a published blob's second name left by a crash inside publishing, or, where
-    locks do not work, a file another process still writes. The private name means that
-    such a process replacing ``path`` never takes the verified file from under us.
-    """
-    private = temp_dir / temp_name("part")
-    flags = os.O_RDWR | getattr(os, "O_CLOEXEC", 0)
-    if resume:
-        fd = _open_to_resume(path, private, flags)
-        if fd is not None:
-            return fd, _Private(private, resumed=True)
-    shared = temp_dir / temp_name("link")
-    try:
-        fd = os.open(private, flags | os.O_CREAT | os.O_EXCL, 0o644)
-    except OSError as exc:
-        raise _disk_error(exc, f"creating {private}") from exc
-    try:
-        os.ftruncate(fd, size)
-        os.link(private, shared)
-        os.replace(shared, path)
-    except OSError as exc:
-        os.close(fd)
-        for name in (private, shared):
-            with contextlib.suppress(OSError):
-                name.unlink()
-        raise _disk_error(exc, f"creating {path}") from exc
-    return fd, _Private(private, resumed=False)
-
-
-def _open_to_resume(path: Path, private: Path, flags: int) -> int | None:
-    """Open ``path`` and link it to ``private``; None (start afresh) if it changed meanwhile
-    or is not a regular file of ours (a symlink planted there is never followed)."""
-    try:
-        _make_writable(path)
-        fd = os.open(path, flags | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            return None
-        raise _disk_error(exc, f"opening {path}") from exc
-    try:
-        os.link(path, private, follow_symlinks=False)
-        here, there = os.fstat(fd), os.stat(private)
-        if (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino):
-            return fd
-        private.unlink()
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        os.close(fd)
-        raise _disk_error(exc, f"linking {path}") from exc
-    os.close(fd)
-    return None
-
-
-def _make_writable(path: Path) -> None:
-    """A crash between publishing's ``chmod 0444`` and its link leaves a read-only partial
-    (its sidecar still valid): make it writable again, or every open but root's fails."""
-    with contextlib.suppress(FileNotFoundError):
-        if not os.lstat(path).st_mode & 0o200:
-            os.chmod(path, 0o644)
-
-
-def _discard(data_path: Path, sidecar_path: Path) -> None:
-    for p in (sidecar_path, data_path):
-        with contextlib.suppress(FileNotFoundError):
-            p.unlink()
-
-
-def _load_sidecar(
-    sidecar: Path, data: Path, request: BlobRequest, size: int, etag: str | None
-) -> RangeSet:
-    """Trust a partial only if it names this exact object (URL, size, strong ETag, hash) and
-    the record describes this very file (its inode), which no one else holds a name of: a
-    second name is a live download's private one, or a blob published just before a crash.
-    A record torn by a power loss fails its checksum and resumes nothing."""
-    try:
-        raw = _decode_record(_read_record(sidecar))
-        st = data.lstat()  # a symlink planted there is not the file it names
-        ok = (
-            raw is not None
-            and st.st_nlink == 1
-            and raw.get("inode") == [st.st_dev, st.st_ino]
-            and raw.get("version") == _SIDECAR_VERSION
-            and raw.get("url") == request.url
-            and raw.get("size") == size
-            and raw.get("sha256") == request.sha256
-            and etag is not None
-            and raw.get("etag") == etag
-            and st.st_size == size
-        )
-        if ok and raw is not None:
-            return RangeSet.from_list(raw["done"], size)
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    return RangeSet()
-
-
-class _Record:
-    """A download's resume record, open for its whole life and rewritten in place: one
-    ``pwrite`` per save, no temp file or rename, so it can follow the data closely without
-    churning the filesystem. It stays one JSON document (padded with spaces to the longest
-    version written, as JSON allows) carrying a checksum of its own fields, so a record torn
-    by a power loss resumes nothing."""
-
-    __slots__ = ("fd", "length")
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-        self.length = 0
-
-    @classmethod
-    def open(
-        cls, path: Path, temp_dir: Path, *, resume: bool, first: Mapping[str, object]
-    ) -> _Record | None:
-        """The record of a resumed partial, or a new one holding ``first``, renamed over
-        ``path`` (a stale record there belongs to the file the new partial replaced), so a
-        record is never empty. None if the disk refuses: a download without a record still
-        completes, it just cannot resume."""
-        flags = os.O_RDWR | getattr(os, "O_CLOEXEC", 0)
-        if resume:
-            try:
-                fd = os.open(path, flags | os.O_NOFOLLOW)
-            except OSError:
-                pass
-            else:
-                st = os.fstat(fd)
-                if stat.S_ISREG(st.st_mode):
-                    record = cls(fd)
-                    record.length = st.st_size
-                    return record
-                os.close(fd)
-        tmp = temp_dir / temp_name("record")
-        try:
-            fd = os.open(tmp, flags | os.O_CREAT | os.O_EXCL, 0o644)
-        except OSError:
-            return None
-        record = cls(fd)
-        try:
-            os.pwrite(fd, record.encode(first), 0)
-            os.replace(tmp, path)
-        except OSError:
-            os.close(fd)
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            return None
-        return record
-
-    def encode(self, payload: Mapping[str, object]) -> bytes:
-        fields = dict(payload)
-        fields["check"] = _record_check(fields)
-        body = json.dumps(fields, separators=(",", ":")).encode()
-        self.length = max(self.length, len(body))
-        return body.ljust(self.length)
-
-
-def _record_check(fields: Mapping[str, object]) -> str:
-    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
-    return xxhash.xxh64_hexdigest(canonical)
-
-
-def _decode_record(data: bytes) -> dict[str, Any] | None:
-    raw = json.loads(data)
-    if not isinstance(raw, dict):
-        return None
-    check = raw.pop("check", None)
-    return raw if check == _record_check(raw) else None
-
-
-def _read_record(path: Path) -> bytes:
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
-    try:
-        return os.read(fd, _MAX_RECORD)
-    finally:
-        os.close(fd)
-
-
-def _record_fields(request: BlobRequest, state: _FileState) -> dict[str, object]:
-    """What a resume record binds: this object (URL, ETag, size, hash), this very file
-    (its inode), and the ranges on disk."""
-    return {
-        "version": _SIDECAR_VERSION,
-        "url": request.url,
-        "etag": state.etag,
-        "size": state.size,
-        "sha256": request.sha256,
-        "inode": list(state.identity),
-        "done": state.done.to_list(),
-    }
-
-
-def _write_record(fd: int, blob: bytes) -> None:
-    with contextlib.suppress(OSError):  # best effort: a stale record costs a re-download
-        os.pwrite(fd, blob, 0)
-
-
-async def _save_record(record: _Record | None, request: BlobRequest, state: _FileState) -> None:
+async def _save_record(
+    record: ResumeRecord | None, request: BlobRequest, state: _FileState
+) -> None:
     """Record the progress (taken on the loop, so it is consistent) with one write in a
     worker thread, so a slow disk never stalls the transfers sharing the event loop."""
     if record is None or state.etag is None:
         return  # without a strong validator a partial can never be resumed safely
-    blob = record.encode(_record_fields(request, state))
+    what = Resumable(request.url, state.etag, state.size, request.sha256)
+    blob = record.encode(what, state.done)
     state.unsaved = 0
     # tracked and shielded: a cancelled transfer still finishes the write before the close
-    await state.in_thread(_write_record, record.fd, blob)
+    await state.in_thread(record.write, blob)

@@ -1,8 +1,10 @@
-"""What the cache holds, read without changing anything: ``shardsync ls`` and prune's input.
+"""What the cache holds, read without changing anything: the one scanner of a cache.
 
-Sizes are bytes on disk (``st_blocks``), and a blob is counted once however many snapshots,
-revisions and repos link to it: the per-snapshot and per-repo figures therefore add up to
-more than the total when blobs are shared.
+``survey`` stats the store, the download slots and the repo folders (cheap: ``status``, the
+daemon's summary, the prune trigger); ``scan`` adds records, refs, links, leases and use
+(``ls`` and prune's input). Sizes are bytes on disk (``st_blocks``), and a blob is counted
+once however many snapshots, revisions and repos link to it: the per-snapshot and per-repo
+figures therefore add up to more than the total when blobs are shared.
 """
 
 from __future__ import annotations
@@ -13,26 +15,30 @@ import stat
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from shardsync.cache import CacheStore, is_live_temp
-from shardsync.errors import CacheError, ConfigError
-from shardsync.prune import Leftover, matches
+from shardsync import layout
+from shardsync.cache import CacheStore
+from shardsync.errors import CacheError, ConfigError, disk_error
+from shardsync.layout import CacheLayout
+from shardsync.prune_plan import Leftover, matches
 from shardsync.records import SnapshotRecord
-from shardsync.usage import AccessLog, LeaseInfo, Leases
+from shardsync.slot import in_progress
+from shardsync.snapshot_use import AccessLog, LeaseInfo, Leases
 
 __all__ = [
     "Inventory",
     "RepoInfo",
     "SnapshotInfo",
     "StoreBlob",
+    "Survey",
     "inventory_to_json",
     "scan",
+    "summary_to_json",
+    "survey",
 ]
-
-_PREFIXES = ("models--", "url--", "local--")
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,17 +88,16 @@ class RepoInfo:
 
 
 @dataclass(frozen=True, slots=True)
-class Inventory:
+class Survey:
+    """What a stat-only walk of a cache finds."""
+
     root: Path
-    scanned_at: float
-    repos: tuple[RepoInfo, ...]
     blobs: tuple[StoreBlob, ...]
-    partials: tuple[Leftover, ...]
-    junk: tuple[Leftover, ...]  # tmp/ and quarantine/ entries
-    foreign_bytes: int
-    leases: tuple[LeaseInfo, ...]  # live ones
+    partials: tuple[Leftover, ...]  # download slots with files on disk
+    repo_dirs: Mapping[str, tuple[str, ...]]  # repo folder name -> its snapshot folder names
     disk_free: int | None
     disk_total: int | None
+    counted: frozenset[tuple[int, int]]  # inodes counted so far (a file has several names)
 
     @property
     def blob_bytes(self) -> int:
@@ -101,6 +106,17 @@ class Inventory:
     @property
     def partial_bytes(self) -> int:
         return sum(p.nbytes for p in self.partials)
+
+
+@dataclass(frozen=True, slots=True)
+class Inventory(Survey):
+    """The survey, and what records, refs, links, leases and the access log add to it."""
+
+    scanned_at: float
+    repos: tuple[RepoInfo, ...]
+    junk: tuple[Leftover, ...]  # tmp/ and quarantine/ entries
+    foreign_bytes: int
+    leases: tuple[LeaseInfo, ...]  # live ones
 
     @property
     def junk_bytes(self) -> int:
@@ -118,6 +134,49 @@ class Inventory:
         raise ConfigError(f"no repo {name!r} in the cache at {self.root}")
 
 
+def survey(root: Path) -> Survey:
+    """Stat the store, the download slots and the repo folders of the cache at ``root``
+    (which may not exist: nothing is created)."""
+    where = CacheLayout(Path(root))
+    blobs = _store_blobs(where.store)
+    # Every inode is counted once: a download's partial has a second, private name in tmp/
+    # (left behind by a kill -9 or a full disk), and a blob may still have one too.
+    counted: set[tuple[int, int]] = {b.inode for b in blobs}
+    partials = tuple(_partial(key, paths, counted) for key, paths in in_progress(where).items())
+    repos = {
+        name: tuple(_names(where.repo(name) / "snapshots"))
+        for area in (layout.HUB, layout.OTHER)
+        for name in _names(where.path(*area))
+        if layout.is_repo_dirname(name)
+    }
+    free = total = None
+    with contextlib.suppress(OSError):
+        vfs = os.statvfs(where.root)
+        free, total = vfs.f_bavail * vfs.f_frsize, vfs.f_blocks * vfs.f_frsize
+    return Survey(where.root, blobs, partials, repos, free, total, frozenset(counted))
+
+
+def summary_to_json(found: Survey) -> dict[str, Any]:
+    """The daemon's ``/v1/cache`` and ``status``: blobs, partial downloads, repos, free space."""
+    return {
+        "root": str(found.root),
+        "blobs": len(found.blobs),
+        "bytes": sum(b.size for b in found.blobs),
+        "partial_files": len(found.partials),
+        "partial_bytes": found.partial_bytes,
+        "repos": [
+            {
+                "dir": name,
+                "repo": layout.name_of_dirname(name) if name.startswith("models--") else None,
+                "snapshots": list(snapshots),
+            }
+            for name, snapshots in found.repo_dirs.items()
+        ],
+        "disk_free": found.disk_free,
+        "disk_total": found.disk_total,
+    }
+
+
 def scan(
     cache: CacheStore,
     *,
@@ -128,44 +187,28 @@ def scan(
     """Read the whole cache: store, repos, records, access log, leases, leftovers."""
     now = time.time() if now is None else now
     pin = tuple(pin)
-    root = cache.root
-    blobs = _store_blobs(root / "store" / "sha256")
-    by_inode = {b.inode: b for b in blobs}
+    found = survey(cache.root)
+    by_inode = {b.inode: b for b in found.blobs}
     records: dict[tuple[str, str], SnapshotRecord | None] = {
         (dirname, commit): record for dirname, commit, record in cache.snapshot_records()
     }
     used = AccessLog(cache).last_used()
     live = (leases or Leases(cache)).live(now=now)
     foreign: dict[tuple[int, int], int] = {}
-    # Every inode is counted once: a download's partial has a second, private name in tmp/
-    # (left behind by a kill -9 or a full disk), and a blob may still have one too.
-    counted: set[tuple[int, int]] = set(by_inode)
-
-    dirnames = {d for d, _ in records}
-    for area in ("hub", "other"):
-        dirnames.update(n for n in _names(root / area) if n.startswith(_PREFIXES))
-    repos = []
-    for dirname in sorted(dirnames):
-        with contextlib.suppress(CacheError):
-            cache.repo_dir_of(dirname)  # a name shardsync would make, else not ours to list
-            repos.append(
-                _scan_repo(cache, dirname, records, used, live, pin, by_inode, foreign, now=now)
-            )
-    vfs = None
-    with contextlib.suppress(OSError):
-        vfs = os.statvfs(root)
+    counted = set(found.counted)
+    repos = [
+        _scan_repo(cache, dirname, records, used, live, pin, by_inode, foreign, now=now)
+        for dirname in sorted(found.repo_dirs.keys() | {d for d, _ in records})
+    ]
+    where = cache.layout
     return Inventory(
-        root=root,
+        **{f.name: getattr(found, f.name) for f in fields(Survey)},
         scanned_at=now,
         repos=tuple(repos),
-        blobs=blobs,
-        partials=_partials(root / "partial", counted),
-        junk=_junk(root / "tmp", "tmp", counted)
-        + _junk(root / "quarantine", "quarantine", counted),
+        junk=_junk(where.path(*layout.TMP), "tmp", counted)
+        + _junk(where.path(*layout.QUARANTINE), "quarantine", counted),
         foreign_bytes=sum(foreign.values()),
         leases=live,
-        disk_free=None if vfs is None else vfs.f_bavail * vfs.f_frsize,
-        disk_total=None if vfs is None else vfs.f_blocks * vfs.f_frsize,
     )
 
 
@@ -181,11 +224,11 @@ def _scan_repo(
     *,
     now: float,
 ) -> RepoInfo:
-    repo_dir = cache.repo_dir_of(dirname)
+    repo_dir = cache.layout.repo(dirname)
     mine = [r for (d, _), r in records.items() if d == dirname and r is not None]
     ref = mine[0].repo if mine else None
-    name = ref.name if ref else _name_from_dirname(dirname)
-    kind = ref.kind if ref else dirname.split("--", 1)[0].replace("models", "hub")
+    name = ref.name if ref else layout.name_of_dirname(dirname)
+    kind = ref.kind if ref else layout.kind_of_dirname(dirname)
     pinned = matches(pin, name, dirname)
 
     links: dict[str, str] = {}  # etag -> sha256
@@ -328,25 +371,21 @@ def _once(st: os.stat_result, counted: set[tuple[int, int]]) -> int:
     return st.st_blocks * 512
 
 
-def _partials(directory: Path, counted: set[tuple[int, int]]) -> tuple[Leftover, ...]:
-    """One leftover per download key: its ``.part`` and ``.json`` together."""
-    sizes: dict[str, int] = defaultdict(int)
-    mtimes: dict[str, float] = defaultdict(float)
-    for name in _names(directory):
-        key, dot, ext = name.rpartition(".")
-        if not dot or ext not in ("part", "json"):
-            continue
+def _partial(key: str, paths: Iterable[Path], counted: set[tuple[int, int]]) -> Leftover:
+    """One download slot as a leftover: its partial and resume record together."""
+    nbytes, mtime = 0, 0.0
+    for path in paths:
         with contextlib.suppress(OSError):
-            st = os.lstat(directory / name)
-            sizes[key] += _once(st, counted)
-            mtimes[key] = max(mtimes[key], st.st_mtime)
-    return tuple(Leftover("partial", k, sizes[k], mtimes[k]) for k in sorted(sizes))
+            st = os.lstat(path)
+            nbytes += _once(st, counted)
+            mtime = max(mtime, st.st_mtime)
+    return Leftover("partial", key, nbytes, mtime)
 
 
 def _junk(directory: Path, kind: str, counted: set[tuple[int, int]]) -> tuple[Leftover, ...]:
     found = []
     for name in _names(directory):
-        if kind == "tmp" and is_live_temp(name):
+        if kind == "tmp" and layout.is_live_temp(name):
             continue  # a running download's own name for its file: work, not junk
         path = directory / name
         with contextlib.suppress(OSError):
@@ -369,14 +408,7 @@ def _names(path: Path) -> list[str]:
     except (FileNotFoundError, NotADirectoryError):
         return []
     except OSError as exc:
-        raise CacheError(f"cannot list {path}: {exc.strerror}") from exc
-
-
-def _name_from_dirname(dirname: str) -> str:
-    """``models--org--name`` -> ``org/name``; other folders name a hash, shown as they are."""
-    if dirname.startswith("models--"):
-        return dirname.removeprefix("models--").replace("--", "/")
-    return dirname
+        raise disk_error(exc, f"list {path}") from exc
 
 
 def inventory_to_json(inv: Inventory) -> dict[str, Any]:

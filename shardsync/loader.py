@@ -49,7 +49,7 @@ from shardsync.safetensors_header import (
     parse_header,
 )
 from shardsync.scheduler import verified_event
-from shardsync.usage import Lease, Leases
+from shardsync.snapshot_use import Lease, Leases
 
 if TYPE_CHECKING:
     import torch

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import os
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
@@ -20,12 +19,11 @@ from pathlib import Path
 from typing import Protocol
 
 import aiohttp
-import xxhash
 
 from shardsync.cache import CacheStore
 from shardsync.config import Config
 from shardsync.errors import CacheError, OfflineError, first_error
-from shardsync.fetch import BlobRequest, FetchedBlob, Fetcher, Sleep, Throttle
+from shardsync.fetch import BlobRequest, Fetcher, Sleep, Throttle
 from shardsync.manifest import (
     Listing,
     Manifest,
@@ -35,7 +33,7 @@ from shardsync.manifest import (
     select_weights,
 )
 from shardsync.network import ssl_context
-from shardsync.origins import Origin, Slot, parse_source
+from shardsync.origins import Origin, parse_source
 from shardsync.origins.base import Progress
 from shardsync.records import (
     FileOutcome,
@@ -46,8 +44,10 @@ from shardsync.records import (
     SnapshotRecord,
 )
 from shardsync.s3 import S3Client
+from shardsync.slot import Slot, VerifiedFile
+from shardsync.snapshot_use import AccessLog, Lease, Leases
+from shardsync.store import AsyncStore
 from shardsync.tier import Tier, Upload
-from shardsync.usage import AccessLog, Lease, Leases
 
 __all__ = [
     "Engine",
@@ -105,6 +105,7 @@ class Engine:
     ) -> None:
         self.config = config
         self.cache = CacheStore(config.cache_dir)
+        self.store = AsyncStore(self.cache)  # what coroutines use: no fsync on the loop
         self._sleep = sleep
         self._environ = environ
         self._throttle = throttle
@@ -184,7 +185,7 @@ class Engine:
     ) -> Job:
         return Job(
             origin,
-            self.cache,
+            self.store,
             self.fetcher,
             max_files=self.config.max_files,
             revision=revision or origin.default_revision,
@@ -274,7 +275,7 @@ class Job:
     def __init__(
         self,
         origin: Origin,
-        cache: CacheStore,
+        store: AsyncStore,
         fetcher: Fetcher,
         *,
         max_files: int,
@@ -286,7 +287,8 @@ class Job:
     ) -> None:
         self.origin = origin
         self.tier = tier
-        self.cache = cache
+        self.store = store
+        self.cache = store.sync  # for paths; every disk call goes through ``store``
         self.fetcher = fetcher
         self.max_files = max_files
         self.revision = revision
@@ -343,11 +345,11 @@ class Job:
     ) -> Manifest:
         # A crashed run's temp names go first: one is a second name of its partial, which
         # would otherwise look like a live download and not be resumed.
-        await asyncio.to_thread(self.cache.sweep_orphans)
+        await self.store.sweep_orphans()
         # a selection may want hidden files (a DCP checkpoint's ``.metadata``)
         listing = await self._list(hidden=select is not None)
         self.commit = listing.commit or ""
-        self._load_hints()
+        await self._load_hints()
         if select is not None:
             self._manifest = await select(listing)
             return self._manifest
@@ -364,8 +366,8 @@ class Job:
             self.sink.add_file(entry.path, entry.size)
             record, self._outcomes[entry.path] = await self._obtain(entry)
             self._records[entry.path] = record
-            blob = self.cache.blob_path(record.sha256)
-            index = parse_index(_read_capped(blob, _MAX_INDEX), path=entry.path)
+            data = await self.store.read_blob(record.sha256, _MAX_INDEX)
+            index = parse_index(data, path=entry.path)
         self._manifest = build_manifest(listing, index, weights, include=include, exclude=exclude)
         return self._manifest
 
@@ -375,18 +377,18 @@ class Job:
         for entry in pending:
             self.sink.add_file(entry.path, entry.size)
         await self._obtain_all(pending)
-        self._complete(manifest, self._records)
+        await self._complete(manifest, self._records)
         return tuple(self._outcomes[e.path] for e in manifest.entries)
 
     async def _list(self, *, hidden: bool = False) -> Listing:
         return await self.origin.list_files(self.fetcher, self.revision, hidden=hidden)
 
-    def _load_hints(self) -> None:
+    async def _load_hints(self) -> None:
         """Records of this commit and of the revision's last snapshot: known xxh3 and etags."""
-        for commit in (self.commit, self.cache.read_ref(self.origin.repo, self.revision)):
+        for commit in (self.commit, await self.store.read_ref(self.origin.repo, self.revision)):
             if not commit:
                 continue
-            record = self.cache.read_snapshot_record(self.origin.repo, commit)
+            record = await self.store.read_snapshot_record(self.origin.repo, commit)
             if record is not None:
                 for f in record.files:
                     self._hints.setdefault(f.path, f)
@@ -412,22 +414,18 @@ class Job:
             raise first_error(group) from None
 
     async def _obtain(self, entry: ManifestEntry) -> tuple[FileRecord, FileOutcome]:
-        """Reuse a cached blob or download one, under the blob's cross-process lock."""
+        """Reuse a cached blob or download one, holding the blob's download slot."""
         hit = await self._cached(entry)
-        key = self._blob_key(entry)
+        slot = await self.store.slot(self._blob_key(entry))
         if hit is not None:
-            await asyncio.to_thread(self._drop_leftover_partial, key)
+            await self.store.drop_leftover(slot)
             return hit
-        lock = self.cache.lock(key)
-        await lock.acquire()
-        try:
+        async with slot:
             hit = await self._cached(entry)  # another process may have finished it meanwhile
             if hit is not None:
                 return hit
-            record, outcome = await self._download(entry, key)
-        finally:
-            lock.release()
-        self._link(record)
+            record, outcome = await self._download(entry, slot)
+        await self._link(record)
         self.sink.file_done(outcome)
         return record, outcome
 
@@ -436,12 +434,12 @@ class Job:
         sha = entry.sha256
         if sha is None and hint is not None and await self._hint_matches(entry, hint):
             sha = hint.sha256
-        if sha is None or not self.cache.has_blob(sha, entry.size):
+        if sha is None or not await self.store.has_blob(sha, entry.size):
             return None
         try:
             record = await self._reuse(entry, sha, hint)
         except (FileNotFoundError, CacheError):
-            if self.cache.has_blob(sha, entry.size):
+            if await self.store.has_blob(sha, entry.size):
                 raise
             return None  # a concurrent prune removed it between the check and the link
         outcome = FileOutcome(entry.path, record.size, sha, record.verified, "cache", 0, 0)
@@ -454,16 +452,16 @@ class Job:
         if hint is not None and hint.sha256 == sha:
             record = hint
         else:
-            xxh, size = await asyncio.to_thread(_xxh3_file, self.cache.blob_path(sha))
+            digest = await self.store.hash_blob(sha)
             record = FileRecord(
                 path=entry.path,
-                size=size,
+                size=digest.nbytes,
                 sha256=sha,
-                xxh3_128=xxh,
+                xxh3_128=digest.xxh3_128,
                 etag=self._hf_etag(entry, sha),
                 verified="sha256",
             )
-        self._link(record)
+        await self._link(record)
         return record
 
     async def _hint_matches(self, entry: ManifestEntry, hint: FileRecord) -> bool:
@@ -482,39 +480,20 @@ class Job:
         ident = f"{self.origin.repo.kind}\0{self.origin.repo.name}\0{self.commit}\0{entry.path}"
         return "p-" + hashlib.sha256(ident.encode()).hexdigest()[:40]
 
-    def _drop_leftover_partial(self, key: str) -> None:
-        """A crash between publishing's link and its unlink leaves the partial of a blob that
-        is in the store now: remove it, unless a live download holds its lock."""
-        paths = self.cache.partial_paths(key)
-        if not any(os.path.lexists(p) for p in paths):
-            return
-        lock = self.cache.lock(key)
-        if lock.try_acquire():
-            try:
-                for path in paths:
-                    path.unlink(missing_ok=True)
-            finally:
-                lock.release()
-
     def _hf_etag(self, entry: ManifestEntry, sha256: str) -> str:
         return entry.blob_id if entry.sha256 is None and entry.blob_id else sha256
 
-    async def _download(self, entry: ManifestEntry, key: str) -> tuple[FileRecord, FileOutcome]:
-        data, sidecar = self.cache.partial_paths(key)
-        slot = Slot(data=data, sidecar=sidecar, temp_dir=self.cache.root / "tmp")
-
+    async def _download(self, entry: ManifestEntry, slot: Slot) -> tuple[FileRecord, FileOutcome]:
         def progress(n: int) -> None:
             self.sink.advance(entry.path, n)
 
-        async def from_origin(report: Progress) -> FetchedBlob:
+        async def from_origin(report: Progress) -> VerifiedFile:
             return await self.origin.download(
                 self.fetcher, self.commit or None, entry, slot, report
             )
 
-        async def from_tier(request: BlobRequest, report: Progress) -> FetchedBlob:
-            return await self.fetcher.fetch(
-                request, slot.data, slot.sidecar, report, temp_dir=slot.temp_dir
-            )
+        async def from_tier(request: BlobRequest, report: Progress) -> VerifiedFile:
+            return await self.fetcher.fetch(request, slot, report)
 
         upload: Upload | None = None
         if self.tier is not None and entry.sha256 is not None and entry.size is not None:
@@ -524,7 +503,7 @@ class Job:
         else:
             fetched = await from_origin(progress)
         try:
-            await asyncio.to_thread(_publish_fetched, self.cache, fetched, sidecar)
+            await self.store.commit(slot, fetched)
         except BaseException:
             if self.tier is not None and upload is not None:
                 await self.tier.abandon(upload)
@@ -551,20 +530,20 @@ class Job:
         )
         return record, outcome
 
-    def _link(self, record: FileRecord) -> None:
+    async def _link(self, record: FileRecord) -> None:
         """Hub snapshots gain each file as it lands; content-named ones wait for the end."""
         if self.commit:
-            self.cache.link_file(
+            await self.store.link_file(
                 self.origin.repo, self.commit, record.path, sha256=record.sha256, etag=record.etag
             )
 
-    def _complete(self, manifest: Manifest, records: Mapping[str, FileRecord]) -> None:
+    async def _complete(self, manifest: Manifest, records: Mapping[str, FileRecord]) -> None:
         files = tuple(records[e.path] for e in manifest.entries)
         if not self.commit:
             self.commit = _content_id(self.origin, files)
             for record in files:
-                self._link(record)
-        self.cache.write_snapshot_record(
+                await self._link(record)
+        await self.store.write_snapshot_record(
             SnapshotRecord(
                 repo=self.origin.repo,
                 revision=self.revision,
@@ -573,7 +552,7 @@ class Job:
                 completed_at=time.time(),
             )
         )
-        self.cache.write_ref(self.origin.repo, self.revision, self.commit)
+        await self.store.write_ref(self.origin.repo, self.revision, self.commit)
 
 
 def _content_id(origin: Origin, files: Sequence[FileRecord]) -> str:
@@ -583,44 +562,3 @@ def _content_id(origin: Origin, files: Sequence[FileRecord]) -> str:
     for f in sorted(files, key=lambda f: f.path):
         h.update(f"{f.path}\0{f.sha256}\0".encode())
     return h.hexdigest()
-
-
-def _publish_fetched(cache: CacheStore, fetched: FetchedBlob, sidecar: Path) -> None:
-    """Publish, then drop the download's own names: one thread keeps that order even when
-    the awaiting task is cancelled meanwhile. Never resumed from either way (after a failed
-    ``fsync`` its pages may be gone)."""
-    try:
-        cache.publish_blob(fetched.path, fetched.sha256, identity=fetched.identity)
-    finally:
-        _forget_partial(fetched, sidecar)
-
-
-def _forget_partial(fetched: FetchedBlob, sidecar: Path) -> None:
-    """Remove the download's names but the store's: its private one, and the shared one
-    with its resume record, unless another process (no working locks) made them anew."""
-    fetched.path.unlink(missing_ok=True)
-    try:
-        st = os.stat(fetched.shared, follow_symlinks=False)
-    except FileNotFoundError:
-        return
-    if (st.st_dev, st.st_ino) == fetched.identity:
-        fetched.shared.unlink(missing_ok=True)
-        sidecar.unlink(missing_ok=True)
-
-
-def _read_capped(path: Path, cap: int) -> bytes:
-    with path.open("rb") as f:
-        data = f.read(cap + 1)
-    if len(data) > cap:
-        raise CacheError(f"{path} is larger than {cap} bytes")
-    return data
-
-
-def _xxh3_file(path: Path) -> tuple[str, int]:
-    h = xxhash.xxh3_128()
-    size = 0
-    with path.open("rb") as f:
-        while chunk := f.read(8 << 20):
-            h.update(chunk)
-            size += len(chunk)
-    return h.hexdigest(), size

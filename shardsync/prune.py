@@ -1,227 +1,436 @@
-"""Which snapshots and leftovers a prune removes: a pure plan from a picture of the cache.
+"""Carry out a prune: scan, plan (``prune_plan.plan_prune``), delete in the order readers can bear.
 
-No I/O here: ``pruner.py`` takes the picture (``inventory.scan``), calls ``plan_prune`` and
-carries the plan out. The rules, in the order they apply:
+Safe while downloads and loads run, and against itself:
 
-1. Protected snapshots are never touched: pinned repos, ``--keep`` repos, anything under a
-   live lease, and snapshots holding files shardsync did not write (``foreign``).
-2. Stale leftovers go whatever the limits: partial downloads, ``tmp/`` and ``quarantine/``
-   entries, store blobs no snapshot refers to, and incomplete snapshots, all untouched for
-   ``stale_age``.
-3. ``max_age``: every snapshot not used for that long.
-4. Least recently used first, until the cache is at most ``max_size`` and the filesystem has
-   ``min_free``. A snapshot whose every blob a protected one also holds would free nothing
-   and is skipped here.
-
-A blob is freed when the last snapshot referring to it goes; sizes are bytes on disk with
-every blob counted once, however many snapshots and repos share it.
+* the decision and the deletions happen under the prune gate held exclusively
+  (``snapshot_use.prune_gate``), so every lease taken before is seen and none is taken meanwhile;
+  a second prune waits for the first (``wait=False``: it skips and says so);
+* per snapshot: refs, then the completeness record, then the snapshot folder (one rename);
+  then repo ``blobs/<etag>`` links nothing kept points to; store blobs last, and only those
+  no link is left to (``st_nlink == 1``) and whose download lock is free;
+* only ``unlink``/``rename``, never a truncate or an overwrite: a reader that has a blob open
+  or mapped keeps reading the same bytes until it closes it (the space returns then).
 """
 
 from __future__ import annotations
 
-from collections import Counter
+import os
+import time
+from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import dataclass
-from fnmatch import fnmatchcase
-from typing import Literal
+from dataclasses import dataclass, replace
+from typing import Any
+
+from shardsync.cache import CacheStore
+from shardsync.config import PruneConfig
+from shardsync.errors import DiskFullError
+from shardsync.inventory import Inventory, scan, survey
+from shardsync.prune_plan import (
+    Blob,
+    CacheView,
+    Eviction,
+    Limit,
+    Limits,
+    Protection,
+    PrunePlan,
+    Unit,
+    matches,
+    plan_prune,
+)
+from shardsync.removal import CacheRemoval
+from shardsync.slot import remove_abandoned, remove_idle_locks
+from shardsync.snapshot_use import AccessLog, Clock, Leases, prune_gate, wait_lock
 
 __all__ = [
-    "Blob",
-    "CacheView",
-    "Eviction",
-    "Leftover",
-    "Limits",
-    "PrunePlan",
-    "Unit",
-    "matches",
-    "plan_prune",
+    "Protected",
+    "PruneReport",
+    "ensure_free",
+    "limits_from_config",
+    "needs_prune",
+    "prune_cache",
 ]
 
-Reason = Literal["stale", "max_age", "max_size", "min_free"]
-Protection = Literal["pinned", "keep", "leased", "foreign"]
-Limit = Literal["max_size", "min_free"]
-LeftoverKind = Literal["partial", "tmp", "quarantine"]
-
 
 @dataclass(frozen=True, slots=True)
-class Limits:
-    """What a prune aims for; None means no such limit."""
-
-    max_size: int | None = None  # bytes on disk of the whole cache
-    min_free: int | None = None  # bytes free on the cache's filesystem
-    max_age: float | None = None  # seconds since last use
-    stale_age: float = 86400.0  # seconds untouched before leftovers count as abandoned
-
-    def __post_init__(self) -> None:
-        for name in ("max_size", "min_free", "max_age"):
-            value = getattr(self, name)
-            if value is not None and value < 0:
-                raise ValueError(f"{name} must not be negative")
-        if not self.stale_age >= 0:
-            raise ValueError("stale_age must not be negative")
-
-
-@dataclass(frozen=True, slots=True)
-class Unit:
-    """One snapshot as the planner sees it."""
-
-    dirname: str
-    commit: str
+class Protected:
     repo: str
-    complete: bool
-    last_used: float  # the LRU clock: last use, or last activity of an incomplete one
-    blobs: frozenset[str]  # ids (sha256) of the store blobs it refers to
-    protected: Protection | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Blob:
-    """One store blob: its id, bytes on disk, and when its links last changed."""
-
-    id: str
-    nbytes: int
-    changed_at: float
-
-
-@dataclass(frozen=True, slots=True)
-class Leftover:
-    """A partial download (by key), or an entry of ``tmp/`` or ``quarantine/``."""
-
-    kind: LeftoverKind
-    name: str
-    nbytes: int
-    modified_at: float
-
-
-@dataclass(frozen=True, slots=True)
-class CacheView:
-    """Everything ``plan_prune`` decides from."""
-
-    now: float
-    units: tuple[Unit, ...]
-    blobs: tuple[Blob, ...]
-    leftovers: tuple[Leftover, ...] = ()
-    other_bytes: int = 0  # counted in the size, never freed (files shardsync did not write)
-    free_bytes: int | None = None  # None: unknown, so min_free cannot be judged
-
-    @property
-    def total_bytes(self) -> int:
-        return (
-            sum(b.nbytes for b in self.blobs)
-            + sum(x.nbytes for x in self.leftovers)
-            + self.other_bytes
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class Eviction:
-    """One snapshot to remove, why, and the blobs whose last reference it drops."""
-
-    dirname: str
     commit: str
-    repo: str
-    reason: Reason
-    blobs: tuple[str, ...]
-    freed_bytes: int
+    reason: Protection
 
 
 @dataclass(frozen=True, slots=True)
-class PrunePlan:
-    evictions: tuple[Eviction, ...]
-    orphans: tuple[str, ...]  # stale store blobs no snapshot refers to
-    leftovers: tuple[Leftover, ...]
+class PruneReport:
+    """What a prune removed (or, with ``dry_run``, would remove)."""
+
+    dry_run: bool
+    skipped: bool  # another prune held the gate and wait=False
+    limits: Limits
     size_before: int
     size_after: int
     free_before: int | None
     free_after: int | None
-    unmet: tuple[Limit, ...]  # limits that still do not hold once everything allowed is gone
-
-    @property
-    def blobs(self) -> tuple[str, ...]:
-        """Every store blob to unlink, evictions' first."""
-        return tuple(b for e in self.evictions for b in e.blobs) + self.orphans
+    evicted: tuple[Eviction, ...]
+    partials: int
+    partial_bytes: int
+    orphans: int
+    orphan_bytes: int
+    junk: int
+    junk_bytes: int
+    leases_reaped: int
+    protected: tuple[Protected, ...]
+    unmet: tuple[Limit, ...]
 
     @property
     def freed_bytes(self) -> int:
         return self.size_before - self.size_after
 
+    @property
+    def satisfied(self) -> bool:
+        return not self.unmet and not self.skipped
 
-def plan_prune(view: CacheView, limits: Limits) -> PrunePlan:
-    """Decide what to remove; see the module docstring for the rules."""
-    sizes = {b.id: b.nbytes for b in view.blobs}
-    refs: Counter[str] = Counter(b for u in view.units for b in u.blobs if b in sizes)
-    held = {b for u in view.units if u.protected is not None for b in u.blobs}
-    stale_cut = view.now - limits.stale_age
-    freed = 0
+    def by_repo(self) -> dict[str, tuple[int, int]]:
+        """repo -> (snapshots evicted, bytes freed)."""
+        out: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+        for e in self.evicted:
+            out[e.repo][0] += 1
+            out[e.repo][1] += e.freed_bytes
+        return {repo: (n, b) for repo, (n, b) in sorted(out.items())}
 
-    leftovers = tuple(x for x in view.leftovers if x.modified_at < stale_cut)
-    orphans = tuple(
-        sorted(b.id for b in view.blobs if refs[b.id] == 0 and b.changed_at < stale_cut)
+    def to_json(self) -> dict[str, Any]:
+        """``shardsync prune --json``; documented in the README (fields are only added)."""
+        return {
+            "dry_run": self.dry_run,
+            "skipped": self.skipped,
+            "satisfied": self.satisfied,
+            "unmet": list(self.unmet),
+            "limits": {
+                "max_size": self.limits.max_size,
+                "min_free": self.limits.min_free,
+                "max_age_s": self.limits.max_age,
+                "stale_age_s": self.limits.stale_age,
+            },
+            "before": {"bytes_on_disk": self.size_before, "disk_free": self.free_before},
+            "after": {"bytes_on_disk": self.size_after, "disk_free": self.free_after},
+            "freed_bytes": self.freed_bytes,
+            "evicted": [
+                {
+                    "repo": e.repo,
+                    "dir": e.dirname,
+                    "commit": e.commit,
+                    "reason": e.reason,
+                    "freed_bytes": e.freed_bytes,
+                }
+                for e in self.evicted
+            ],
+            "repos": [
+                {"repo": repo, "snapshots": n, "freed_bytes": b}
+                for repo, (n, b) in self.by_repo().items()
+            ],
+            "partials": {"files": self.partials, "freed_bytes": self.partial_bytes},
+            "orphan_blobs": {"files": self.orphans, "freed_bytes": self.orphan_bytes},
+            "junk": {"files": self.junk, "freed_bytes": self.junk_bytes},
+            "leases_reaped": self.leases_reaped,
+            "protected": [
+                {"repo": p.repo, "commit": p.commit, "reason": p.reason} for p in self.protected
+            ],
+        }
+
+
+def limits_from_config(
+    config: PruneConfig,
+    *,
+    max_size: int | None = None,
+    min_free: int | None = None,
+    max_age: float | None = None,
+) -> Limits:
+    """The ``[prune]`` limits, each overridden by an argument that is not None."""
+    return Limits(
+        max_size=config.max_size if max_size is None else max_size,
+        min_free=config.min_free if min_free is None else min_free,
+        max_age=config.max_age if max_age is None else max_age,
+        stale_age=config.stale_partial_age,
     )
-    freed += sum(x.nbytes for x in leftovers) + sum(sizes[b] for b in orphans)
 
-    evictions: list[Eviction] = []
-    remaining = sorted(
-        (u for u in view.units if u.protected is None),
-        key=lambda u: (u.last_used, u.dirname, u.commit),
+
+def prune_cache(
+    cache: CacheStore,
+    limits: Limits,
+    *,
+    pin: Iterable[str] = (),
+    keep: Iterable[str] = (),
+    dry_run: bool = False,
+    wait: bool = True,
+    timeout: float | None = None,
+    clock: Clock = time.time,
+) -> PruneReport:
+    """Prune ``cache`` to ``limits``; blocking (the daemon runs it in a worker thread).
+
+    ``pin`` and ``keep`` are repo names or ``fnmatch`` patterns never touched. A dry run
+    takes no lock and changes nothing. ``wait=False`` returns a report with ``skipped`` set
+    when another prune holds the gate; ``timeout`` bounds the wait (then ``CacheError``).
+    """
+    pin, keep = tuple(pin), tuple(keep)
+    if dry_run:
+        return _prune_locked(cache, limits, pin, keep, dry_run=True, clock=clock)
+    gate = prune_gate(cache, shared=False)
+    if wait:
+        wait_lock(gate, timeout)
+    elif not gate.try_acquire():
+        return _skipped(limits)
+    try:
+        return _prune_locked(cache, limits, pin, keep, dry_run=False, clock=clock)
+    finally:
+        gate.release()
+
+
+def ensure_free(
+    cache: CacheStore,
+    nbytes: int,
+    limits: Limits | None = None,
+    *,
+    pin: Iterable[str] = (),
+    keep: Iterable[str] = (),
+    timeout: float | None = None,
+    clock: Clock = time.time,
+) -> PruneReport:
+    """Make room for a download of ``nbytes`` before it starts.
+
+    Prunes so that ``nbytes`` plus ``limits.min_free`` are free (and the cache stays within
+    ``max_size`` with the download in it). Raises ``DiskFullError`` when the filesystem still
+    has less than ``nbytes`` free afterwards: the rest is pinned, leased or still open.
+    """
+    if nbytes < 0:
+        raise ValueError("nbytes must not be negative")
+    limits = limits or Limits()
+    reserve = limits.min_free or 0
+    target = replace(
+        limits,
+        min_free=nbytes + reserve,
+        max_size=None if limits.max_size is None else max(limits.max_size - nbytes, 0),
     )
-
-    def evict(unit: Unit, reason: Reason) -> None:
-        nonlocal freed
-        gone = []
-        for blob in sorted(unit.blobs):
-            if blob in refs:
-                refs[blob] -= 1
-                if refs[blob] == 0:
-                    gone.append(blob)
-        nbytes = sum(sizes[b] for b in gone)
-        freed += nbytes
-        evictions.append(
-            Eviction(unit.dirname, unit.commit, unit.repo, reason, tuple(gone), nbytes)
+    report = prune_cache(cache, target, pin=pin, keep=keep, timeout=timeout, clock=clock)
+    free = _disk_free(cache)
+    if free is not None and free < nbytes:
+        raise DiskFullError(
+            f"not enough disk space for a download of {nbytes} bytes into {cache.root}: "
+            f"{free} bytes free after pruning freed {report.freed_bytes}; what is left is "
+            "pinned, leased, recently used partials, or held open by a reader"
         )
-        remaining.remove(unit)
+    return report
 
-    for unit in [u for u in remaining if not u.complete and u.last_used < stale_cut]:
-        evict(unit, "stale")
-    if limits.max_age is not None:
-        age_cut = view.now - limits.max_age
-        for unit in [u for u in remaining if u.last_used < age_cut]:
-            evict(unit, "max_age")
 
-    size_before = view.total_bytes
+def needs_prune(cache: CacheStore, config: PruneConfig) -> bool:
+    """Whether the cache passed its high-water mark (``high_water``, else ``max_size``) or
+    the filesystem has less than ``min_free``: when the daemon should prune on its own.
+    Cheap: stats the store and the partial files, reads nothing."""
+    high = config.high_water if config.high_water is not None else config.max_size
+    if high is not None and _quick_size(cache) > high:
+        return True
+    free = _disk_free(cache)
+    return config.min_free is not None and free is not None and free < config.min_free
 
-    def unmet() -> tuple[Limit, ...]:
-        missing: list[Limit] = []
-        if limits.max_size is not None and size_before - freed > limits.max_size:
-            missing.append("max_size")
-        if (
-            limits.min_free is not None
-            and view.free_bytes is not None
-            and view.free_bytes + freed < limits.min_free
-        ):
-            missing.append("min_free")
-        return tuple(missing)
 
-    for unit in list(remaining):
-        over = unmet()
-        if not over:
-            break
-        if unit.blobs and unit.blobs <= held:
-            continue  # a protected snapshot keeps every byte of it: removing frees nothing
-        evict(unit, over[0])
+# --------------------------------------------------------------------------- internals
 
-    return PrunePlan(
-        evictions=tuple(evictions),
-        orphans=orphans,
-        leftovers=leftovers,
-        size_before=size_before,
-        size_after=size_before - freed,
-        free_before=view.free_bytes,
-        free_after=None if view.free_bytes is None else view.free_bytes + freed,
-        unmet=unmet(),
+
+def _skipped(limits: Limits) -> PruneReport:
+    return PruneReport(
+        dry_run=False,
+        skipped=True,
+        limits=limits,
+        size_before=0,
+        size_after=0,
+        free_before=None,
+        free_after=None,
+        evicted=(),
+        partials=0,
+        partial_bytes=0,
+        orphans=0,
+        orphan_bytes=0,
+        junk=0,
+        junk_bytes=0,
+        leases_reaped=0,
+        protected=(),
+        unmet=(),
     )
 
 
-def matches(patterns: Iterable[str], *names: str) -> bool:
-    """Whether any ``fnmatch`` pattern (``org/*``) matches any of ``names`` (case-sensitive)."""
-    return any(fnmatchcase(name, p) for p in patterns for name in names)
+def _prune_locked(
+    cache: CacheStore,
+    limits: Limits,
+    pin: tuple[str, ...],
+    keep: tuple[str, ...],
+    *,
+    dry_run: bool,
+    clock: Clock,
+) -> PruneReport:
+    now = clock()
+    leases = Leases(cache, clock=clock)
+    reaped = 0 if dry_run else leases.reap(now=now)
+    inv = scan(cache, pin=pin, now=now, leases=leases)
+    view, protected, repo_protected = _view(inv, keep, now)
+    plan = plan_prune(view, limits)
+    if dry_run:
+        return _report(plan, limits, protected, reaped, dry_run=True, skipped_bytes=0)
+    skipped = _execute(cache, inv, plan, repo_protected, now=now, stale_age=limits.stale_age)
+    evicted = {(e.dirname, e.commit) for e in plan.evictions}
+    AccessLog(cache, clock=clock).compact(
+        keep=[
+            (s.dirname, s.commit)
+            for r in inv.repos
+            for s in r.snapshots
+            if (s.dirname, s.commit) not in evicted
+        ]
+    )
+    report = _report(plan, limits, protected, reaped, dry_run=False, skipped_bytes=skipped)
+    free = _disk_free(cache)  # the truth now: a blob still open elsewhere frees nothing yet
+    unmet: list[Limit] = []
+    if limits.max_size is not None and report.size_after > limits.max_size:
+        unmet.append("max_size")
+    if limits.min_free is not None and free is not None and free < limits.min_free:
+        unmet.append("min_free")
+    return replace(report, free_after=free, unmet=tuple(unmet))
+
+
+def _view(
+    inv: Inventory, keep: tuple[str, ...], now: float
+) -> tuple[CacheView, tuple[Protected, ...], frozenset[str]]:
+    """The planner's picture; which snapshots are protected, and why; and the repos protected
+    as a whole (never edited at all)."""
+    units = []
+    protected = []
+    whole = set()
+    for repo in inv.repos:
+        kept = matches(keep, repo.repo, repo.dirname)
+        if repo.pinned or kept or repo.leased:
+            whole.add(repo.dirname)
+        for s in repo.snapshots:
+            reason: Protection | None = (
+                "pinned"
+                if s.pinned
+                else "keep"
+                if kept
+                else "leased"
+                if s.leased
+                else "foreign"
+                if s.foreign
+                else None
+            )
+            if reason is not None:
+                protected.append(Protected(s.repo, s.commit, reason))
+            units.append(
+                Unit(
+                    dirname=s.dirname,
+                    commit=s.commit,
+                    repo=s.repo,
+                    complete=s.complete,
+                    last_used=(s.last_used or 0.0) if s.complete else s.last_activity,
+                    blobs=s.blobs,
+                    protected=reason,
+                )
+            )
+    view = CacheView(
+        now=now,
+        units=tuple(units),
+        blobs=tuple(Blob(b.sha256, b.nbytes, b.changed_at) for b in inv.blobs),
+        leftovers=inv.partials + inv.junk,
+        other_bytes=inv.foreign_bytes,
+        free_bytes=inv.disk_free,
+    )
+    return view, tuple(protected), frozenset(whole)
+
+
+def _execute(
+    cache: CacheStore,
+    inv: Inventory,
+    plan: PrunePlan,
+    repo_protected: frozenset[str],
+    *,
+    now: float,
+    stale_age: float,
+) -> int:
+    """Delete what the plan says, in reader-safe order; returns bytes planned but kept
+    (a blob linked again meanwhile, a partial whose download resumed)."""
+    kept_bytes = 0
+    removal = CacheRemoval(cache)
+    evicted = {(e.dirname, e.commit) for e in plan.evictions}
+    for e in plan.evictions:
+        removal.evict_snapshot(e.dirname, e.commit)
+    doomed = set(plan.blobs)
+    for repo in inv.repos:
+        if repo.dirname in repo_protected:
+            continue
+        remaining = [s for s in repo.snapshots if (repo.dirname, s.commit) not in evicted]
+        still = {e for s in remaining for e in s.etags}
+        touched = len(remaining) < len(repo.snapshots)
+        for etag, sha in sorted(repo.links.items()):
+            if etag not in still and (touched or sha in doomed):
+                removal.remove_repo_blob(repo.dirname, etag)
+        if not remaining:
+            removal.remove_repo_if_empty(repo.dirname)
+    sizes = {b.sha256: b.nbytes for b in inv.blobs}
+    for sha in plan.blobs:
+        lock = cache.lock(sha)
+        if not lock.try_acquire():
+            kept_bytes += sizes.get(sha, 0)
+            continue
+        try:
+            if removal.remove_blob(sha) == 0:
+                kept_bytes += sizes.get(sha, 0)
+        finally:
+            lock.release()
+    for leftover in plan.leftovers:
+        if leftover.kind == "partial":
+            if not remove_abandoned(cache, leftover.name, now - stale_age):
+                kept_bytes += leftover.nbytes  # a download holds or resumed it
+        else:
+            removal.remove_junk(leftover.kind, leftover.name)
+    remove_idle_locks(cache)
+    return kept_bytes
+
+
+def _report(
+    plan: PrunePlan,
+    limits: Limits,
+    protected: tuple[Protected, ...],
+    reaped: int,
+    *,
+    dry_run: bool,
+    skipped_bytes: int,
+) -> PruneReport:
+    partials = [x for x in plan.leftovers if x.kind == "partial"]
+    junk = [x for x in plan.leftovers if x.kind != "partial"]
+    sizes = {e.dirname + e.commit: e.freed_bytes for e in plan.evictions}
+    orphan_bytes = plan.freed_bytes - sum(sizes.values()) - sum(x.nbytes for x in plan.leftovers)
+    return PruneReport(
+        dry_run=dry_run,
+        skipped=False,
+        limits=limits,
+        size_before=plan.size_before,
+        size_after=plan.size_after + skipped_bytes,
+        free_before=plan.free_before,
+        free_after=plan.free_after,
+        evicted=plan.evictions,
+        partials=len(partials),
+        partial_bytes=sum(x.nbytes for x in partials),
+        orphans=len(plan.orphans),
+        orphan_bytes=orphan_bytes,
+        junk=len(junk),
+        junk_bytes=sum(x.nbytes for x in junk),
+        leases_reaped=reaped,
+        protected=protected,
+        unmet=plan.unmet,
+    )
+
+
+def _disk_free(cache: CacheStore) -> int | None:
+    try:
+        vfs = os.statvfs(cache.root)
+    except OSError:
+        return None
+    return vfs.f_bavail * vfs.f_frsize
+
+
+def _quick_size(cache: CacheStore) -> int:
+    found = survey(cache.root)
+    return found.blob_bytes + found.partial_bytes

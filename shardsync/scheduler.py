@@ -60,7 +60,7 @@ from shardsync.journal import Journal
 from shardsync.manifest import Manifest, ManifestEntry
 from shardsync.origins import Origin
 from shardsync.prefetch import Engine, FileGate, Job
-from shardsync.pruner import ensure_free, limits_from_config, needs_prune, prune_cache
+from shardsync.prune import ensure_free, limits_from_config, needs_prune, prune_cache
 from shardsync.records import FileOutcome, PrefetchResult, RepoRef
 
 __all__ = [

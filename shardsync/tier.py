@@ -44,9 +44,10 @@ from shardsync.errors import (
     ShardsyncError,
     TransferError,
 )
-from shardsync.fetch import BlobRequest, FetchedBlob, Located
+from shardsync.fetch import BlobRequest, Located
 from shardsync.records import TierStatistics
 from shardsync.s3 import ObjectInfo, PreconditionFailed, S3Client, S3Location, parse_s3_url
+from shardsync.slot import VerifiedFile
 
 __all__ = ["Tier", "Upload", "blob_key", "claim_key"]
 
@@ -178,10 +179,10 @@ class Tier:
         label: str,
         sha256: str,
         size: int,
-        slot_fetch: Callable[[BlobRequest, Progress], Awaitable[FetchedBlob]],
-        from_origin: Callable[[Progress], Awaitable[FetchedBlob]],
+        slot_fetch: Callable[[BlobRequest, Progress], Awaitable[VerifiedFile]],
+        from_origin: Callable[[Progress], Awaitable[VerifiedFile]],
         progress: Progress,
-    ) -> tuple[FetchedBlob, Upload | None]:
+    ) -> tuple[VerifiedFile, Upload | None]:
         """The blob from the tier, or from the origin (with what the fleet is owed).
 
         ``slot_fetch`` downloads a request into the file's download slot and
@@ -197,7 +198,7 @@ class Tier:
                 break
             if isinstance(head, ObjectInfo):
                 fetched = await self._read(label, sha256, size, head, slot_fetch, progress)
-                if isinstance(fetched, FetchedBlob):
+                if isinstance(fetched, VerifiedFile):
                     return fetched, None
                 if fetched == "failed":
                     break
@@ -242,9 +243,9 @@ class Tier:
         sha256: str,
         size: int,
         head: ObjectInfo,
-        slot_fetch: Callable[[BlobRequest, Progress], Awaitable[FetchedBlob]],
+        slot_fetch: Callable[[BlobRequest, Progress], Awaitable[VerifiedFile]],
         progress: Progress,
-    ) -> FetchedBlob | Literal["corrupt", "failed"]:
+    ) -> VerifiedFile | Literal["corrupt", "failed"]:
         key = blob_key(self.location.prefix, sha256)
         if head.size != size:
             await self._discard_corrupt(key, f"{head.size} bytes, expected {size}")
@@ -291,9 +292,9 @@ class Tier:
     async def _fetch_for_fleet(
         self,
         claim: _Claim,
-        from_origin: Callable[[Progress], Awaitable[FetchedBlob]],
+        from_origin: Callable[[Progress], Awaitable[VerifiedFile]],
         progress: Progress,
-    ) -> tuple[FetchedBlob, Upload]:
+    ) -> tuple[VerifiedFile, Upload]:
         """We hold the claim: download from the origin while renewing it with our progress."""
         self._n.claims_won += 1
         self._n.misses += 1

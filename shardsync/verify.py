@@ -18,20 +18,20 @@ prune gate, so it never interleaves with a prune.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import xxhash
-
 from shardsync.cache import CacheStore
+from shardsync.digest import Digest
 from shardsync.errors import CacheError, ConfigError
-from shardsync.prune import matches
+from shardsync.layout import blob_target
+from shardsync.prune_plan import matches
 from shardsync.records import FileRecord, SnapshotRecord
-from shardsync.usage import prune_gate, wait_lock
+from shardsync.removal import CacheRemoval
+from shardsync.snapshot_use import prune_gate, wait_lock
 
 __all__ = ["EXIT_PROBLEMS", "Problem", "VerifyReport", "verify_cache"]
 
@@ -39,8 +39,6 @@ EXIT_PROBLEMS = 13
 """``shardsync verify`` exit status when anything was wrong (0: all blobs intact)."""
 
 Kind = Literal["corrupt", "size", "missing"]
-
-_CHUNK = 8 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,13 +162,13 @@ def verify_cache(
                     del bad[sha]  # published again meanwhile
             for sha, outcome in bad.items():
                 if outcome.kind != "missing":
-                    moved[sha] = cache.quarantine_blob(sha, outcome.inode).path
+                    moved[sha] = CacheRemoval(cache).quarantine_blob(sha, outcome.inode).path
                     continue
                 moved[sha] = None
                 for dirname, commit, record in snapshots:  # links to a copy we cannot check
                     for f in record.files:
                         if f.sha256 == sha:
-                            cache.unlink_snapshot_file(dirname, commit, f.path)
+                            CacheRemoval(cache).unlink_snapshot_file(dirname, commit, f.path)
         finally:
             gate.release()
 
@@ -205,8 +203,8 @@ def _merge(seen: _Expected | None, f: FileRecord) -> _Expected:
 def _link_problem(cache: CacheStore, dirname: str, commit: str, f: FileRecord) -> str | None:
     """Why the snapshot's link for ``f`` is not the one the record promises, if it is not."""
     parts = f.path.split("/")
-    link = cache.repo_dir_of(dirname).joinpath("snapshots", commit, *parts)
-    target = "../" * (len(parts) + 1) + "blobs/" + f.etag
+    link = cache.layout.snapshot(dirname, commit).joinpath(*parts)
+    target = blob_target(parts, f.etag)
     try:
         found = os.readlink(link)
     except FileNotFoundError:
@@ -234,26 +232,20 @@ def _check_blob(cache: CacheStore, sha256: str, expected: _Expected, *, full: bo
         if expected.size != st.st_size:
             want = "disagreeing sizes" if expected.size < 0 else f"{expected.size} bytes"
             return _Outcome(sha256, "size", f"{st.st_size} bytes, records say {want}", inode, 0)
-        fast = xxhash.xxh3_128()
-        slow = hashlib.sha256() if full else None
-        git = None
-        if full and expected.git_ids:
-            git = hashlib.sha1(b"blob %d\0" % st.st_size, usedforsecurity=False)
-        hashed = 0
+        git_size = st.st_size if full and expected.git_ids else None
+        digest = Digest(sha256=full, git_size=git_size)
         try:
-            while chunk := f.read(_CHUNK):
-                hashed += len(chunk)
-                fast.update(chunk)
-                for h in (slow, git):
-                    if h is not None:
-                        h.update(chunk)
+            digest.read(f)
         except OSError as exc:
-            return _Outcome(sha256, "corrupt", f"read error: {exc.strerror}", inode, hashed)
-    if fast.hexdigest() not in expected.xxh3 or len(expected.xxh3) > 1:
+            why = f"read error: {exc.strerror}"
+            return _Outcome(sha256, "corrupt", why, inode, digest.nbytes)
+    hashed = digest.nbytes
+    if digest.xxh3_128 not in expected.xxh3 or len(expected.xxh3) > 1:
         return _Outcome(sha256, "corrupt", "xxh3-128 differs from the record", inode, hashed)
-    if slow is not None and slow.hexdigest() != sha256:
+    if full and digest.sha256 != sha256:
         return _Outcome(sha256, "corrupt", "sha256 differs from the blob's name", inode, hashed)
-    if git is not None and not expected.git_ids <= {git.hexdigest()}:
+    git = digest.git_sha1
+    if git is not None and not expected.git_ids <= {git}:
         return _Outcome(sha256, "corrupt", "git blob id differs from the etag", inode, hashed)
     return _Outcome(sha256, None, "", inode, hashed)
 

@@ -20,9 +20,11 @@ import pytest
 import xxhash
 from helpers import tmpfs
 
-from shardsync.cache import BlobLock, CacheStore, is_live_temp, temp_name
+from shardsync.cache import BlobLock, CacheStore
 from shardsync.errors import CacheError, ConfigError, DiskFullError, UnsafeNameError
+from shardsync.layout import is_live_temp, temp_name
 from shardsync.records import FileRecord, RepoRef, SnapshotRecord
+from shardsync.slot import remove_idle_locks, sweep_orphans
 
 COMMIT_A = "a" * 40
 COMMIT_B = "b" * 40
@@ -40,7 +42,7 @@ def git_sha1_of(data: bytes) -> str:
 
 def publish(store: CacheStore, data: bytes, key: str = "k") -> str:
     """Write ``data`` where the fetcher would and publish it; returns its sha256."""
-    part, _ = store.partial_paths(key)
+    part, _ = store.layout.partial(key)
     part.write_bytes(data)
     sha = sha256_of(data)
     store.publish_blob(part, sha)
@@ -106,7 +108,7 @@ def test_layout_is_created_and_versioned(tmp_path: Path) -> None:
     )
     for sub in ("store/sha256", "hub", "other", "state/snapshots", "partial", "locks", "tmp"):
         assert stat.S_IMODE((root / sub).stat().st_mode) == 0o755
-    assert store.hub_dir == root / "hub"
+    assert store.layout.hub == root / "hub"
     CacheStore(root)  # reopening an existing cache is fine
     assert os.listdir(root / "tmp") == []
 
@@ -124,7 +126,7 @@ def test_other_layout_version_is_refused(tmp_path: Path, content: bytes) -> None
 def test_paths_validate_their_inputs(store: CacheStore) -> None:
     sha = "0" * 64
     assert store.blob_path(sha) == store.root / "store" / "sha256" / "00" / sha
-    assert store.partial_paths("job_1-x") == (
+    assert store.layout.partial("job_1-x") == (
         store.root / "partial" / "job_1-x.part",
         store.root / "partial" / "job_1-x.json",
     )
@@ -133,7 +135,7 @@ def test_paths_validate_their_inputs(store: CacheStore) -> None:
             store.blob_path(bad)
     for key in ("", "Up", "a/b", "..", "x" * 129):
         with pytest.raises(CacheError):
-            store.partial_paths(key)
+            store.layout.partial(key)
     with pytest.raises(CacheError):
         store.snapshot_dir(REPO, "main")
 
@@ -164,7 +166,7 @@ def test_other_origins_get_unique_safe_dirnames(store: CacheStore) -> None:
     assert local.dirname.startswith("local--srv-models-tiny-")
     for repo in (one, two, local):
         assert "/" not in repo.dirname
-        assert store.repo_dir(repo).parent == store.root / "other"
+        assert store.layout.repo(repo.dirname).parent == store.root / "other"
     with pytest.raises(ConfigError):
         RepoRef("local", "relative/path")
 
@@ -174,7 +176,7 @@ def test_other_origins_get_unique_safe_dirnames(store: CacheStore) -> None:
 
 def test_publish_is_atomic_idempotent_and_never_overwrites(store: CacheStore) -> None:
     data = b"original bytes"
-    part, _ = store.partial_paths("p")
+    part, _ = store.layout.partial("p")
     part.write_bytes(data)
     sha = sha256_of(data)
 
@@ -203,7 +205,7 @@ def test_publish_is_atomic_idempotent_and_never_overwrites(store: CacheStore) ->
 def test_publish_refuses_a_symlink_as_temp_file(store: CacheStore, tmp_path: Path) -> None:
     target = tmp_path / "outside"
     target.write_bytes(b"x")
-    part, _ = store.partial_paths("p")
+    part, _ = store.layout.partial("p")
     part.symlink_to(target)
     with pytest.raises(CacheError):
         store.publish_blob(part, sha256_of(b"x"))
@@ -223,7 +225,10 @@ def test_link_file_dedups_across_repos_and_revisions(store: CacheStore) -> None:
         store.link_file(other, COMMIT_A, "sub/dir/file.json", sha256=sha, etag=sha),
     ]
     blob = store.blob_path(sha)
-    repo_blobs = [store.repo_dir(REPO) / "blobs" / sha, store.repo_dir(other) / "blobs" / sha]
+    repo_blobs = [
+        store.layout.repo(REPO.dirname) / "blobs" / sha,
+        store.layout.repo(other.dirname) / "blobs" / sha,
+    ]
     # one inode: the store, and one hard link per repo (revisions share the repo's link)
     assert blob.stat().st_nlink == 3
     for path in [*paths, *repo_blobs]:
@@ -248,7 +253,7 @@ def test_link_file_replaces_a_foreign_copy_and_a_planted_link(
 ) -> None:
     data = b"payload"
     sha = publish(store, data)
-    blobs = store.repo_dir(REPO) / "blobs"
+    blobs = store.layout.repo(REPO.dirname) / "blobs"
     blobs.mkdir(parents=True)
     (blobs / sha).write_bytes(data)  # e.g. left by huggingface_hub itself
     store.link_file(REPO, COMMIT_A, "a.bin", sha256=sha, etag=sha)
@@ -293,7 +298,7 @@ def test_link_file_refuses_unsafe_names(store: CacheStore, relpath: str) -> None
     sha = publish(store, b"z")
     with pytest.raises(UnsafeNameError):
         store.link_file(REPO, COMMIT_A, relpath, sha256=sha, etag=sha)
-    assert not store.repo_dir(REPO).exists()
+    assert not store.layout.repo(REPO.dirname).exists()
 
 
 @pytest.mark.parametrize("etag", ["", "abc", "A" * 40, "0" * 41, '"' + "0" * 40 + '"'])
@@ -317,7 +322,7 @@ def test_hugging_face_reads_the_hub_view(
     monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")
     build_snapshot(store, REPO, COMMIT_A, TINY_FILES)
     build_snapshot(store, RepoRef("url", "http://127.0.0.1:9/models/x"), COMMIT_A, TINY_FILES)
-    hub = store.hub_dir
+    hub = store.layout.hub
     snapshot = store.snapshot_dir(REPO, COMMIT_A)
 
     info = huggingface_hub.scan_cache_dir(hub)
@@ -360,13 +365,13 @@ def test_refs_including_pull_request_refs(store: CacheStore) -> None:
         store.write_ref(REPO, "refs/pr/1", COMMIT_A)  # links first, then the ref
     store.link_file(REPO, COMMIT_A, "w.bin", sha256=sha, etag=sha)
     store.write_ref(REPO, "refs/pr/1", COMMIT_A)
-    ref_file = store.repo_dir(REPO) / "refs" / "refs" / "pr" / "1"
+    ref_file = store.layout.repo(REPO.dirname) / "refs" / "refs" / "pr" / "1"
     assert ref_file.read_bytes() == COMMIT_A.encode()  # bare hash, as huggingface_hub reads it
     assert store.read_ref(REPO, "refs/pr/1") == COMMIT_A
     assert store.read_ref(REPO, "main") is None
 
     store.write_ref(REPO, COMMIT_A, COMMIT_A)  # a commit needs no ref
-    assert not (store.repo_dir(REPO) / "refs" / COMMIT_A).exists()
+    assert not (store.layout.repo(REPO.dirname) / "refs" / COMMIT_A).exists()
     for bad in ("", "../main", "refs//x", "a/./b", "main\n", "x.lock", "a b"):
         with pytest.raises(ConfigError):
             store.write_ref(REPO, bad, COMMIT_A)
@@ -401,7 +406,7 @@ def test_find_complete_is_none_without_a_record(store: CacheStore) -> None:
 def test_find_complete_is_none_when_a_blob_is_missing(store: CacheStore) -> None:
     record = build_snapshot(store, REPO, COMMIT_A, TINY_FILES)
     lfs = next(f for f in record.files if f.path == "model.safetensors")
-    (store.repo_dir(REPO) / "blobs" / lfs.etag).unlink()
+    (store.layout.repo(REPO.dirname) / "blobs" / lfs.etag).unlink()
     assert store.find_complete(REPO, "main") is None
 
 
@@ -660,7 +665,7 @@ def test_records_and_refs_never_write_through_a_planted_symlink(
     sha = publish(store, b"r")
     store.link_file(REPO, COMMIT_A, "r.bin", sha256=sha, etag=sha)
     (store.root / "state" / "snapshots" / REPO.dirname).symlink_to(evil)
-    (store.repo_dir(REPO) / "refs").symlink_to(evil)
+    (store.layout.repo(REPO.dirname) / "refs").symlink_to(evil)
     record = SnapshotRecord(REPO, "main", COMMIT_A, (), 1.0)
     with pytest.raises(CacheError, match="symlink"):
         store.write_snapshot_record(record)
@@ -712,7 +717,7 @@ def test_full_disk_maps_to_disk_full_error(tiny_fs: Path) -> None:
 
 def test_full_disk_on_publish_keeps_a_writable_partial(tiny_fs: Path) -> None:
     store = CacheStore(tiny_fs / "cache")
-    part, _ = store.partial_paths("job")
+    part, _ = store.layout.partial("job")
     part.write_bytes(b"verified payload")
     _exhaust(tiny_fs, inodes=True)  # the store's new <aa> folder needs an inode
 
@@ -755,7 +760,7 @@ def test_sweep_orphans_removes_only_dead_writers_of_this_host(tmp_path: Path) ->
     for name in names.values():
         (store.root / "tmp" / name).write_bytes(b"x")
     (store.root / "tmp" / f"evict.{host}.{dead.stdout.strip()}.{'c' * 16}").mkdir()
-    assert store.sweep_orphans() == 2
+    assert sweep_orphans(store) == 2
     left = set(os.listdir(store.root / "tmp"))
     assert left == {names["live"], names["elsewhere"], names["foreign"]}
     assert is_live_temp(names["live"]) and not is_live_temp(names["elsewhere"])
@@ -774,7 +779,7 @@ def test_idle_download_locks_are_removed_and_a_waiter_locks_the_new_file(
     gate = store.lock("prune-gate")
     assert gate.try_acquire()
     gate.release()
-    assert store.remove_idle_locks() == 1  # not the held one, not the gate
+    assert remove_idle_locks(store) == 1  # not the held one, not the gate
     assert sorted(os.listdir(store.root / "locks")) == [f"{busy}.lock", "prune-gate.lock"]
     # an acquirer after the file went locks a fresh one
     assert waiter.try_acquire()

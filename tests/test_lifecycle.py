@@ -25,8 +25,8 @@ import shardsync
 from shardsync.cache import CacheStore
 from shardsync.inventory import scan
 from shardsync.prefetch import prefetch
-from shardsync.prune import Limits
-from shardsync.pruner import prune_cache
+from shardsync.prune import prune_cache
+from shardsync.prune_plan import Limits
 from shardsync.records import PrefetchResult
 from shardsync.testing import Checkpoint, FakeHub, Status, build_checkpoint, serve_in_thread
 

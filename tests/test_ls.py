@@ -18,8 +18,8 @@ from shardsync.cli import main
 from shardsync.inventory import inventory_to_json, scan
 from shardsync.prefetch import prefetch
 from shardsync.records import RepoRef
+from shardsync.snapshot_use import Leases
 from shardsync.testing import Checkpoint, FakeHub, build_checkpoint, serve_in_thread
-from shardsync.usage import Leases
 
 TOP_KEYS = {
     "root",
@@ -160,3 +160,36 @@ def test_empty_cache_from_the_command_line(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     listing = json.loads(out.stdout)
     assert listing["repos"] == [] and listing["bytes_on_disk"] == 0
+
+
+def test_an_s3_snapshot_is_listed_pruned_and_verified(tmp_path: Path) -> None:
+    """An S3 origin's folder is ``other/s3--...``: ls, prune and verify see it like the rest."""
+    import hashlib
+
+    import xxhash
+
+    from shardsync.prune import prune_cache
+    from shardsync.prune_plan import Limits
+    from shardsync.records import FileRecord, SnapshotRecord
+    from shardsync.verify import verify_cache
+
+    store = CacheStore(tmp_path / "cache")
+    repo = RepoRef("s3", "s3://bucket/models/tiny")
+    data = os.urandom(4096)
+    sha = hashlib.sha256(data).hexdigest()
+    part = store.root / "tmp" / "s3-blob"
+    part.write_bytes(data)
+    store.publish_blob(part, sha)
+    commit = "c" * 40
+    store.link_file(repo, commit, "model.safetensors", sha256=sha, etag=sha)
+    xxh = xxhash.xxh3_128_hexdigest(data)
+    rec = FileRecord("model.safetensors", len(data), sha, xxh, sha, "sha256")
+    store.write_snapshot_record(SnapshotRecord(repo, "main", commit, (rec,), 1_700_000_000.0))
+
+    (found,) = scan(store).repos
+    assert (found.kind, found.dirname) == ("s3", repo.dirname)
+    assert [s.complete for s in found.snapshots] == [True]
+    assert verify_cache(store).snapshots == 1
+    report = prune_cache(store, Limits(max_size=0))
+    assert [e.dirname for e in report.evicted] == [repo.dirname]
+    assert not store.has_blob(sha) and scan(store).repos == ()

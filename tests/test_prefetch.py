@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from helpers import (
     fast_config,
 )
 
+from shardsync.digest import Digest
 from shardsync.errors import (
     AuthError,
     IntegrityError,
@@ -28,6 +28,7 @@ from shardsync.errors import (
     UnsafeNameError,
 )
 from shardsync.prefetch import prefetch
+from shardsync.store import AsyncStore
 from shardsync.testing import (
     ChangeEtag,
     Checkpoint,
@@ -314,23 +315,20 @@ async def test_include_and_exclude(hub: FakeHub, checkpoint: Checkpoint, tmp_pat
 async def test_blob_pruned_between_check_and_reuse_is_downloaded(
     hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import shardsync.prefetch as engine
-
     hub.add_checkpoint("acme/twin", checkpoint)
     config = fast_config(tmp_path, hub.endpoint)
     await prefetch(REPO, config)
-    hashed = engine._xxh3_file
+    hashed = AsyncStore.hash_blob
     gone: list[Path] = []
-    once = threading.Lock()  # the hook runs in several worker threads at once
 
-    def pruned_meanwhile(path: Path) -> tuple[str, int]:
-        with once:
-            if not gone:  # a concurrent prune unlinks the first shared blob we look at
-                path.unlink()
-                gone.append(path)
-        return hashed(path)
+    async def pruned_meanwhile(self: AsyncStore, sha256: str) -> Digest:
+        if not gone:  # a concurrent prune unlinks the first shared blob we look at
+            path = self.sync.blob_path(sha256)
+            path.unlink()
+            gone.append(path)
+        return await hashed(self, sha256)
 
-    monkeypatch.setattr(engine, "_xxh3_file", pruned_meanwhile)
+    monkeypatch.setattr(AsyncStore, "hash_blob", pruned_meanwhile)
     hub.reset_log()
     twin = await prefetch("acme/twin", config)
     assert_snapshot_matches(twin.snapshot_path, checkpoint)

@@ -22,11 +22,11 @@ from shardsync.config import PruneConfig, load_config, parse_duration
 from shardsync.errors import CacheError, ConfigError, DiskFullError
 from shardsync.inventory import scan
 from shardsync.prefetch import prefetch
-from shardsync.prune import Blob, CacheView, Leftover, Limits, Unit, plan_prune
-from shardsync.pruner import ensure_free, limits_from_config, needs_prune, prune_cache
+from shardsync.prune import ensure_free, limits_from_config, needs_prune, prune_cache
+from shardsync.prune_plan import Blob, CacheView, Leftover, Limits, Unit, plan_prune
 from shardsync.records import PrefetchResult, RepoRef
+from shardsync.snapshot_use import AccessLog, Leases, prune_gate
 from shardsync.testing import Checkpoint, FakeHub, build_checkpoint, serve_in_thread
-from shardsync.usage import AccessLog, Leases, prune_gate
 
 # --------------------------------------------------------------------------- the planner
 

@@ -125,9 +125,9 @@ def test_a_stream_holds_its_lease_until_the_with_block_ends(
     are leased": consuming the last tensor does not end it, leaving the block does."""
     import shardsync
     from shardsync.cache import CacheStore
-    from shardsync.prune import Limits
-    from shardsync.pruner import prune_cache
-    from shardsync.usage import Leases
+    from shardsync.prune import prune_cache
+    from shardsync.prune_plan import Limits
+    from shardsync.snapshot_use import Leases
 
     config = fast_config(tmp_path / "cache", hub.endpoint)
     cache = CacheStore(config.cache_dir)
@@ -152,7 +152,7 @@ def test_a_stream_never_closed_holds_its_lease_until_it_is_collected(
 
     import shardsync
     from shardsync.cache import CacheStore
-    from shardsync.usage import Leases
+    from shardsync.snapshot_use import Leases
 
     config = fast_config(tmp_path / "cache", hub.endpoint)
     cache = CacheStore(config.cache_dir)

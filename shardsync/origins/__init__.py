@@ -10,12 +10,13 @@ import os
 from collections.abc import Mapping
 
 from shardsync.errors import ConfigError
-from shardsync.origins.base import Origin, Slot
+from shardsync.origins.base import Origin
 from shardsync.origins.http import UrlOrigin
 from shardsync.origins.hub import HubOrigin
 from shardsync.origins.local import LocalOrigin
 from shardsync.origins.s3 import S3Origin
 from shardsync.s3 import S3Client
+from shardsync.slot import Slot
 
 __all__ = [
     "HubOrigin",

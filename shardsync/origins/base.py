@@ -10,29 +10,19 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import replace
 from typing import ClassVar, Protocol
 
-from shardsync.fetch import BlobRequest, FetchedBlob, Fetcher
+from shardsync.fetch import BlobRequest, Fetcher
 from shardsync.manifest import Listing, ManifestEntry, RemoteFile
 from shardsync.ranges import is_strong_etag
 from shardsync.records import RepoRef
+from shardsync.slot import Slot, VerifiedFile
 
 __all__ = ["Origin", "Progress", "RequestOrigin", "Slot"]
 
 Progress = Callable[[int], None]
 Entry = ManifestEntry | RemoteFile
-
-
-@dataclass(frozen=True, slots=True)
-class Slot:
-    """Where one download lives until it is published: the shared partial a later run
-    resumes from, its resume record, and the folder for private temp names."""
-
-    data: Path
-    sidecar: Path
-    temp_dir: Path
 
 
 class Origin(Protocol):
@@ -73,10 +63,10 @@ class Origin(Protocol):
         entry: ManifestEntry,
         slot: Slot,
         progress: Progress,
-    ) -> FetchedBlob:
-        """The whole file into a private temp name under ``slot``, verified against the
-        origin's hash when it has one; ``FetchedBlob.etag`` is ``version`` at download time
-        (recorded, so later runs can reuse the copy)."""
+    ) -> VerifiedFile:
+        """The whole file into ``slot`` (the caller holds it and commits it), verified against
+        the origin's hash when it has one; ``VerifiedFile.etag`` is ``version`` at download
+        time (recorded, so later runs can reuse the copy)."""
 
     async def aclose(self) -> None:
         """Release what the origin opened (clients, sessions); called once by its engine."""
@@ -106,11 +96,9 @@ class RequestOrigin(ABC):
         entry: ManifestEntry,
         slot: Slot,
         progress: Progress,
-    ) -> FetchedBlob:
+    ) -> VerifiedFile:
         request = self.request_for(commit, entry)
-        fetched = await fetcher.fetch(
-            request, slot.data, slot.sidecar, progress, temp_dir=slot.temp_dir
-        )
+        fetched = await fetcher.fetch(request, slot, progress)
         keep = self.records_etag and is_strong_etag(fetched.etag)
         return fetched if keep else replace(fetched, etag=None)
 

@@ -3,21 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import errno
-import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import xxhash
-
-from shardsync.cache import temp_name
-from shardsync.errors import CacheError, ConfigError, DiskFullError, EntryNotFoundError
-from shardsync.fetch import FetchedBlob, Fetcher
+from shardsync.digest import Digest
+from shardsync.errors import ConfigError, EntryNotFoundError, disk_error
+from shardsync.fetch import Fetcher
 from shardsync.manifest import Listing, ManifestEntry, RemoteFile, validate_name
-from shardsync.origins.base import Entry, Progress, Slot
+from shardsync.origins.base import Entry, Progress
 from shardsync.records import RepoRef
+from shardsync.slot import Slot, VerifiedFile
 
 __all__ = ["LocalOrigin"]
 
@@ -95,44 +91,33 @@ class LocalOrigin:
         entry: ManifestEntry,
         slot: Slot,
         progress: Progress,
-    ) -> FetchedBlob:
+    ) -> VerifiedFile:
         """Copy into a temp file of our own with sha256 and xxh3 in the same pass. The
         version is taken first: a file changed during the copy is copied again next run."""
         version = await self.version(fetcher, entry)
-        fetched = await asyncio.to_thread(self._copy, entry.path, slot.temp_dir, version)
+        fetched = await asyncio.to_thread(self._copy, entry.path, slot, version)
         progress(fetched.size)
         return fetched
 
-    def _copy(self, path: str, temp_dir: Path, version: str | None) -> FetchedBlob:
-        dest = temp_dir / temp_name("copy")
-        sha, xxh, size = hashlib.sha256(), xxhash.xxh3_128(), 0
+    def _copy(self, path: str, slot: Slot, version: str | None) -> VerifiedFile:
         try:
-            with self.source(path).open("rb") as src, dest.open("xb") as out:
-                while chunk := src.read(_STEP):
-                    sha.update(chunk)
-                    xxh.update(chunk)
-                    out.write(chunk)
-                    size += len(chunk)
-                st = os.fstat(out.fileno())
+            with self.source(path).open("rb") as src, slot.create() as out:
+                digest = Digest().read(src, copy_to=out)
         except BaseException as exc:
-            with contextlib.suppress(OSError):
-                dest.unlink()
-            if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise DiskFullError(f"no space left copying {path} into the cache") from exc
+            slot.suspend()
             if isinstance(exc, OSError):
-                raise CacheError(f"copying {path}: {exc}") from exc
+                then = "the copy was discarded and is made again on the next run"
+                raise disk_error(exc, f"copy {path} into the cache", then=then) from exc
             raise
-        return FetchedBlob(
-            path=dest,
-            size=size,
-            sha256=sha.hexdigest(),
-            xxh3_128=xxh.hexdigest(),
+        return VerifiedFile(
+            path=slot.verified(),
+            size=digest.nbytes,
+            sha256=digest.sha256,
+            xxh3_128=digest.xxh3_128,
             etag=version,
             verified="tofu",
             downloaded=0,
             resumed=0,
-            identity=(st.st_dev, st.st_ino),
-            shared=dest,
             source="local",
         )
 

@@ -16,9 +16,8 @@ named ``<kind> <category>``:
   ``partial`` (blob data being downloaded), ``sidecar`` (its resume record), ``store``
   (final blob names), ``blobs``/``snapshot``/``ref`` (the Hugging Face view), ``record``
   (snapshot records), ``lease``, ``access``, ``journal``, ``lock``, ``layout`` and ``view``
-  (directories). A temp file in ``tmp/`` is named for what it becomes: ``blob.*`` ->
-  ``blobs``, ``symlink.*`` -> ``snapshot``, and ``write.*`` by the cache method writing it
-  (``record``, ``ref``, ``state``, ``layout``).
+  (directories). A temp file in ``tmp/`` is named for what it becomes, as its purpose says
+  (``shardsync.layout.TEMP_BECOMES``: ``blob.*`` -> ``blobs``, ``resume.*`` -> ``sidecar``).
 
 Steps run one at a time (under a lock), so the trace is their real order and a kill never
 lands while another step is half done. The fetcher's resume record is written through a
@@ -51,9 +50,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, NoReturn, TypeVar
 
-if TYPE_CHECKING:
-    from types import FrameType
+from shardsync.layout import TEMP_BECOMES, temp_purpose  # pure: binds no os function
 
+if TYPE_CHECKING:
     from _typeshed import FileDescriptorLike, ReadableBuffer, StrOrBytesPath
 
 __all__ = ["ENV_ACTION", "ENV_ROOT", "ENV_TRACE", "Action", "Hook", "install", "main"]
@@ -66,25 +65,9 @@ Mode = Literal["kill", "killafter", "eio", "killbytes"]
 _MODES: dict[str, Mode] = {"kill": "kill", "killafter": "killafter", "eio": "eio"}
 _T = TypeVar("_T")
 
-# What a ``tmp/write.*`` file becomes: the nearest of these cache methods on the stack.
-_WRITERS = {
-    "CacheStore.write_snapshot_record": "record",
-    "CacheStore.write_ref": "ref",
-    "CacheStore.write_state_file": "state",
-    "CacheStore.__init__": "layout",
-}
 _LAYOUT_DIRS = frozenset(
     {"store", "hub", "other", "state", "partial", "locks", "tmp", "quarantine"}
 )
-_TMP_PURPOSES = {
-    "blob": "blobs",
-    "symlink": "snapshot",
-    "evict": "evict",
-    "part": "partial",  # a download's private name for its data file
-    "link": "partial",  # the shared name being made (renamed to partial/<key>.part)
-    "copy": "partial",  # a local origin's copy
-    "sidecar": "sidecar",
-}
 _VIEW_PARTS = {"blobs": "blobs", "snapshots": "snapshot", "refs": "ref"}
 _STATE_PARTS = {
     "snapshots": "record",
@@ -161,8 +144,7 @@ class Hook:
         if top == "partial":
             return "partial" if name.endswith(".part") else "sidecar"
         if top == "tmp":
-            purpose = name.partition(".")[0]
-            return _writer() if purpose == "write" else _TMP_PURPOSES.get(purpose, "tmp")
+            return TEMP_BECOMES.get(temp_purpose(name), "tmp")
         if top in ("hub", "other"):
             return _VIEW_PARTS.get(parts[2], "view") if len(parts) > 2 else "view"
         if top == "state":
@@ -248,17 +230,6 @@ class Hook:
         self._note(line)
         os.kill(os.getpid(), signal.SIGKILL)
         raise SystemExit(128 + signal.SIGKILL)  # not reached: SIGKILL ends the process first
-
-
-def _writer() -> str:
-    """What a ``tmp/write.*`` file is for: the cache method on this thread's stack."""
-    frame: FrameType | None = sys._getframe(1)
-    while frame is not None:
-        purpose = _WRITERS.get(frame.f_code.co_qualname)
-        if purpose is not None:
-            return purpose
-        frame = frame.f_back
-    return "tmp"
 
 
 def install(hook: Hook) -> None:

@@ -39,8 +39,8 @@ from huggingface_hub import scan_cache_dir
 
 from shardsync.cache import CacheStore
 from shardsync.prefetch import prefetch
-from shardsync.prune import Limits
-from shardsync.pruner import prune_cache
+from shardsync.prune import prune_cache
+from shardsync.prune_plan import Limits
 from shardsync.records import PrefetchResult, RepoRef
 from shardsync.testing import Checkpoint, FakeHub, build_checkpoint, serve_in_thread
 

@@ -178,5 +178,5 @@ def test_concurrent_links_of_one_blob_leave_no_temp_names(tmp_path: Path) -> Non
         with ThreadPoolExecutor(4) as pool:
             list(pool.map(link, range(4)))
     assert not list((tmp_path / "cache" / "tmp").iterdir())
-    blobs = store.repo_dir(repo) / "blobs"
+    blobs = store.layout.repo(repo.dirname) / "blobs"
     assert all(p.stat().st_nlink == 2 for p in blobs.iterdir())  # the store's name and this one

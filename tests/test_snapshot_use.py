@@ -18,11 +18,11 @@ from helpers import fast_config
 from shardsync.cache import CacheStore
 from shardsync.errors import CacheError
 from shardsync.prefetch import prefetch
-from shardsync.prune import Limits
-from shardsync.pruner import prune_cache
+from shardsync.prune import prune_cache
+from shardsync.prune_plan import Limits
 from shardsync.records import RepoRef
+from shardsync.snapshot_use import FOREIGN_LEASE_AGE, MAX_LOG_BYTES, AccessLog, Leases, prune_gate
 from shardsync.testing import Checkpoint, FakeHub, Status
-from shardsync.usage import FOREIGN_LEASE_AGE, MAX_LOG_BYTES, AccessLog, Leases, prune_gate
 
 REPO = RepoRef("hub", "acme/tiny")
 COMMIT = "c" * 40
@@ -50,12 +50,12 @@ def test_access_log_keeps_the_last_use(cache: CacheStore) -> None:
 
 
 def _lines(cache: CacheStore) -> int:
-    return len(cache.state_path("access.log").read_bytes().split())
+    return len(cache.layout.state("access.log").read_bytes().split())
 
 
 def test_access_log_skips_torn_lines(cache: CacheStore) -> None:
     AccessLog(cache, clock=lambda: 5.0).record(REPO, COMMIT)
-    with cache.state_path("access.log").open("ab") as f:
+    with cache.layout.state("access.log").open("ab") as f:
         f.write(b'{"t": 9, "repo": "models--acme--tiny", "comm')  # a crash mid-append
     AccessLog(cache, clock=lambda: 7.0).record(REPO, COMMIT)
     assert AccessLog(cache).last_used() == {("models--acme--tiny", COMMIT): 7.0}
@@ -72,7 +72,7 @@ def test_access_log_is_compacted(cache: CacheStore) -> None:
 
 
 def test_access_log_stays_bounded(cache: CacheStore) -> None:
-    path = cache.state_path("access.log")
+    path = cache.layout.state("access.log")
     line = json.dumps({"t": 1.0, "repo": "models--acme--tiny", "commit": COMMIT}) + "\n"
     path.write_text(line * (MAX_LOG_BYTES // len(line) + 1))
     AccessLog(cache, clock=lambda: 2.0).record(REPO, COMMIT)
@@ -119,7 +119,7 @@ import sys, time
 from pathlib import Path
 from shardsync.cache import CacheStore
 from shardsync.records import RepoRef
-from shardsync.usage import Leases
+from shardsync.snapshot_use import Leases
 lease = Leases(CacheStore(Path(sys.argv[1]))).hold(RepoRef("hub", "acme/tiny"), owner="holder")
 print(lease.id, flush=True)
 time.sleep(600)
@@ -155,7 +155,7 @@ def test_a_zombie_protects_nothing(cache: CacheStore) -> None:
 
 def test_a_recycled_pid_is_not_the_holder(cache: CacheStore) -> None:
     lease = Leases(cache).hold(REPO, owner="me")
-    path = cache.state_path("leases", f"{lease.id}.json")
+    path = cache.layout.state("leases", f"{lease.id}.json")
     data = json.loads(path.read_text())
     data["start_time"] -= 1  # same pid, another process (started at another moment)
     path.write_text(json.dumps(data))
@@ -175,7 +175,7 @@ def test_ttl_lease_needs_heartbeats(cache: CacheStore) -> None:
     (info,) = leases.all()
     assert leases.is_alive(info, now=info.heartbeat_at + 29)
     assert not leases.is_alive(info, now=info.heartbeat_at + 31)
-    os.utime(cache.state_path("leases", f"{lease.id}.json"), (0, 0))  # last heartbeat long ago
+    os.utime(cache.layout.state("leases", f"{lease.id}.json"), (0, 0))  # last heartbeat long ago
     assert leases.live() == ()
     lease.heartbeat()
     assert [x.id for x in leases.live()] == [lease.id]
@@ -190,7 +190,7 @@ def test_ttl_lease_needs_heartbeats(cache: CacheStore) -> None:
 def test_leases_from_elsewhere(cache: CacheStore) -> None:
     leases = Leases(cache)
     lease = leases.hold(REPO, owner="x")
-    path = cache.state_path("leases", f"{lease.id}.json")
+    path = cache.layout.state("leases", f"{lease.id}.json")
     data = json.loads(path.read_text())
     (info,) = leases.all()
     data.update(boot_id="another-boot", host="another-host")
@@ -204,7 +204,7 @@ def test_leases_from_elsewhere(cache: CacheStore) -> None:
 
 
 def test_garbage_lease_files_protect_nothing(cache: CacheStore) -> None:
-    directory = cache.state_path("leases")
+    directory = cache.layout.state("leases")
     directory.mkdir()
     (directory / "torn.json").write_text('{"format": 1, "repo": ')
     (directory / "alien.json").write_text('{"format": 99}')

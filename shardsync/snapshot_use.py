@@ -42,6 +42,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self, TypeVar
 
+from shardsync import strict_json
 from shardsync.cache import BlobLock, CacheStore
 from shardsync.errors import CacheError
 from shardsync.records import RepoRef
@@ -122,7 +123,7 @@ class AccessLog:
 
     def last_used(self) -> dict[tuple[str, str], float]:
         """``{(repo dirname, commit): last use}``; unreadable lines are skipped."""
-        data = _read(self.cache.state_path(_LOG))
+        data = _read(self.cache.layout.state(_LOG))
         latest: dict[tuple[str, str], float] = {}
         for access in _decode(data):
             key = (access.dirname, access.commit)
@@ -163,10 +164,12 @@ def _encode(access: _Access) -> bytes:
 def _decode(data: bytes) -> Iterator[_Access]:
     for raw in data.splitlines():
         try:
-            obj = json.loads(raw)
-            at, dirname, commit = obj["t"], obj["repo"], obj["commit"]
-        except (ValueError, TypeError, KeyError):
+            obj = strict_json.loads(raw)
+        except ValueError:
             continue  # a torn line from a crash mid-append
+        if not isinstance(obj, dict):
+            continue
+        at, dirname, commit = obj.get("t"), obj.get("repo"), obj.get("commit")
         if isinstance(at, int | float) and isinstance(dirname, str) and isinstance(commit, str):
             yield _Access(float(at), dirname, commit)
 
@@ -403,7 +406,7 @@ class Leases:
     def all(self) -> tuple[LeaseInfo, ...]:
         """Every readable lease file, alive or not."""
         found = []
-        directory = self.cache.state_path(_LEASES)
+        directory = self.cache.layout.state(_LEASES)
         try:
             names = sorted(os.listdir(directory))
         except (FileNotFoundError, NotADirectoryError):
@@ -500,7 +503,7 @@ def _write_lease(cache: CacheStore, info: LeaseInfo) -> None:
 def _parse_lease(lease_id: str, data: bytes, mtime: float) -> LeaseInfo | None:
     """A lease file, or None when it is torn or not ours (it then protects nothing)."""
     try:
-        obj = json.loads(data)
+        obj = strict_json.loads(data)
     except ValueError:
         return None
     if not isinstance(obj, Mapping) or obj.get("format") != _LEASE_FORMAT:

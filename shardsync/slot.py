@@ -1,0 +1,473 @@
+"""Download slots: the one owner of a blob download between its first byte and its publish.
+
+A slot is one key's lock (``locks/<key>.lock``), partial file (``partial/<key>.part``), resume
+record (``partial/<key>.json``) and the download's private temp name in ``tmp/``. Its life:
+
+* ``async with slot`` holds the key's lock (correctness never depends on it: every step
+  below checks the inode it works on);
+* ``open`` gives the file to write into and the ranges a resume may keep; the fetcher writes
+  there and saves progress into the ``ResumeRecord`` it gets, and names no path itself;
+* ``commit(verified)`` publishes the verified file into the store and forgets the partial;
+  ``suspend`` keeps the partial for a later resume; ``abandon`` discards it.
+
+Prune, ``ls`` and the daemon ask this module what is in progress (``in_progress``), and which
+leftovers may go (``remove_abandoned``, ``sweep_orphans``, ``remove_idle_locks``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, Literal
+
+import xxhash
+
+from shardsync import layout, strict_json
+from shardsync.cache import BlobLock, CacheStore
+from shardsync.errors import CacheError, disk_error
+from shardsync.layout import CacheLayout, temp_name
+from shardsync.ranges import RangeSet
+from shardsync.removal import CacheRemoval
+
+__all__ = [
+    "OpenPartial",
+    "Resumable",
+    "ResumeRecord",
+    "Slot",
+    "VerifiedFile",
+    "in_progress",
+    "remove_abandoned",
+    "remove_idle_locks",
+    "sweep_orphans",
+]
+
+_RECORD_VERSION = 3
+_MAX_RECORD = 1 << 20
+_SUFFIXES = (".part", ".json")
+_FLAGS = os.O_RDWR | os.O_CLOEXEC
+
+Verification = Literal["sha256", "git-sha1", "tofu"]
+
+
+@dataclass(frozen=True, slots=True)
+class VerifiedFile:
+    """A downloaded (or copied) file in a slot's private temp name, hashed and checked (or
+    trusted on first use): what ``Slot.commit`` publishes."""
+
+    path: Path
+    size: int
+    sha256: str
+    xxh3_128: str
+    etag: str | None
+    verified: Verification
+    downloaded: int  # bytes received over the network by this call
+    resumed: int  # bytes reused from an earlier partial
+    source: Literal["network", "local", "tier"] = "network"
+
+
+@dataclass(frozen=True, slots=True)
+class Resumable:
+    """What a resume record binds a partial to: this exact object."""
+
+    url: str
+    etag: str | None  # strong ETag; without one a partial never resumes
+    size: int
+    sha256: str | None
+
+
+class ResumeRecord:
+    """A download's resume record, open for its whole life and rewritten in place: one
+    ``pwrite`` per save, no temp file or rename, so it can follow the data closely without
+    churning the filesystem. It stays one JSON document (padded with spaces to the longest
+    version written, as JSON allows) carrying a checksum of its own fields, so a record torn
+    by a power loss resumes nothing. The format is version 3 of every release before slots."""
+
+    __slots__ = ("fd", "inode", "length")
+
+    def __init__(self, fd: int, inode: tuple[int, int]) -> None:
+        self.fd = fd
+        self.inode = inode
+        self.length = 0
+
+    def encode(self, what: Resumable, done: RangeSet) -> bytes:
+        """The record of ``done`` ranges of ``what`` in this slot's file (taken on the event
+        loop, so it is consistent; written by ``write`` in a worker thread)."""
+        fields: dict[str, object] = {
+            "version": _RECORD_VERSION,
+            "url": what.url,
+            "etag": what.etag,
+            "size": what.size,
+            "sha256": what.sha256,
+            "inode": list(self.inode),
+            "done": done.to_list(),
+        }
+        fields["check"] = _record_check(fields)
+        body = json.dumps(fields, separators=(",", ":")).encode()
+        self.length = max(self.length, len(body))
+        return body.ljust(self.length)
+
+    def write(self, blob: bytes) -> None:
+        with contextlib.suppress(OSError):  # best effort: a stale record costs a re-download
+            os.pwrite(self.fd, blob, 0)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+@dataclass(frozen=True, slots=True)
+class OpenPartial:
+    """The file a download writes into, the ranges of it a resume keeps, and its record
+    (None when the disk refused one: the download completes, it just cannot resume)."""
+
+    fd: int
+    done: RangeSet
+    record: ResumeRecord | None
+
+
+class Slot:
+    """The download of one key into one cache; see the module docstring for its life."""
+
+    __slots__ = ("_inode", "_private", "cache", "data", "key", "lock", "record")
+
+    def __init__(self, cache: CacheStore, key: str) -> None:
+        self.cache = cache
+        self.key = key
+        self.data, self.record = cache.layout.partial(key)
+        self.lock = cache.lock(key)
+        self._private: Path | None = None  # this download's own name for its file
+        self._inode: tuple[int, int] | None = None  # of the file that name was given to
+
+    async def __aenter__(self) -> Slot:
+        await self.lock.acquire()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.lock.release()
+
+    # -- for the fetcher ----------------------------------------------------------------
+
+    def open(self, what: Resumable) -> OpenPartial:
+        """The file to download ``what`` into: the partial with the ranges its record proves
+        are of this object, or a new file of ``what.size`` bytes with none.
+
+        The file has two names: the shared partial (where a later run resumes) and a private
+        one in ``tmp/`` (published from once verified). A new file is made under a temp name
+        and renamed over the partial: truncating in place would zero a published blob's
+        second name left by a crash inside publishing, or, where locks do not work, a file
+        another process still writes. The private name means that such a process replacing
+        the partial never takes the verified file from under us.
+        """
+        done = self._resume_point(what)
+        fd = self._open_to_resume() if done.total() > 0 else None
+        resumed = fd is not None
+        if fd is None:
+            fd, done = self._create(what.size), RangeSet()
+        st = os.fstat(fd)
+        self._inode = (st.st_dev, st.st_ino)
+        return OpenPartial(fd, done, self._open_record(what, done, resume=resumed))
+
+    def create(self) -> IO[bytes]:
+        """A new private file for an origin that copies rather than downloads (no partial: a
+        copy is never resumed); commit it like a download."""
+        path = self._new_private("copy")
+        try:
+            f = path.open("xb")
+        except OSError as exc:
+            raise disk_error(exc, f"create {path}") from exc
+        st = os.fstat(f.fileno())
+        self._inode = (st.st_dev, st.st_ino)
+        return f
+
+    def verified(self) -> Path:
+        """The private name of the file just written (what a ``VerifiedFile`` points at)."""
+        if self._private is None:
+            raise RuntimeError("open or create the slot first")
+        return self._private
+
+    def suspend(self) -> None:
+        """This attempt ends unverified: drop the private name, keep the partial and its
+        record for a resume."""
+        private, self._private = self._private, None
+        if private is not None:
+            private.unlink(missing_ok=True)
+
+    def abandon(self) -> None:
+        """Discard the partial and its record: the next ``open`` starts from zero."""
+        self.suspend()
+        for path in (self.record, self.data):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+
+    # -- for the engine -----------------------------------------------------------------
+
+    def commit(self, file: VerifiedFile) -> Path:
+        """Publish ``file`` into the store, then forget the download's names: in this order,
+        in one call, so a cancellation of its caller cannot split them (run it in a thread).
+        Never resumed from either way: after a failed ``fsync`` its pages may be gone."""
+        try:
+            if file.path != self._private:
+                raise CacheError(f"{file.path} is not the file this slot wrote")
+            return self.cache.publish_blob(file.path, file.sha256, identity=self._inode)
+        finally:
+            self._forget()
+
+    def drop_leftover(self) -> None:
+        """A crash between publishing's link and its unlink leaves the partial of a blob that
+        is in the store now: remove it, unless a live download holds the lock."""
+        if not any(os.path.lexists(p) for p in (self.data, self.record)):
+            return
+        if self.lock.try_acquire():
+            try:
+                for path in (self.data, self.record):
+                    path.unlink(missing_ok=True)
+            finally:
+                self.lock.release()
+
+    # -- inside -------------------------------------------------------------------------
+
+    def _forget(self) -> None:
+        """Remove the download's names but the store's: its private one, and the shared one
+        with its resume record, unless another process (no working locks) made them anew."""
+        self.suspend()
+        try:
+            st = os.stat(self.data, follow_symlinks=False)
+        except FileNotFoundError:
+            return
+        if (st.st_dev, st.st_ino) == self._inode:
+            self.data.unlink(missing_ok=True)
+            self.record.unlink(missing_ok=True)
+
+    def _new_private(self, purpose: Literal["part", "copy"]) -> Path:
+        self.suspend()
+        self._private = self.cache.layout.path(*layout.TMP, temp_name(purpose))
+        return self._private
+
+    def _resume_point(self, what: Resumable) -> RangeSet:
+        """Trust a partial only if it names this exact object (URL, size, strong ETag, hash)
+        and the record describes this very file (its inode), which no one else holds a name
+        of: a second name is a live download's private one, or a blob published just before
+        a crash. A record torn by a power loss fails its checksum and resumes nothing."""
+        try:
+            raw = _decode_record(_read_record(self.record))
+            st = self.data.lstat()  # a symlink planted there is not the file it names
+            ok = (
+                raw is not None
+                and st.st_nlink == 1
+                and raw.get("inode") == [st.st_dev, st.st_ino]
+                and raw.get("version") == _RECORD_VERSION
+                and raw.get("url") == what.url
+                and raw.get("size") == what.size
+                and raw.get("sha256") == what.sha256
+                and what.etag is not None
+                and raw.get("etag") == what.etag
+                and st.st_size == what.size
+            )
+            if ok and raw is not None:
+                return RangeSet.from_list(raw["done"], what.size)
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        return RangeSet()
+
+    def _open_to_resume(self) -> int | None:
+        """Open the partial and link it to a new private name; None (start afresh) if it
+        changed meanwhile or is not a regular file of ours (a planted symlink is never
+        followed)."""
+        try:
+            _make_writable(self.data)
+            fd = os.open(self.data, _FLAGS | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                return None
+            raise disk_error(exc, f"open {self.data}") from exc
+        private = self._new_private("part")
+        try:
+            os.link(self.data, private, follow_symlinks=False)
+            here, there = os.fstat(fd), os.stat(private)
+            if (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino):
+                return fd
+            self.suspend()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            os.close(fd)
+            raise disk_error(exc, f"link {self.data}") from exc
+        os.close(fd)
+        return None
+
+    def _create(self, size: int) -> int:
+        private = self._new_private("part")
+        shared = self.cache.layout.path(*layout.TMP, temp_name("link"))
+        try:
+            fd = os.open(private, _FLAGS | os.O_CREAT | os.O_EXCL, 0o644)
+        except OSError as exc:
+            raise disk_error(exc, f"create {private}") from exc
+        try:
+            os.ftruncate(fd, size)
+            os.link(private, shared)
+            os.replace(shared, self.data)
+        except OSError as exc:
+            os.close(fd)
+            self.suspend()
+            shared.unlink(missing_ok=True)
+            raise disk_error(exc, f"create {self.data}") from exc
+        return fd
+
+    def _open_record(self, what: Resumable, done: RangeSet, *, resume: bool) -> ResumeRecord | None:
+        """The record of a resumed partial, or a new one holding its first version, renamed
+        over the old (which belongs to the file the new partial replaced), so a record is
+        never empty. None if the disk refuses."""
+        assert self._inode is not None
+        if resume:
+            try:
+                fd = os.open(self.record, _FLAGS | os.O_NOFOLLOW)
+            except OSError:
+                pass
+            else:
+                st = os.fstat(fd)
+                if stat.S_ISREG(st.st_mode):
+                    record = ResumeRecord(fd, self._inode)
+                    record.length = st.st_size
+                    return record
+                os.close(fd)
+        tmp = self.cache.layout.path(*layout.TMP, temp_name("resume"))
+        try:
+            fd = os.open(tmp, _FLAGS | os.O_CREAT | os.O_EXCL, 0o644)
+        except OSError:
+            return None
+        record = ResumeRecord(fd, self._inode)
+        try:
+            os.pwrite(fd, record.encode(what, done), 0)
+            os.replace(tmp, self.record)
+        except OSError:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            return None
+        return record
+
+
+def _make_writable(path: Path) -> None:
+    """A crash between publishing's ``chmod 0444`` and its link leaves a read-only partial
+    (its record still valid): make it writable again, or every open but root's fails."""
+    with contextlib.suppress(FileNotFoundError):
+        if not os.lstat(path).st_mode & 0o200:
+            os.chmod(path, 0o644)
+
+
+def _record_check(fields: dict[str, object]) -> str:
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+    return xxhash.xxh64_hexdigest(canonical)
+
+
+def _decode_record(data: bytes) -> dict[str, Any] | None:
+    raw = strict_json.loads(data)
+    if not isinstance(raw, dict):
+        return None
+    check = raw.pop("check", None)
+    return raw if check == _record_check(raw) else None
+
+
+def _read_record(path: Path) -> bytes:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        return os.read(fd, _MAX_RECORD)
+    finally:
+        os.close(fd)
+
+
+# --------------------------------------------------------------------------- every slot
+
+
+def in_progress(where: CacheLayout) -> dict[str, tuple[Path, ...]]:
+    """Every slot with files on disk, by key: its partial and resume record, as found."""
+    directory = where.path(*layout.PARTIAL)
+    try:
+        names = sorted(os.listdir(directory))
+    except (FileNotFoundError, NotADirectoryError):
+        return {}
+    except OSError as exc:
+        raise disk_error(exc, f"list {directory}") from exc
+    found: dict[str, tuple[Path, ...]] = {}
+    for name in names:
+        key, dot, ext = name.rpartition(".")
+        if dot and key and f".{ext}" in _SUFFIXES:
+            found[key] = (*found.get(key, ()), directory / name)
+    return found
+
+
+def remove_abandoned(cache: CacheStore, key: str, cutoff: float) -> bool:
+    """Remove one slot's files untouched since ``cutoff``, under its lock; False when they
+    stay (a download holds it, or wrote since, or the key is not one shardsync makes)."""
+    try:
+        slot = Slot(cache, key)
+    except CacheError:
+        return False
+    if not slot.lock.try_acquire():
+        return False
+    try:
+        for path in (slot.data, slot.record):
+            with contextlib.suppress(FileNotFoundError):
+                if os.lstat(path).st_mtime >= cutoff:
+                    return False  # written since the scan: a download resumed it
+        for path in (slot.record, slot.data):
+            try:
+                path.unlink(missing_ok=True)
+            except OSError as exc:
+                raise disk_error(exc, f"remove {path}") from exc
+    finally:
+        slot.lock.release()
+    return True
+
+
+def sweep_orphans(cache: CacheStore) -> int:
+    """Remove ``tmp/`` entries left by crashed processes of this host; how many went.
+
+    Safe without a lock: the writer is gone. One is often a slot's private name, a second
+    name of its partial, which would otherwise look like a live download and never resume.
+    Entries of other hosts sharing the cache are left to prune's stale age, as a pid means
+    nothing across hosts.
+    """
+    orphans = [
+        name for name in _names(cache.layout.path(*layout.TMP)) if layout.temp_owner(name) == "gone"
+    ]
+    removal = CacheRemoval(cache)
+    for name in orphans:
+        removal.remove_junk("tmp", name)
+    return len(orphans)
+
+
+def remove_idle_locks(cache: CacheStore) -> int:
+    """Unlink the lock files of downloads nobody holds (one per blob ever fetched would pile
+    up otherwise); how many went. Each is removed while held (see ``BlobLock``)."""
+    removed = 0
+    for name in _names(cache.layout.path(*layout.LOCKS)):
+        if not layout.is_download_lock(name):
+            continue  # the prune gate and the access log's lock stay
+        lock = BlobLock(cache.layout.path(*layout.LOCKS, name))
+        if not lock.try_acquire():
+            continue
+        try:
+            os.unlink(lock.path)
+            removed += 1
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise disk_error(exc, f"remove {lock.path}") from exc
+        finally:
+            lock.release()
+    return removed
+
+
+def _names(path: Path) -> list[str]:
+    try:
+        return os.listdir(path)
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        raise disk_error(exc, f"list {path}") from exc

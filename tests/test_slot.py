@@ -1,0 +1,94 @@
+"""The download slot: one owner for the lock, partial, resume record and private name."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+
+from shardsync.cache import CacheStore
+from shardsync.errors import CacheError
+from shardsync.layout import CacheLayout
+from shardsync.ranges import RangeSet
+from shardsync.slot import Resumable, ResumeRecord, Slot, VerifiedFile, in_progress
+
+DATA = os.urandom(3000)
+SHA = hashlib.sha256(DATA).hexdigest()
+WHAT = Resumable("https://h.test/a/resolve/main/m.safetensors", '"abc"', len(DATA), SHA)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> CacheStore:
+    return CacheStore(tmp_path / "cache")
+
+
+def _write(slot: Slot, upto: int) -> ResumeRecord:
+    """What the fetcher does: open, write the first ``upto`` bytes, record them, close."""
+    partial = slot.open(WHAT)
+    os.pwrite(partial.fd, DATA[:upto], 0)
+    os.close(partial.fd)
+    assert partial.record is not None
+    partial.record.write(partial.record.encode(WHAT, RangeSet.from_list([[0, upto]], len(DATA))))
+    partial.record.close()
+    return partial.record
+
+
+def _verified(slot: Slot) -> VerifiedFile:
+    return VerifiedFile(slot.verified(), len(DATA), SHA, "0" * 32, None, "sha256", 0, 0)
+
+
+def test_the_resume_record_is_byte_for_byte_the_format_of_earlier_releases() -> None:
+    """Partials left by a release before slots resume: the bytes are those it wrote."""
+    record = ResumeRecord(-1, (66, 1234))
+    what = Resumable(WHAT.url, WHAT.etag, 1000, "ab" * 32)
+    assert record.encode(what, RangeSet.from_list([[0, 300], [500, 600]], 1000)) == (
+        b'{"version":3,"url":"https://h.test/a/resolve/main/m.safetensors","etag":"\\"abc\\"",'
+        b'"size":1000,"sha256":"abababababababababababababababababababababababababababababababab",'
+        b'"inode":[66,1234],"done":[[0,300],[500,600]],"check":"e797248d44212908"}'
+    )
+
+
+def test_a_suspended_slot_resumes_and_a_commit_publishes_and_forgets(store: CacheStore) -> None:
+    slot = Slot(store, "k")
+    _write(slot, 1000)
+    slot.suspend()  # the transfer failed: the partial stays, the private name goes
+    assert list(in_progress(store.layout)) == ["k"]
+    again = Slot(store, "k").open(WHAT)
+    assert again.done.to_list() == [[0, 1000]]
+    os.close(again.fd)
+    assert again.record is not None
+    again.record.close()
+    assert Slot(store, "k").open(Resumable(WHAT.url, '"other"', WHAT.size, SHA)).done.total() == 0
+
+
+def test_commit_publishes_the_slots_own_file_only(store: CacheStore, tmp_path: Path) -> None:
+    slot = Slot(store, "k")
+    _write(slot, len(DATA))
+    stranger = tmp_path / "stranger"
+    stranger.write_bytes(DATA)
+    with pytest.raises(CacheError):
+        slot.commit(VerifiedFile(stranger, len(DATA), SHA, "0" * 32, None, "sha256", 0, 0))
+    slot = Slot(store, "k")
+    _write(slot, len(DATA))
+    assert slot.commit(_verified(slot)).read_bytes() == DATA
+    assert in_progress(store.layout) == {} and os.listdir(store.root / "tmp") == []
+
+
+def test_abandon_discards_partial_record_and_private_name(store: CacheStore) -> None:
+    slot = Slot(store, "k")
+    _write(slot, 1000)
+    slot.abandon()
+    assert in_progress(CacheLayout(store.root)) == {}
+    assert os.listdir(store.root / "tmp") == []
+
+
+async def test_the_slot_is_held_by_one_download_at_a_time(store: CacheStore) -> None:
+    async with Slot(store, "k") as held:
+        assert held.lock.held
+        assert not Slot(store, "k").lock.try_acquire()
+        with pytest.raises(CacheError):
+            await asyncio.wait_for(Slot(store, "k").lock.acquire(timeout=0.05), 1)
+    assert Slot(store, "k").lock.try_acquire()
