@@ -51,24 +51,15 @@ def _prefetch(
     return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
-def _written(cache: Path) -> int:
-    """Bytes the client has on disk: allocated blocks of its partial files (they are sparse
-    until written) plus published blobs. The hub's count runs ahead of it by whatever sits in
-    socket buffers, which a kill loses whatever the client does."""
-    total = 0
-    for pattern in ("partial/*.part", "store/sha256/*/*"):
-        for path in cache.glob(pattern):
-            try:
-                st = path.stat()
-            except FileNotFoundError:
-                continue
-            total += min(st.st_blocks * 512, st.st_size)
-    return total
+def _served(hub: FakeHub) -> int:
+    """Shard bytes the hub has sent, bodies still flowing included. Partial files are
+    preallocated, so their size on disk says nothing about progress; this does."""
+    return hub.bytes_served("*.safetensors")
 
 
-def _wait_written(cache: Path, target: int, proc: subprocess.Popen[bytes] | None) -> bool:
-    """Until the client has ``target`` bytes on disk (False if it finished first)."""
-    while _written(cache) < target:
+def _wait_served(hub: FakeHub, target: int, proc: subprocess.Popen[bytes] | None) -> bool:
+    """Until the hub has sent ``target`` shard bytes (False if the client finished first)."""
+    while _served(hub) < target:
         if proc is not None and proc.poll() is not None:
             return False
         time.sleep(0.005)
@@ -84,10 +75,10 @@ def _finish(proc: subprocess.Popen[bytes]) -> None:
 def one(hub: FakeHub, model: int, work: Path, rng: random.Random) -> dict[str, float]:
     cache = work / "cache"
     proc = _prefetch(hub.endpoint, cache, daemon=False)
-    killed = _wait_written(cache, int(0.4 * model), proc)
+    killed = _wait_served(hub, int(0.4 * model), proc)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    at = _written(cache)
+    at = _served(hub)
     _finish(_prefetch(hub.endpoint, cache, daemon=False))
     return {"killed_at": round(at / model, 3), "kills": int(killed)}
 
@@ -98,13 +89,13 @@ def five(hub: FakeHub, model: int, work: Path, rng: random.Random) -> dict[str, 
     points = []
     for _ in range(5):
         proc = _prefetch(hub.endpoint, cache, daemon=False)
-        # a random early point: 2-12% of the model more than is on disk now
-        target = _written(cache) + int(rng.uniform(0.02, 0.12) * model)
-        if _wait_written(cache, target, proc):
+        # a random early point: 2-12% of the model more than has been served so far
+        target = _served(hub) + int(rng.uniform(0.02, 0.12) * model)
+        if _wait_served(hub, target, proc):
             kills += 1
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-        points.append(round(_written(cache) / model, 3))
+        points.append(round(_served(hub) / model, 3))
     _finish(_prefetch(hub.endpoint, cache, daemon=False))
     return {"kills": kills, "points": points}  # type: ignore[dict-item]
 
@@ -122,11 +113,11 @@ def daemon(hub: FakeHub, model: int, work: Path, rng: random.Random) -> dict[str
     first = DaemonProcess(config, work)
     first.start()
     client = _prefetch(hub.endpoint, work / "cache", daemon=True, config=config)
-    killed = _wait_written(work / "cache", int(0.4 * model), client)
+    killed = _wait_served(hub, int(0.4 * model), client)
     assert first.proc is not None
     first.proc.send_signal(signal.SIGKILL)
     first.proc.wait()
-    at = _written(work / "cache")
+    at = _served(hub)
     client.kill()
     client.wait()
     first.close()

@@ -18,10 +18,15 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import mmap
 import os
+import socket
+import ssl
+import threading
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 from urllib.parse import urljoin, urlsplit, urlunsplit
@@ -42,7 +47,7 @@ from shardsync.errors import (
     TransferError,
     disk_error,
 )
-from shardsync.network import NetworkConfig
+from shardsync.network import NetworkConfig, ssl_context
 from shardsync.ranges import (
     RangeSet,
     format_range,
@@ -54,6 +59,7 @@ from shardsync.ranges import (
 from shardsync.records import FetchConfig, FetchStatistics
 from shardsync.retry import Backoff, classify_status, parse_retry_after
 from shardsync.slot import Resumable, ResumeRecord, Slot, VerifiedFile
+from shardsync.wire import RangeReader, Stream, map_for_writing
 
 __all__ = [
     "BlobRequest",
@@ -73,12 +79,15 @@ _MAX_REDIRECTS = 5
 _MIN_SPLIT = MiB  # the smallest Range worth a connection of its own
 _SIDECAR_VERSION = 3
 _MAX_RECORD = 1 << 20
+_BODY_NICENESS = 5  # added to a body thread's nice value (a thread may lower its own priority)
+_ERROR_BODY = 4096  # bytes of an error answer read for its message
 _CREDENTIAL_HEADERS = ("authorization", "cookie", "proxy-authorization", "x-amz-security-token")
 
 _T = TypeVar("_T")
 Sleep = Callable[[float], Awaitable[None]]
 Validator = Literal["If-Range", "If-Match"]
 Throttle = Callable[[int], Awaitable[None]]
+Header = Callable[[str], "str | None"]  # a response header by case-insensitive name
 """Awaited with each body read's size: a shared bandwidth budget (the daemon's token bucket)."""
 ProgressFn = Callable[[int], None]
 
@@ -126,14 +135,16 @@ def is_retryable_exception(exc: BaseException) -> bool:
     Connection drops, truncated bodies and timeouts are; TLS certificate or
     handshake failures, bad URLs and everything else are not.
     """
-    if isinstance(exc, aiohttp.ClientSSLError):
+    if isinstance(exc, aiohttp.ClientSSLError | ssl.SSLCertVerificationError):
         return False
     return isinstance(
         exc,
         aiohttp.ClientPayloadError
         | aiohttp.ClientConnectionError
         | asyncio.TimeoutError
-        | ConnectionError,
+        | ConnectionError
+        | socket.gaierror  # a name lookup that failed may succeed in a moment
+        | ssl.SSLEOFError,  # the peer dropped a TLS connection
     )
 
 
@@ -158,6 +169,18 @@ class _Relocate(Exception):
     """The data URL stopped working (expired signature): ask the origin again."""
 
 
+@dataclass(frozen=True, slots=True)
+class _Wire:
+    """One file's body transfers off the loop: its connections and the threads reading them."""
+
+    reader: RangeReader
+    threads: ThreadPoolExecutor
+
+    def close(self) -> None:
+        self.threads.shutdown(wait=False)
+        self.reader.close()
+
+
 @dataclass(slots=True)
 class _FileState:
     """Mutable per-file transfer state shared by its connections."""
@@ -173,15 +196,19 @@ class _FileState:
     progressed: asyncio.Event = field(default_factory=asyncio.Event)
     record_due: asyncio.Event = field(default_factory=asyncio.Event)
     in_flight: set[asyncio.Future[Any]] = field(default_factory=set)
+    view: memoryview | None = None  # the file's shared mapping, when bodies go through it
+    wire: _Wire | None = None  # worker threads reading bodies into ``view``
 
-    def start_in_thread(self, fn: Callable[..., _T], *args: object) -> asyncio.Future[_T]:
+    def start_in_thread(
+        self, fn: Callable[..., _T], *args: object, executor: Executor | None = None
+    ) -> asyncio.Future[_T]:
         """Start blocking file I/O on ``fd`` in a thread, tracked so ``fd`` outlives it.
 
         A cancelled coroutine does not stop its thread; closing ``fd`` under a running
         ``pwrite`` could write into whatever file reuses the descriptor number. Await the
         result through ``asyncio.shield`` so a cancellation never marks it done early.
         """
-        future = asyncio.get_running_loop().run_in_executor(None, fn, *args)
+        future = asyncio.get_running_loop().run_in_executor(executor, fn, *args)
         self.in_flight.add(future)
         future.add_done_callback(self.in_flight.discard)
         future.add_done_callback(_mark_retrieved)
@@ -463,8 +490,17 @@ class Fetcher:
         state = _FileState(fd=fd, size=size, etag=etag, done=done, single_stream=single_stream)
         on_progress(resumed)
         verified: Literal["sha256", "git-sha1", "tofu"] | None = None
+        mapping: mmap.mmap | None = None
         try:
             try:
+                if self._wire_serves(located.url):
+                    try:
+                        mapping = await state.in_thread(map_for_writing, fd, size)
+                    except OSError as exc:
+                        raise disk_error(exc, "reserve the partial file") from exc
+                    if mapping is not None:
+                        state.view = memoryview(mapping)
+                        state.wire = self._open_wire(located.url)
                 async with asyncio.TaskGroup() as tg:
                     hasher = tg.create_task(self._hash(state, request))
                     tg.create_task(self._keep_record(record, request, state))
@@ -479,6 +515,7 @@ class Fetcher:
                 raise  # unreachable: _raise_first always raises
             finally:
                 await state.drain()  # no thread may still use ``fd`` when it closes
+                _unmap(state, mapping)
                 tally.downloaded += state.downloaded
                 try:
                     await _save_record(record, request, state)
@@ -507,6 +544,22 @@ class Fetcher:
             downloaded=tally.downloaded,  # every attempt's bytes: each arrived once
             resumed=tally.resumed or 0,
         )
+
+    def _wire_serves(self, url: str) -> bool:
+        """Bodies go through worker threads on direct http(s) connections; through a proxy
+        they take the aiohttp path, which speaks to proxies."""
+        return urlsplit(url).scheme in ("http", "https") and self.network.proxy_for(url) is None
+
+    def _open_wire(self, url: str) -> _Wire:
+        cfg = self.config
+        context = ssl_context(self.network) if urlsplit(url).scheme == "https" else None
+        reader = RangeReader(
+            context, connect_timeout=cfg.connect_timeout, read_timeout=cfg.read_timeout
+        )
+        threads = ThreadPoolExecutor(
+            cfg.connections_per_file, thread_name_prefix="shardsync-body", initializer=_yield_cpu
+        )
+        return _Wire(reader, threads)
 
     async def _probe_size(self, located: Located, label: str) -> int:
         """Origins that omit Content-Length on HEAD: ask for one byte and read the total."""
@@ -559,7 +612,7 @@ class Fetcher:
                     written = await self._get_range(
                         request, located, state, start, end, on_progress
                     )
-                except (aiohttp.ClientError, TimeoutError, StalledError, ProtocolError) as exc:
+                except (aiohttp.ClientError, OSError, StalledError, ProtocolError) as exc:
                     covered = _covered_until(state.done, start)
                     if self._progressed(covered - start, end - start):
                         backoff.reset()
@@ -609,52 +662,140 @@ class Fetcher:
             headers["Range"] = format_range(start, end - 1)
             if state.etag is not None:
                 headers[request.validator] = state.etag
+            if state.wire is not None:
+                received = await self._get_range_wire(
+                    request, located.url, headers, state, start, end, on_progress
+                )
+                if received is not None:
+                    return received
         async with self._request("GET", located.url, headers) as resp:
-            if resp.status == 206 and not whole:
-                self._check_partial(resp, request.label, state, start, end)
-            elif resp.status == 200:
-                new_etag = resp.headers.get("ETag")
-                if not whole:
-                    # Range ignored (same object: fall back to one stream) or If-Range
-                    # failed (a new object: start over with ranges).
-                    raise _Restart(
-                        "200 to a Range request",
-                        etag=new_etag,
-                        single_stream=state.etag is None or new_etag == state.etag,
-                    )
+            if resp.status == 200 and whole:
                 if resp.content_length is not None and resp.content_length != state.size:
                     raise ProtocolError(
                         f"{request.label}: full body of {resp.content_length} bytes, "
                         f"expected {state.size}"
                     )
-            elif resp.status == 416:
-                total = parse_unsatisfied_range(resp.headers.get("Content-Range", ""))
-                raise _Restart(
-                    f"416: object is now {total} bytes, expected {state.size}",
-                    etag=None,
-                    single_stream=False,
-                )
+            elif resp.status in (200, 206, 416):
+                _check_range_answer(resp.status, resp.headers.get, request.label, state, start, end)
             else:
                 await self._raise_for_status(resp, request.label, relocatable=True)
-            encoding = resp.headers.get("Content-Encoding", "identity").lower()
-            if encoding not in ("identity", ""):
-                raise ProtocolError(f"{request.label}: server applied Content-Encoding {encoding}")
+            _check_encoding(resp.headers.get, request.label)
             return await self._stream_body(resp, state, start, end, on_progress)
 
-    def _check_partial(
-        self, resp: aiohttp.ClientResponse, label: str, state: _FileState, start: int, end: int
-    ) -> None:
-        cr = parse_content_range(resp.headers.get("Content-Range", ""))
-        if cr is None or cr.start != start or cr.end >= end or cr.total != state.size:
-            raise ProtocolError(
-                f"{label}: asked for bytes {start}-{end - 1}/{state.size}, "
-                f"got Content-Range {resp.headers.get('Content-Range')!r}"
+    async def _get_range_wire(
+        self,
+        request: BlobRequest,
+        url: str,
+        headers: Mapping[str, str],
+        state: _FileState,
+        start: int,
+        end: int,
+        on_progress: ProgressFn,
+    ) -> int | None:
+        """``_get_range`` with the body read by a worker thread into the file's mapping.
+
+        None: the answer is one only the aiohttp path reads (a redirect, a body without a
+        length); it asks again. Every other answer means what it means there.
+        """
+        wire = state.wire
+        assert wire is not None
+        self._active += 1
+        try:
+            opening = state.start_in_thread(
+                wire.reader.open, url, self._headers(url, headers), executor=wire.threads
             )
-        etag = resp.headers.get("ETag")
-        if state.etag is not None and etag is not None and etag != state.etag:
-            raise _Restart("ETag changed", etag=etag, single_stream=False)
-        if state.etag is None and is_strong_etag(etag):
-            state.etag = etag
+            try:
+                stream = await asyncio.shield(opening)
+            except asyncio.CancelledError:
+                opening.add_done_callback(_close_opened)  # no one else will take it
+                raise
+            try:
+                head = stream.head
+                if head.status in _REDIRECTS or (head.status in (200, 206) and not stream.framed):
+                    return None
+                if head.status not in (200, 206, 416):
+                    reading = state.start_in_thread(
+                        stream.read_small, _ERROR_BODY, executor=wire.threads
+                    )
+                    body = await asyncio.shield(reading)
+                    raise _status_error(
+                        head.status, head.get, body, request.label, relocatable=True
+                    )
+                _check_range_answer(head.status, head.get, request.label, state, start, end)
+                _check_encoding(head.get, request.label)
+                return await self._receive(stream, state, start, end, on_progress)
+            finally:
+                stream.close()
+        finally:
+            self._active -= 1
+
+    async def _receive(
+        self, stream: Stream, state: _FileState, start: int, end: int, on_progress: ProgressFn
+    ) -> int:
+        """Read a 206 body into the mapping in a worker thread; returns the bytes received.
+
+        Bytes count as on disk the moment ``recv_into`` put them in the mapping (they are in
+        the page cache, as after a ``pwrite``), reported to the loop every ``write_size``,
+        so the resume record can claim a cut range's received prefix.
+        """
+        cfg = self.config
+        loop = asyncio.get_running_loop()
+        view = state.view
+        assert view is not None
+
+        def landed(first: int, stop: int) -> None:
+            n = stop - first
+            state.done.add(first, stop)
+            state.unsaved += n
+            state.downloaded += n
+            self._bytes += n
+            on_progress(n)
+            state.progressed.set()
+            if state.unsaved >= cfg.sidecar_bytes:
+                state.record_due.set()
+
+        throttle = self._throttle
+
+        async def admit(n: int) -> None:
+            assert throttle is not None
+            await throttle(n)
+
+        def pump() -> int:
+            pos = reported = start
+            window_start, window_bytes = self._clock(), 0
+            try:
+                while pos < end:
+                    with view[pos : min(end, pos + cfg.read_size)] as target:
+                        n = stream.readinto(target)
+                    if n == 0:
+                        break
+                    pos += n
+                    window_bytes += n
+                    if throttle is not None:
+                        asyncio.run_coroutine_threadsafe(admit(n), loop).result()
+                    if pos - reported >= cfg.write_size:
+                        loop.call_soon_threadsafe(landed, reported, pos)
+                        reported = pos
+                    now = self._clock()
+                    if now - window_start >= cfg.throughput_window:
+                        rate = window_bytes / (now - window_start)
+                        if rate < cfg.min_throughput:
+                            raise StalledError(
+                                f"{rate:.0f} B/s is under the {cfg.min_throughput} B/s minimum"
+                            )
+                        window_start, window_bytes = now, 0
+            finally:
+                if pos > reported:
+                    loop.call_soon_threadsafe(landed, reported, pos)
+            return pos - start
+
+        assert state.wire is not None
+        future = state.start_in_thread(pump, executor=state.wire.threads)
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            stream.abort()  # the thread stops; ``drain`` waits for it before ``fd`` closes
+            raise
 
     async def _stream_body(
         self,
@@ -760,7 +901,11 @@ class Fetcher:
                 state.progressed.clear()
                 await state.progressed.wait()
                 continue
-            hashed = await state.in_thread(_hash_range, state.fd, hashed, frontier, (sha, xxh, git))
+            hashers = (sha, xxh, git)
+            if state.view is not None:
+                hashed = await state.in_thread(_hash_view, state.view, hashed, frontier, hashers)
+            else:
+                hashed = await state.in_thread(_hash_range, state.fd, hashed, frontier, hashers)
         return sha.hexdigest(), xxh.hexdigest(), git.hexdigest() if git else None
 
     # ------------------------------------------------------------------ sidecar
@@ -842,35 +987,10 @@ class Fetcher:
         self, resp: aiohttp.ClientResponse, label: str, *, relocatable: bool = False
     ) -> None:
         """Turn a non-success answer into an exception (retryable ones as ``_RetryLater``)."""
-        status = resp.status
-        code = resp.headers.get("X-Error-Code", "")
-        message = await _error_message(resp)
-        detail = (
-            f"{label}: HTTP {status}{' ' + code if code else ''}{': ' + message if message else ''}"
-        )
-        if code == "RepoNotFound":
-            raise RepoNotFoundError(detail)
-        if code == "RevisionNotFound":
-            raise RevisionNotFoundError(detail)
-        if code == "EntryNotFound":
-            raise EntryNotFoundError(detail)
-        if code == "GatedRepo":
-            raise AuthError(detail)
-        if status == 407:
-            raise AuthError(f"{detail} (the proxy wants credentials: http://USER:PASS@HOST:PORT)")
-        verdict = classify_status(status)
-        if verdict == "retry":
-            after = parse_retry_after(resp.headers.get("Retry-After"), now=time.time())
-            raise _RetryLater(detail, after=after, status=status)
-        if verdict == "restart" and relocatable:
-            raise _Restart(detail, etag=None, single_stream=False)
-        if verdict == "relocate":
-            if relocatable:
-                raise _Relocate(detail)
-            raise AuthError(detail)
-        if status == 404:
-            raise EntryNotFoundError(detail)
-        raise OriginError(detail)
+        body = b""
+        with contextlib.suppress(Exception):
+            body = await resp.content.read(_ERROR_BODY)
+        raise _status_error(resp.status, resp.headers.get, body, label, relocatable=relocatable)
 
     async def _backoff_or_raise(
         self, exc: BaseException, label: str, backoff: Backoff, retry_after: float | None
@@ -972,16 +1092,87 @@ async def _read_at_most(resp: aiohttp.ClientResponse, n: int) -> bytes:
     return bytes(body)
 
 
-async def _error_message(resp: aiohttp.ClientResponse) -> str:
-    with contextlib.suppress(Exception):
-        body = await resp.content.read(4096)
-        with contextlib.suppress(ValueError, UnicodeDecodeError):
-            parsed = json.loads(body)
-            if isinstance(parsed, dict) and isinstance(parsed.get("error"), str):
-                return str(parsed["error"])[:300]
-        text = body.decode("utf-8", "replace").strip()
-        if text and not text.lstrip().startswith("<"):
-            return text[:300]
+def _status_error(
+    status: int, header: Header, body: bytes, label: str, *, relocatable: bool
+) -> Exception:
+    """What a non-success answer means: the error to raise (``_RetryLater`` when a retry may
+    help, ``_Relocate`` when a fresh URL may, ``_Restart`` when the object changed)."""
+    code = header("X-Error-Code") or ""
+    message = _error_message(body)
+    detail = (
+        f"{label}: HTTP {status}{' ' + code if code else ''}{': ' + message if message else ''}"
+    )
+    if code == "RepoNotFound":
+        return RepoNotFoundError(detail)
+    if code == "RevisionNotFound":
+        return RevisionNotFoundError(detail)
+    if code == "EntryNotFound":
+        return EntryNotFoundError(detail)
+    if code == "GatedRepo":
+        return AuthError(detail)
+    if status == 407:
+        return AuthError(f"{detail} (the proxy wants credentials: http://USER:PASS@HOST:PORT)")
+    verdict = classify_status(status)
+    if verdict == "retry":
+        after = parse_retry_after(header("Retry-After"), now=time.time())
+        return _RetryLater(detail, after=after, status=status)
+    if verdict == "restart" and relocatable:
+        return _Restart(detail, etag=None, single_stream=False)
+    if verdict == "relocate":
+        return _Relocate(detail) if relocatable else AuthError(detail)
+    if status == 404:
+        return EntryNotFoundError(detail)
+    return OriginError(detail)
+
+
+def _check_range_answer(
+    status: int, header: Header, label: str, state: _FileState, start: int, end: int
+) -> None:
+    """Accept a 206 for exactly ``[start, end)`` of the object first seen; a 200 or 416 to a
+    Range request means start over (``_Restart``), as does a changed ETag."""
+    if status == 200:
+        # Range ignored (same object: fall back to one stream) or If-Range failed (a new
+        # object: start over with ranges).
+        new_etag = header("ETag")
+        raise _Restart(
+            "200 to a Range request",
+            etag=new_etag,
+            single_stream=state.etag is None or new_etag == state.etag,
+        )
+    if status == 416:
+        total = parse_unsatisfied_range(header("Content-Range") or "")
+        raise _Restart(
+            f"416: object is now {total} bytes, expected {state.size}",
+            etag=None,
+            single_stream=False,
+        )
+    cr = parse_content_range(header("Content-Range") or "")
+    if cr is None or cr.start != start or cr.end >= end or cr.total != state.size:
+        raise ProtocolError(
+            f"{label}: asked for bytes {start}-{end - 1}/{state.size}, "
+            f"got Content-Range {header('Content-Range')!r}"
+        )
+    etag = header("ETag")
+    if state.etag is not None and etag is not None and etag != state.etag:
+        raise _Restart("ETag changed", etag=etag, single_stream=False)
+    if state.etag is None and is_strong_etag(etag):
+        state.etag = etag
+
+
+def _check_encoding(header: Header, label: str) -> None:
+    encoding = (header("Content-Encoding") or "identity").lower()
+    if encoding not in ("identity", ""):
+        raise ProtocolError(f"{label}: server applied Content-Encoding {encoding}")
+
+
+def _error_message(body: bytes) -> str:
+    with contextlib.suppress(ValueError, UnicodeDecodeError):
+        parsed = json.loads(body)
+        if isinstance(parsed, dict) and isinstance(parsed.get("error"), str):
+            return str(parsed["error"])[:300]
+    text = body.decode("utf-8", "replace").strip()
+    if text and not text.lstrip().startswith("<"):
+        return text[:300]
     return ""
 
 
@@ -1037,6 +1228,31 @@ def _raise_first(group: BaseExceptionGroup[BaseException]) -> None:
     raise leaves[0]
 
 
+def _yield_cpu() -> None:
+    """Body threads run a little below the hashers: where cores are scarce the hash keeps
+    pace with the bytes instead of being left a backlog to work through after the last one."""
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _BODY_NICENESS)
+
+
+def _close_opened(future: asyncio.Future[Stream]) -> None:
+    if not future.cancelled() and future.exception() is None:
+        future.result().close()
+
+
+def _unmap(state: _FileState, mapping: mmap.mmap | None) -> None:
+    """Close the file's wire and mapping once no thread uses them."""
+    if state.wire is not None:
+        state.wire.close()
+        state.wire = None
+    if state.view is not None:
+        state.view.release()
+        state.view = None
+    if mapping is not None:
+        with contextlib.suppress(BufferError):  # a view still held: freed with it
+            mapping.close()
+
+
 _IOV_MAX = 512  # pieces per pwritev call, well under the kernel's IOV_MAX (1024)
 
 
@@ -1051,6 +1267,17 @@ def _pwritev_all(fd: int, pieces: list[bytes], offset: int) -> None:
             views.pop(0)
         if views and n:
             views[0] = views[0][n:]
+
+
+def _hash_view(view: memoryview, start: int, end: int, hashers: tuple[object, ...]) -> int:
+    """Hash the mapped file's bytes where they lie: no copy out of the page cache."""
+    step = 8 * MiB
+    for pos in range(start, end, step):
+        with view[pos : min(end, pos + step)] as piece:
+            for h in hashers:
+                if h is not None:
+                    h.update(piece)  # type: ignore[attr-defined]
+    return end
 
 
 def _hash_range(fd: int, start: int, end: int, hashers: tuple[object, ...]) -> int:

@@ -324,13 +324,13 @@ class FetchConfig:
     connections_per_file: int = 8
     chunk_size: int = 16 * MiB
     read_size: int = 4 * MiB
-    write_size: int = 512 * 1024
+    write_size: int = 128 * 1024
     connect_timeout: float = 10.0
     read_timeout: float = 30.0
     min_throughput: int = 32 * 1024  # bytes/s a connection must sustain ...
     throughput_window: float = 30.0  # ... averaged over this many seconds
     sidecar_interval: float = 0.1  # the resume record is saved this often while data lands ...
-    sidecar_bytes: int = 4 * MiB  # ... or once this much more of a file is on disk
+    sidecar_bytes: int = 1 * MiB  # ... or once this much more of a file is on disk
     max_verify_attempts: int = 3  # full re-downloads after a hash mismatch
     retry: RetryPolicy = field(default_factory=RetryPolicy)
 

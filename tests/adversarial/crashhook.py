@@ -222,6 +222,21 @@ class Hook:
                 write(cut)
             self._die(f"KILL at byte {action.n} in write partial")
 
+    def receive(self, view: memoryview, read: Callable[[memoryview], int]) -> int:
+        """Body bytes received straight into a partial file's mapping (``shardsync.wire``):
+        a ``write partial`` step like a ``pwrite``; ``killbytes`` cuts the one crossing N."""
+        action = self.action
+        if action is None or action.mode != "killbytes":
+            return self.run("write", "partial", lambda: read(view))
+        with self._lock:
+            room = action.n - self._data_bytes
+            n = read(view[:room] if room < len(view) else view)
+            self._data_bytes += n
+            self._note("write partial")
+            if self._data_bytes >= action.n:
+                self._die(f"KILL at byte {action.n} in write partial")
+            return n
+
     def _note(self, line: str) -> None:
         if self._trace is not None:
             _real_write(self._trace, f"{line}\n".encode())
@@ -317,6 +332,15 @@ def install(hook: Hook) -> None:
     }
     for name, function in replacements.items():
         setattr(os, name, function)
+
+    from shardsync import wire  # after the swap: it binds none of them at import
+
+    received = wire.Stream.readinto
+
+    def readinto(self: wire.Stream, view: memoryview) -> int:
+        return hook.receive(view, lambda v: received(self, v))
+
+    wire.Stream.readinto = readinto  # type: ignore[method-assign]
 
 
 def main(argv: Sequence[str]) -> int:
