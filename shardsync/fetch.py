@@ -169,6 +169,29 @@ class _Relocate(Exception):
     """The data URL stopped working (expired signature): ask the origin again."""
 
 
+class _Watchdog:
+    """Gives up on a connection whose rate over ``throughput_window`` is under
+    ``min_throughput``: a server trickling bytes never trips the read timeout."""
+
+    def __init__(self, clock: Callable[[], float], config: FetchConfig) -> None:
+        self._clock = clock
+        self._config = config
+        self._start = clock()
+        self._bytes = 0
+
+    def count(self, n: int) -> None:
+        self._bytes += n
+        now = self._clock()
+        if now - self._start < self._config.throughput_window:
+            return
+        rate = self._bytes / (now - self._start)
+        if rate < self._config.min_throughput:
+            raise StalledError(
+                f"{rate:.0f} B/s is under the {self._config.min_throughput} B/s minimum"
+            )
+        self._start, self._bytes = now, 0
+
+
 @dataclass(frozen=True, slots=True)
 class _Wire:
     """One file's body transfers off the loop: its connections and the threads reading them."""
@@ -762,7 +785,7 @@ class Fetcher:
 
         def pump() -> int:
             pos = reported = start
-            window_start, window_bytes = self._clock(), 0
+            watchdog = _Watchdog(self._clock, cfg)
             try:
                 while pos < end:
                     with view[pos : min(end, pos + cfg.read_size)] as target:
@@ -770,20 +793,12 @@ class Fetcher:
                     if n == 0:
                         break
                     pos += n
-                    window_bytes += n
                     if throttle is not None:
                         asyncio.run_coroutine_threadsafe(admit(n), loop).result()
                     if pos - reported >= cfg.write_size:
                         loop.call_soon_threadsafe(landed, reported, pos)
                         reported = pos
-                    now = self._clock()
-                    if now - window_start >= cfg.throughput_window:
-                        rate = window_bytes / (now - window_start)
-                        if rate < cfg.min_throughput:
-                            raise StalledError(
-                                f"{rate:.0f} B/s is under the {cfg.min_throughput} B/s minimum"
-                            )
-                        window_start, window_bytes = now, 0
+                    watchdog.count(n)
             finally:
                 if pos > reported:
                     loop.call_soon_threadsafe(landed, reported, pos)
@@ -816,7 +831,7 @@ class Fetcher:
         pending = 0
         written = queued = start  # on disk before ``written``; being written before ``queued``
         writing: asyncio.Future[None] | None = None
-        window_start, window_bytes = self._clock(), 0
+        watchdog = _Watchdog(self._clock, cfg)
 
         async def settle() -> None:
             nonlocal writing, written
@@ -867,18 +882,10 @@ class Fetcher:
                 pending += n
                 state.downloaded += n
                 self._bytes += n
-                window_bytes += n
                 on_progress(n)
                 if pending >= cfg.write_size:
                     await flush()
-                now = self._clock()
-                if now - window_start >= cfg.throughput_window:
-                    rate = window_bytes / (now - window_start)
-                    if rate < cfg.min_throughput:
-                        raise StalledError(
-                            f"{rate:.0f} B/s is under the {cfg.min_throughput} B/s minimum"
-                        )
-                    window_start, window_bytes = now, 0
+                watchdog.count(n)
         finally:
             await flush()
             await settle()
