@@ -26,7 +26,6 @@ import shutil
 import stat
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import Self
 
 from shardsync import layout
@@ -167,12 +166,7 @@ class BlobLock:
         await self.acquire()
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         self.release()
 
 

@@ -29,7 +29,7 @@ __all__ = ["CacheRemoval", "Quarantined"]
 
 @dataclass(frozen=True, slots=True)
 class Quarantined:
-    """What ``CacheStore.quarantine_blob`` did."""
+    """What ``CacheRemoval.quarantine_blob`` did."""
 
     path: Path | None  # where the store blob went; None when it was no longer in the store
     links: tuple[Path, ...]  # snapshot symlinks and repo blob links removed

@@ -30,6 +30,7 @@ prune runs waits for it (unlinks only: moments) and then sees what it left.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -391,17 +392,28 @@ class Leases:
         pid: int | None = None,
         timeout: float | None = None,  # noqa: ASYNC109 - the wait ends in CacheError
     ) -> Lease:
-        """``hold`` for an event loop: waits on the gate without blocking the loop. The write
-        itself is one small file, done inline (as the engine writes links and records) so a
-        cancellation can never leave a lease behind that nobody releases."""
+        """``hold`` for an event loop: waits on the gate without blocking the loop, and writes
+        (fsyncs) the lease in a worker thread. Cancelled meanwhile, the write still finishes
+        and the lease is taken back then, so none is left behind that nobody releases."""
         info = self._new(repo, commit, owner=owner, ttl=ttl, pid=pid)
+        lease = Lease(self.cache, info)
         gate = prune_gate(self.cache, shared=True)
         await gate.acquire(poll=_POLL, timeout=timeout)
         try:
-            _write_lease(self.cache, info)
+            write = asyncio.get_running_loop().run_in_executor(None, _write_lease, self.cache, info)
+            try:
+                await asyncio.shield(write)
+            except asyncio.CancelledError:
+
+                def take_back(done: asyncio.Future[None]) -> None:
+                    if not done.cancelled() and done.exception() is None:
+                        lease.release()
+
+                write.add_done_callback(take_back)
+                raise
         finally:
             gate.release()
-        return Lease(self.cache, info)
+        return lease
 
     def all(self) -> tuple[LeaseInfo, ...]:
         """Every readable lease file, alive or not."""

@@ -6,7 +6,7 @@ own oid (and the git blob id of small Hub files). Every blob is hashed once, how
 snapshots share it; blobs are read through their store name, the inode every repo link is a
 hard link of.
 
-A corrupt blob is quarantined (``CacheStore.quarantine_blob``): out of the store and out of
+A corrupt blob is quarantined (``CacheRemoval.quarantine_blob``): out of the store and out of
 every repo view, snapshot symlinks included, so Hugging Face readers find no file instead of
 bad bytes. The snapshots that held it are incomplete from then on (``find_complete`` checks
 every link), while their records stay: the next ``shardsync prefetch`` downloads exactly the

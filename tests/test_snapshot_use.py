@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from helpers import fast_config
 
+from shardsync import snapshot_use
 from shardsync.cache import CacheStore
 from shardsync.errors import CacheError
 from shardsync.prefetch import prefetch
@@ -104,6 +105,29 @@ def test_hold_and_release(cache: CacheStore) -> None:
 async def test_ahold_in_an_event_loop(cache: CacheStore) -> None:
     async with await Leases(cache).ahold(REPO, COMMIT, owner="async") as lease:
         assert [x.id for x in Leases(cache).live()] == [lease.id]
+    assert Leases(cache).all() == ()
+
+
+async def test_ahold_cancelled_while_writing_leaves_no_lease(
+    cache: CacheStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lease is written in a worker thread; a cancellation mid-write takes it back."""
+    written = threading.Event()
+    real = snapshot_use._write_lease
+
+    def slow_write(*args: object) -> None:
+        time.sleep(0.2)
+        real(*args)  # type: ignore[arg-type]
+        written.set()
+
+    monkeypatch.setattr(snapshot_use, "_write_lease", slow_write)
+    taking = asyncio.create_task(Leases(cache).ahold(REPO, COMMIT, owner="cancelled"))
+    await asyncio.sleep(0.05)
+    taking.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await taking
+    await asyncio.to_thread(written.wait, 5)
+    await asyncio.sleep(0.05)  # the callback that takes it back
     assert Leases(cache).all() == ()
 
 

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 from helpers import fast_config
 
-from shardsync.prefetch import Engine
+from shardsync.cache import CacheStore
+from shardsync.prefetch import Engine, prefetch
 from shardsync.records import FileOutcome
 from shardsync.testing import FakeHub, build_checkpoint, serve_in_thread
 from shardsync.testing.faults import Bandwidth
@@ -102,3 +103,23 @@ def test_a_slow_snapshot_fsync_never_stalls_another_jobs_transfer(
     print(f"\nbytes the big job moved during a {SLOW:.0f} s fsync of the small job: {moved}")
     assert timeline.between(window[1], float("inf")) > 0, "the big job ended before the fsync"
     assert moved >= 512 << 10, f"the transfer stalled: {moved} bytes in {SLOW} s"
+
+
+def test_no_fsync_runs_on_the_event_loop(
+    hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rule itself: a whole download (prepare, files, links, record, ref, lease, access
+    log) fsyncs only from worker threads."""
+    real_fsync = os.fsync
+    on_loop: list[str] = []
+
+    def fsync(fd: int) -> None:
+        if asyncio._get_running_loop() is not None:  # this thread runs the event loop
+            on_loop.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    config = fast_config(tmp_path / "cache", hub.endpoint)
+    CacheStore(config.cache_dir)  # a daemon makes its cache once, before it serves
+    monkeypatch.setattr(os, "fsync", fsync)
+    asyncio.run(prefetch("acme/small", config))
+    assert on_loop == []
