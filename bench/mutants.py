@@ -120,8 +120,8 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             (
                 "                _check_range_answer(head.status, head.get, request.label, state, "
-                "start, end)\n",
-                "",
+                "start, end)\n                _check_encoding(head.get, request.label)\n",
+                "                _check_encoding(head.get, request.label)\n",
             ),
         ),
         (INTEGRITY,),

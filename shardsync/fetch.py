@@ -15,6 +15,7 @@ asked and has the total we expect); anything else restarts the file from zero.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import hashlib
 import json
@@ -28,6 +29,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Literal, TypeVar
 from urllib.parse import urljoin, urlsplit, urlunsplit
 
@@ -59,7 +61,7 @@ from shardsync.ranges import (
 from shardsync.records import FetchConfig, FetchStatistics
 from shardsync.retry import Backoff, classify_status, parse_retry_after
 from shardsync.slot import Resumable, ResumeRecord, Slot, VerifiedFile
-from shardsync.wire import RangeReader, Stream, map_for_writing
+from shardsync.wire import Pump, RangeReader, Stream, map_for_writing
 
 __all__ = [
     "BlobRequest",
@@ -79,7 +81,6 @@ _MAX_REDIRECTS = 5
 _MIN_SPLIT = MiB  # the smallest Range worth a connection of its own
 _SIDECAR_VERSION = 3
 _MAX_RECORD = 1 << 20
-_BODY_NICENESS = 5  # added to a body thread's nice value (a thread may lower its own priority)
 _ERROR_BODY = 4096  # bytes of an error answer read for its message
 _CREDENTIAL_HEADERS = ("authorization", "cookie", "proxy-authorization", "x-amz-security-token")
 
@@ -194,12 +195,15 @@ class _Watchdog:
 
 @dataclass(frozen=True, slots=True)
 class _Wire:
-    """One file's body transfers off the loop: its connections and the threads reading them."""
+    """One file's body transfers off the loop: its connections, the threads that open them
+    (connect, send, read the head: blocking) and the pump that reads every body."""
 
     reader: RangeReader
     threads: ThreadPoolExecutor
+    pump: Pump
 
     def close(self) -> None:
+        self.pump.close()
         self.threads.shutdown(wait=False)
         self.reader.close()
 
@@ -219,6 +223,7 @@ class _FileState:
     progressed: asyncio.Event = field(default_factory=asyncio.Event)
     record_due: asyncio.Event = field(default_factory=asyncio.Event)
     in_flight: set[asyncio.Future[Any]] = field(default_factory=set)
+    etag_lock: threading.Lock = field(default_factory=threading.Lock)
     view: memoryview | None = None  # the file's shared mapping, when bodies go through it
     wire: _Wire | None = None  # worker threads reading bodies into ``view``
 
@@ -523,7 +528,7 @@ class Fetcher:
                         raise disk_error(exc, "reserve the partial file") from exc
                     if mapping is not None:
                         state.view = memoryview(mapping)
-                        state.wire = self._open_wire(located.url)
+                        state.wire = self._open_wire(located.url, state.view)
                 async with asyncio.TaskGroup() as tg:
                     hasher = tg.create_task(self._hash(state, request))
                     tg.create_task(self._keep_record(record, request, state))
@@ -573,16 +578,32 @@ class Fetcher:
         they take the aiohttp path, which speaks to proxies."""
         return urlsplit(url).scheme in ("http", "https") and self.network.proxy_for(url) is None
 
-    def _open_wire(self, url: str) -> _Wire:
+    def _open_wire(self, url: str, view: memoryview) -> _Wire:
         cfg = self.config
         context = ssl_context(self.network) if urlsplit(url).scheme == "https" else None
         reader = RangeReader(
             context, connect_timeout=cfg.connect_timeout, read_timeout=cfg.read_timeout
         )
-        threads = ThreadPoolExecutor(
-            cfg.connections_per_file, thread_name_prefix="shardsync-body", initializer=_yield_cpu
+        threads = ThreadPoolExecutor(cfg.connections_per_file, thread_name_prefix="shardsync-open")
+        throttle = self._throttle
+        loop = asyncio.get_running_loop()
+
+        async def admit(n: int) -> None:
+            assert throttle is not None
+            await throttle(n)
+
+        def wait_turn(n: int) -> None:
+            asyncio.run_coroutine_threadsafe(admit(n), loop).result()
+
+        pump = Pump(
+            view,
+            read_size=cfg.read_size,
+            report_size=cfg.write_size,
+            read_timeout=cfg.read_timeout,
+            clock=self._clock,
+            throttle=None if throttle is None else wait_turn,
         )
-        return _Wire(reader, threads)
+        return _Wire(reader, threads, pump)
 
     async def _probe_size(self, located: Located, label: str) -> int:
         """Origins that omit Content-Length on HEAD: ask for one byte and read the total."""
@@ -715,56 +736,19 @@ class Fetcher:
         end: int,
         on_progress: ProgressFn,
     ) -> int | None:
-        """``_get_range`` with the body read by a worker thread into the file's mapping.
+        """``_get_range`` with the body read by the file's pump into its mapping.
 
-        None: the answer is one only the aiohttp path reads (a redirect, a body without a
-        length); it asks again. Every other answer means what it means there.
-        """
-        wire = state.wire
-        assert wire is not None
-        self._active += 1
-        try:
-            opening = state.start_in_thread(
-                wire.reader.open, url, self._headers(url, headers), executor=wire.threads
-            )
-            try:
-                stream = await asyncio.shield(opening)
-            except asyncio.CancelledError:
-                opening.add_done_callback(_close_opened)  # no one else will take it
-                raise
-            try:
-                head = stream.head
-                if head.status in _REDIRECTS or (head.status in (200, 206) and not stream.framed):
-                    return None
-                if head.status not in (200, 206, 416):
-                    reading = state.start_in_thread(
-                        stream.read_small, _ERROR_BODY, executor=wire.threads
-                    )
-                    body = await asyncio.shield(reading)
-                    raise _status_error(
-                        head.status, head.get, body, request.label, relocatable=True
-                    )
-                _check_range_answer(head.status, head.get, request.label, state, start, end)
-                _check_encoding(head.get, request.label)
-                return await self._receive(stream, state, start, end, on_progress)
-            finally:
-                stream.close()
-        finally:
-            self._active -= 1
-
-    async def _receive(
-        self, stream: Stream, state: _FileState, start: int, end: int, on_progress: ProgressFn
-    ) -> int:
-        """Read a 206 body into the mapping in a worker thread; returns the bytes received.
-
-        Bytes count as on disk the moment ``recv_into`` put them in the mapping (they are in
-        the page cache, as after a ``pwrite``), reported to the loop every ``write_size``,
-        so the resume record can claim a cut range's received prefix.
+        A worker thread sends the request, reads the head, checks it and hands a good 206
+        to the pump itself: a body never waits in socket buffers for the event loop's turn
+        (a ``kill -9`` would lose what waits there). None: an answer only the aiohttp path
+        reads (a redirect, a body without a length); it asks again. Every other answer
+        means what it means there. Bytes count as on disk the moment they are in the
+        mapping (the page cache, as after a ``pwrite``), reported every ``write_size``.
         """
         cfg = self.config
         loop = asyncio.get_running_loop()
-        view = state.view
-        assert view is not None
+        wire = state.wire
+        assert wire is not None
 
         def landed(first: int, stop: int) -> None:
             n = stop - first
@@ -777,39 +761,63 @@ class Fetcher:
             if state.unsaved >= cfg.sidecar_bytes:
                 state.record_due.set()
 
-        throttle = self._throttle
+        def report(first: int, stop: int) -> None:
+            loop.call_soon_threadsafe(landed, first, stop)
 
-        async def admit(n: int) -> None:
-            assert throttle is not None
-            await throttle(n)
+        watchdog = _Watchdog(self._clock, cfg)
 
-        def pump() -> int:
-            pos = reported = start
-            watchdog = _Watchdog(self._clock, cfg)
+        def begin() -> _Begun:
+            stream = wire.reader.open(url, self._headers(url, headers))
+            head = stream.head
+            if head.status != 206 or not stream.framed:
+                return _Begun(stream, None)
             try:
-                while pos < end:
-                    with view[pos : min(end, pos + cfg.read_size)] as target:
-                        n = stream.readinto(target)
-                    if n == 0:
-                        break
-                    pos += n
-                    if throttle is not None:
-                        asyncio.run_coroutine_threadsafe(admit(n), loop).result()
-                    if pos - reported >= cfg.write_size:
-                        loop.call_soon_threadsafe(landed, reported, pos)
-                        reported = pos
-                    watchdog.count(n)
-            finally:
-                if pos > reported:
-                    loop.call_soon_threadsafe(landed, reported, pos)
-            return pos - start
+                _check_range_answer(head.status, head.get, request.label, state, start, end)
+                _check_encoding(head.get, request.label)
+            except BaseException:
+                stream.close()
+                raise
+            return _Begun(stream, wire.pump.receive(stream, start, end, report, watchdog.count))
 
-        assert state.wire is not None
-        future = state.start_in_thread(pump, executor=state.wire.threads)
+        self._active += 1
+        try:
+            opening = state.start_in_thread(begin, executor=wire.threads)
+            try:
+                begun = await asyncio.shield(opening)
+            except asyncio.CancelledError:
+                opening.add_done_callback(partial(_abandon, state, wire.pump))
+                raise
+            stream = begun.stream
+            try:
+                if begun.body is not None:
+                    return await self._await_body(state, wire.pump, stream, begun.body)
+                head = stream.head
+                if head.status in _REDIRECTS or (head.status in (200, 206) and not stream.framed):
+                    return None
+                if head.status not in (200, 206, 416):
+                    reading = state.start_in_thread(
+                        stream.read_small, _ERROR_BODY, executor=wire.threads
+                    )
+                    body = await asyncio.shield(reading)
+                    raise _status_error(
+                        head.status, head.get, body, request.label, relocatable=True
+                    )
+                _check_range_answer(head.status, head.get, request.label, state, start, end)
+                raise AssertionError("unreachable: a 200 or 416 to a Range request restarts")
+            finally:
+                stream.close()
+        finally:
+            self._active -= 1
+
+    @staticmethod
+    async def _await_body(
+        state: _FileState, pump: Pump, stream: Stream, body: concurrent.futures.Future[int]
+    ) -> int:
+        future = _track_body(state, body)
         try:
             return await asyncio.shield(future)
         except asyncio.CancelledError:
-            stream.abort()  # the thread stops; ``drain`` waits for it before ``fd`` closes
+            pump.abort(stream)
             raise
 
     async def _stream_body(
@@ -1160,10 +1168,11 @@ def _check_range_answer(
             f"got Content-Range {header('Content-Range')!r}"
         )
     etag = header("ETag")
-    if state.etag is not None and etag is not None and etag != state.etag:
-        raise _Restart("ETag changed", etag=etag, single_stream=False)
-    if state.etag is None and is_strong_etag(etag):
-        state.etag = etag
+    with state.etag_lock:  # heads are checked on the loop and in wire threads
+        if state.etag is not None and etag is not None and etag != state.etag:
+            raise _Restart("ETag changed", etag=etag, single_stream=False)
+        if state.etag is None and is_strong_etag(etag):
+            state.etag = etag
 
 
 def _check_encoding(header: Header, label: str) -> None:
@@ -1235,16 +1244,34 @@ def _raise_first(group: BaseExceptionGroup[BaseException]) -> None:
     raise leaves[0]
 
 
-def _yield_cpu() -> None:
-    """Body threads run a little below the hashers: where cores are scarce the hash keeps
-    pace with the bytes instead of being left a backlog to work through after the last one."""
-    with contextlib.suppress(OSError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _BODY_NICENESS)
+@dataclass(frozen=True, slots=True)
+class _Begun:
+    """A request sent on the wire and its head read; ``body``: the pump reads it."""
+
+    stream: Stream
+    body: concurrent.futures.Future[int] | None
 
 
-def _close_opened(future: asyncio.Future[Stream]) -> None:
-    if not future.cancelled() and future.exception() is None:
-        future.result().close()
+def _track_body(state: _FileState, body: concurrent.futures.Future[int]) -> asyncio.Future[int]:
+    """The pump's reading as a loop future that ``drain`` waits for: the mapping must
+    outlive every write into it."""
+    future = asyncio.wrap_future(body)
+    state.in_flight.add(future)
+    future.add_done_callback(state.in_flight.discard)
+    future.add_done_callback(_mark_retrieved)
+    return future
+
+
+def _abandon(state: _FileState, pump: Pump, opening: asyncio.Future[_Begun]) -> None:
+    """A request whose caller was cancelled while it started: stop its body, if the pump
+    took one, and let the connection go."""
+    if opening.cancelled() or opening.exception() is not None:
+        return
+    begun = opening.result()
+    if begun.body is not None:
+        _track_body(state, begun.body)
+        pump.abort(begun.stream)
+    begun.stream.close()
 
 
 def _unmap(state: _FileState, mapping: mmap.mmap | None) -> None:

@@ -2,15 +2,17 @@
 
 The event loop is one thread; at GPU-host line rates it cannot also move every body byte
 through Python objects (aiohttp hands each socket read over as a new ``bytes``, joined,
-written with ``pwritev`` and read back again to hash). Here a worker thread reads a 206
-body with ``recv_into`` straight into a shared mapping of the partial file, so each byte is
-copied once, by the kernel, into the page cache, and is hashed later from that same page.
-The threads release the GIL in ``recv_into`` and ``sha256``, so transfers use every core.
+written with ``pwritev`` and read back again to hash). Here worker threads send each request
+and read its head (``RangeReader``), and one thread per file (``Pump``) reads the bodies of
+all its connections with ``recv_into`` straight into a shared mapping of the partial file:
+each byte is copied once, by the kernel, into the page cache, and hashed later from that
+same page. ``recv_into`` and ``sha256`` release the GIL, so the files' transfers and hashes
+run on separate cores.
 
 Only the happy path lives here: a plain HTTP/1.1 response whose body length is known. The
 fetcher decides what every other answer means (the same code as for aiohttp's), and sends
 requests through a proxy or without a mapping (an empty file, a filesystem without
-``fallocate``) down the aiohttp path.
+``fallocate``, a disk without room for the whole file) down the aiohttp path.
 """
 
 from __future__ import annotations
@@ -19,16 +21,18 @@ import contextlib
 import errno
 import mmap
 import os
+import selectors
 import socket
 import ssl
 import threading
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from shardsync.errors import ProtocolError
 
-__all__ = ["BodyTruncated", "Head", "RangeReader", "Stream", "map_for_writing"]
+__all__ = ["BodyTruncated", "Head", "Pump", "RangeReader", "Stream", "map_for_writing"]
 
 _MAX_HEAD = 64 * 1024
 _MAX_HEADERS = 200
@@ -210,6 +214,9 @@ class Stream:
         self._sock: socket.socket | None = sock
         self._rest = rest
         self._aborted = threading.Event()
+        self._guard = threading.Lock()
+        self._pumping = False  # a pump owns the socket: ``close`` waits for it to let go
+        self._close_asked = False
         length = head.get("content-length")
         self.length = int(length) if length is not None and length.isdigit() else None
         self._left = self.length
@@ -259,8 +266,19 @@ class Stream:
                     got += n
         return bytes(buffer[:got])
 
+    @property
+    def exhausted(self) -> bool:
+        """Every byte the body announced has been read."""
+        return self._left == 0
+
+    def buffered(self) -> bool:
+        """Body bytes already read off the socket (with the head, or decrypted by TLS), which
+        a readiness check on the socket would not show."""
+        sock = self._sock
+        return bool(self._rest) or (isinstance(sock, ssl.SSLSocket) and sock.pending() > 0)
+
     def abort(self) -> None:
-        """Stop a transfer blocked in another thread (its ``readinto`` raises)."""
+        """Stop the transfer: a blocked ``readinto`` raises, the connection is not reused."""
         self._aborted.set()
         sock = self._sock
         if sock is not None:
@@ -268,7 +286,35 @@ class Stream:
                 sock.shutdown(socket.SHUT_RDWR)
 
     def close(self) -> None:
-        """Hand a fully read keep-alive connection back to the pool; close any other."""
+        """Hand a fully read keep-alive connection back to the pool; close any other. While
+        a pump still reads it, the pump does this when it lets go."""
+        with self._guard:
+            if self._pumping:
+                self._close_asked = True
+                return
+        self._close()
+
+    def _take(self) -> socket.socket | None:
+        """For the pump: the socket, non-blocking, until ``_release``."""
+        with self._guard:
+            self._pumping = True
+        sock = self._sock
+        if sock is not None:
+            sock.setblocking(False)
+        return sock
+
+    def _release(self, read_timeout: float) -> None:
+        with self._guard:
+            self._pumping = False
+            close = self._close_asked
+        sock = self._sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.settimeout(read_timeout)
+        if close:
+            self._close()
+
+    def _close(self) -> None:
         sock, self._sock = self._sock, None
         if sock is None:
             return
@@ -284,3 +330,193 @@ class Stream:
             self._reader._give_back(self._key, sock)
         else:
             sock.close()
+
+
+Landed = Callable[[int, int], None]
+"""Told ``(first, stop)``: body bytes now in the mapping (called on the pump's thread)."""
+
+Meter = Callable[[int], None]
+"""Told each read's size; raises to give up on the transfer (a throughput watchdog)."""
+
+
+@dataclass(eq=False, slots=True)
+class _Transfer:
+    stream: Stream
+    sock: socket.socket
+    start: int
+    pos: int
+    end: int
+    landed: Landed
+    meter: Meter
+    done: Future[int]
+    last: float
+    reported: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.reported = self.pos
+
+
+class Pump:
+    """One file's bodies, read by one thread that serves all its connections.
+
+    A thread per connection would leave dozens of threads contending for two cores and the
+    GIL; bytes then wait in socket buffers, and a ``kill -9`` loses them. One thread per
+    file waits on all its sockets at once and reads whichever has data, straight into the
+    file's mapping, reporting every ``report_size`` bytes.
+    """
+
+    def __init__(
+        self,
+        view: memoryview,
+        *,
+        read_size: int,
+        report_size: int,
+        read_timeout: float,
+        clock: Callable[[], float],
+        throttle: Callable[[int], None] | None = None,
+    ) -> None:
+        self._view = view
+        self._read_size = read_size
+        self._report_size = report_size
+        self._read_timeout = read_timeout
+        self._clock = clock
+        self._throttle = throttle
+        self._lock = threading.Lock()
+        self._incoming: list[_Transfer] = []
+        self._aborted: list[Stream] = []
+        self._closing = False
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._thread: threading.Thread | None = None
+
+    def receive(
+        self, stream: Stream, start: int, end: int, landed: Landed, meter: Meter
+    ) -> Future[int]:
+        """Read ``stream``'s body into ``view[start:end]``; the future gets the bytes read
+        (fewer only with an exception). ``landed`` hears every stretch as it lands."""
+        done: Future[int] = Future()
+        sock = stream._take()
+        if sock is None:
+            stream._release(self._read_timeout)
+            done.set_exception(BodyTruncated("the connection is closed"))
+            return done
+        transfer = _Transfer(stream, sock, start, start, end, landed, meter, done, self._clock())
+        with self._lock:
+            if self._closing:
+                raise RuntimeError("the pump is closed")
+            self._incoming.append(transfer)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="shardsync-pump", daemon=True
+                )
+                self._thread.start()
+        self._wake()
+        return done
+
+    def abort(self, stream: Stream) -> None:
+        """Stop reading ``stream``: its future fails soon after, and the socket is let go."""
+        with self._lock:
+            self._aborted.append(stream)
+        self._wake()
+
+    def close(self) -> None:
+        """Stop the thread; transfers still running fail (call it after they ended)."""
+        with self._lock:
+            self._closing = True
+            thread = self._thread
+        self._wake()
+        if thread is not None:
+            thread.join()
+        self._wake_r.close()
+        self._wake_w.close()
+
+    def _wake(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            self._wake_w.send(b"\0")
+
+    def _run(self) -> None:
+        active: dict[int, _Transfer] = {}
+        with selectors.DefaultSelector() as selector:
+            selector.register(self._wake_r, selectors.EVENT_READ, None)
+            while True:
+                with self._lock:
+                    incoming, self._incoming = self._incoming, []
+                    aborted, self._aborted = self._aborted, []
+                    closing = self._closing
+                for t in incoming:
+                    active[t.sock.fileno()] = t
+                    selector.register(t.sock, selectors.EVENT_READ, t)
+                    if t.stream.exhausted:  # an empty body: nothing will ever be readable
+                        self._finish(active, selector, t, None)
+                for stream in aborted:
+                    for t in [t for t in active.values() if t.stream is stream]:
+                        stopped = BodyTruncated("the transfer was stopped")
+                        self._finish(active, selector, t, stopped)
+                if closing:
+                    for t in list(active.values()):
+                        self._finish(active, selector, t, BodyTruncated("the pump closed"))
+                    return
+                ready = [t for t in active.values() if t.stream.buffered()]
+                timeout = 0.0 if ready else min(1.0, self._read_timeout)
+                for key, _ in selector.select(timeout):
+                    if key.data is None:
+                        with contextlib.suppress(BlockingIOError, OSError):
+                            self._wake_r.recv(4096)
+                    elif key.data not in ready:
+                        ready.append(key.data)
+                for t in ready:
+                    self._read(active, selector, t)
+                now = self._clock()
+                for t in list(active.values()):
+                    if now - t.last > self._read_timeout:
+                        late = TimeoutError(f"no body bytes for {self._read_timeout:.0f} s")
+                        self._finish(active, selector, t, late)
+
+    def _read(
+        self, active: dict[int, _Transfer], selector: selectors.BaseSelector, t: _Transfer
+    ) -> None:
+        try:
+            with self._view[t.pos : min(t.end, t.pos + self._read_size)] as target:
+                n = t.stream.readinto(target)
+        except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
+            return
+        except BaseException as exc:
+            self._finish(active, selector, t, exc)
+            return
+        t.pos += n
+        t.last = self._clock()
+        try:
+            if self._throttle is not None:
+                self._throttle(n)
+            if t.pos - t.reported >= self._report_size:
+                t.landed(t.reported, t.pos)
+                t.reported = t.pos
+            t.meter(n)
+        except BaseException as exc:
+            self._finish(active, selector, t, exc)
+            return
+        if t.pos >= t.end or t.stream.exhausted:
+            self._finish(active, selector, t, None)  # short: the fetcher asks for the rest
+
+    def _finish(
+        self,
+        active: dict[int, _Transfer],
+        selector: selectors.BaseSelector,
+        t: _Transfer,
+        error: BaseException | None,
+    ) -> None:
+        active.pop(t.sock.fileno(), None)
+        with contextlib.suppress(KeyError, ValueError, OSError):
+            selector.unregister(t.sock)
+        if t.pos > t.reported:
+            with contextlib.suppress(Exception):
+                t.landed(t.reported, t.pos)
+            t.reported = t.pos
+        if error is not None:
+            t.stream.abort()  # what is left of the body is not read: never reuse it
+        t.stream._release(self._read_timeout)
+        if error is None:
+            t.done.set_result(t.pos - t.start)
+        else:
+            t.done.set_exception(error)
