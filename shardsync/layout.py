@@ -98,7 +98,7 @@ AREAS: tuple[Parts, ...] = (STORE, HUB, OTHER, RECORDS, PARTIAL, LOCKS, TMP)
 _KINDS: tuple[OriginKind, ...] = ("hub", "url", "local", "s3")
 _PREFIX = {"hub": "models"}  # RepoRef.dirname: models--org--name, {kind}--slug-hash otherwise
 _KEY_RE = re.compile(r"[a-z0-9_-]{1,128}")
-_DOWNLOAD_LOCK_RE = re.compile(r"(?:[0-9a-f]{64}|p-[0-9a-f]{40})\.lock")
+_DOWNLOAD_LOCK_RE = re.compile(r"(?:[0-9a-f]{64}|[pr]-[0-9a-f]{40})\.lock")
 _DIRNAME_RE = re.compile(
     "(?:" + "|".join(_PREFIX.get(k, k) for k in _KINDS) + r")--[A-Za-z0-9._-]{1,240}"
 )
@@ -165,7 +165,8 @@ def is_junk_name(name: str) -> bool:
 
 
 def is_download_lock(name: str) -> bool:
-    """A ``locks/`` entry of a blob download (not the prune gate or the access log's)."""
+    """A ``locks/`` entry of a blob download or of a training reader's kept ranges (``r-``),
+    not the prune gate or the access log's."""
     return _DOWNLOAD_LOCK_RE.fullmatch(name) is not None
 
 

@@ -21,6 +21,7 @@ import xxhash
 from helpers import tmpfs
 
 from shardsync.cache import BlobLock, CacheStore
+from shardsync.checkpoint_cache import RangeCache
 from shardsync.errors import CacheError, ConfigError, DiskFullError, UnsafeNameError
 from shardsync.layout import is_live_temp, temp_name
 from shardsync.records import FileRecord, RepoRef, SnapshotRecord
@@ -787,6 +788,19 @@ def test_idle_download_locks_are_removed_and_a_waiter_locks_the_new_file(
     assert not store.lock(idle).try_acquire()
     held.release()
     waiter.release()
+
+
+def test_idle_kept_range_locks_are_removed_and_a_held_one_stays(store: CacheStore) -> None:
+    ranges = RangeCache(store, RepoRef(kind="url", name="https://example.test/run/"))
+    idle, held = ranges.key("a.distcp"), ranges.key("b.distcp")
+    first = store.lock(idle)
+    assert first.try_acquire()
+    first.release()  # a reader's commit is over: its lock file stays behind, idle
+    busy = store.lock(held)
+    assert busy.try_acquire()
+    assert remove_idle_locks(store) == 1
+    assert os.listdir(store.root / "locks") == [f"{held}.lock"]
+    busy.release()
 
 
 def test_a_lock_file_removed_between_open_and_flock_is_not_held(
