@@ -488,8 +488,9 @@ _Item = Any  # torch.distributed.checkpoint.planner.ReadItem (torch is imported 
 
 
 @dataclass(frozen=True, slots=True)
-class _Arrived:
-    """Bytes ``[start, start + len(data))`` of one file, and the plan's items inside them."""
+class _ReadSpan:
+    """One span read from a file (kept, cached or from the origin): bytes ``[start, start +
+    len(data))``, and the plan's items inside them that are to be copied out of it."""
 
     start: int
     data: bytes
@@ -528,7 +529,7 @@ class _Pipeline:
         self.per_file = per_file
         self.window = window
         self.max_span = max_span
-        self.arrivals: queue.SimpleQueue[_Arrived | BaseException | None] = queue.SimpleQueue()
+        self.arrivals: queue.SimpleQueue[_ReadSpan | BaseException | None] = queue.SimpleQueue()
         self._guard = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[Any] | None = None
@@ -546,13 +547,13 @@ class _Pipeline:
         finally:
             self.arrivals.put(None)
 
-    def done_with(self, arrived: _Arrived) -> None:
-        """The caller copied ``arrived``: its bytes leave the window."""
+    def done_with(self, span: _ReadSpan) -> None:
+        """The caller copied ``span``: its bytes leave the window."""
         with self._guard:
             loop, budget = self._loop, self._budget
         if loop is not None and budget is not None:
             with contextlib.suppress(RuntimeError):  # the loop already ended
-                loop.call_soon_threadsafe(budget.give, len(arrived.data))
+                loop.call_soon_threadsafe(budget.give, len(span.data))
 
     def cancel(self) -> None:
         with self._guard:
@@ -600,7 +601,7 @@ class _Pipeline:
         assert self._budget is not None
         await self._budget.take(end - start)
         data = await source.read(f, start, end)  # the origin if a kept piece went bad
-        self.arrivals.put(_Arrived(start, data, tuple(items)))
+        self.arrivals.put(_ReadSpan(start, data, tuple(items)))
 
     async def _remote(
         self, source: _Source, f: _OpenFile, start: int, end: int, items: list[_Item]
@@ -608,7 +609,7 @@ class _Pipeline:
         assert self._budget is not None
         await self._budget.take(end - start)
         data = await source.fetch(f, start, end)
-        self.arrivals.put(_Arrived(start, data, tuple(items)))  # copied while we keep it
+        self.arrivals.put(_ReadSpan(start, data, tuple(items)))  # copied while we keep it
         info = [self.reader.storage_data[i.storage_index] for i in items]
         pieces = sorted({(x.offset, x.offset + x.length) for x in info})
         await source.keep(f, pieces, data, start)
@@ -729,13 +730,13 @@ def _dcp_reader_class() -> Any:
             thread = threading.Thread(target=pipeline.run, name="shardsync-dcp-read", daemon=True)
             thread.start()
             try:
-                while (arrived := pipeline.arrivals.get()) is not None:
-                    if isinstance(arrived, BaseException):
-                        raise arrived
+                while (span := pipeline.arrivals.get()) is not None:
+                    if isinstance(span, BaseException):
+                        raise span
                     try:
-                        self._copy_in(arrived, planner)
+                        self._copy_in(span, planner)
                     finally:
-                        pipeline.done_with(arrived)
+                        pipeline.done_with(span)
             except BaseException:
                 pipeline.cancel()
                 raise
@@ -745,11 +746,11 @@ def _dcp_reader_class() -> Any:
             done.set_result(None)
             return done
 
-        def _copy_in(self, arrived: _Arrived, planner: LoadPlanner) -> None:
-            for item in arrived.items:
+        def _copy_in(self, span: _ReadSpan, planner: LoadPlanner) -> None:
+            for item in span.items:
                 info = self.storage_data[item.storage_index]
-                at = info.offset - arrived.start
-                raw = arrived.data[at : at + info.length]
+                at = info.offset - span.start
+                raw = span.data[at : at + info.length]
                 if item.type == LoadItemType.BYTE_IO:
                     planner.load_bytes(item, io.BytesIO(raw))
                     continue
