@@ -57,7 +57,6 @@ from shardsync.errors import (
 )
 from shardsync.inventory import summary_to_json, survey
 from shardsync.journal import Journal
-from shardsync.layout import CacheLayout
 from shardsync.notify import Notifier
 from shardsync.prefetch import Engine
 from shardsync.records import TierStatistics
@@ -168,7 +167,7 @@ class Daemon:
         runner = web.AppRunner(self._app(), access_log=None, shutdown_timeout=2.0)
         await runner.setup()
         stack.push_async_callback(runner.cleanup)
-        journal = Journal(CacheLayout(self.config.cache_dir).journal())
+        journal = Journal(engine.store)
         scheduler = Scheduler(
             engine,
             journal=journal,

@@ -1,28 +1,29 @@
 """The daemon's job journal: unfinished jobs on disk, so a restart resumes them.
 
-One small JSON file (``<cache>/state/daemon/jobs.json``), replaced atomically on every change
-(temp file, fsync, rename, fsync of the directory), so a ``kill -9`` at any moment leaves the
-previous list or the new one. It names jobs only; the bytes already downloaded are in the
-fetcher's partial files, which the resumed jobs pick up. File work goes through aiofiles so
+One small JSON file (``<cache>/state/daemon/jobs.json``), replaced on every change by the
+cache's one atomic write (``CacheStore.write_state_file``: temp file, fsync, rename, fsync of
+the directory), so a ``kill -9`` at any moment leaves the previous list or the new one. It
+names jobs only; the bytes already downloaded are in the fetcher's partial files, which the
+resumed jobs pick up. The write runs through ``AsyncStore`` and reads through aiofiles, so
 the daemon's event loop never waits on the disk.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
-import os
-import secrets
 import time
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiofiles
 import aiofiles.os
 
+from shardsync import layout
 from shardsync.errors import CacheError
+
+if TYPE_CHECKING:
+    from shardsync.store import AsyncStore
 
 __all__ = ["Journal"]
 
@@ -35,8 +36,9 @@ _MAX_SIZE = 16 << 20
 class Journal:
     """Reads and atomically rewrites the list of unfinished jobs (opaque JSON records)."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    def __init__(self, store: AsyncStore) -> None:
+        self._store = store
+        self.path = store.layout.journal()
 
     async def load(self) -> list[dict[str, Any]]:
         """The records of the last save; a missing journal is empty, a corrupt one is set
@@ -66,25 +68,4 @@ class Journal:
     async def save(self, records: list[dict[str, Any]]) -> None:
         """Replace the journal with ``records``; durable when this returns."""
         data = json.dumps({"format": _FORMAT, "jobs": records}, indent=1).encode() + b"\n"
-        directory = self.path.parent
-        tmp = directory / f".{self.path.name}.{os.getpid()}.{secrets.token_hex(4)}"
-        try:
-            await aiofiles.os.makedirs(directory, mode=0o700, exist_ok=True)
-            async with aiofiles.open(tmp, "wb") as f:
-                await f.write(data)
-                await f.flush()
-                await asyncio.to_thread(os.fsync, f.fileno())
-            await aiofiles.os.replace(tmp, self.path)
-            await asyncio.to_thread(_fsync_dir, directory)
-        except OSError as exc:
-            with contextlib.suppress(OSError):
-                await aiofiles.os.remove(tmp)
-            raise CacheError(f"cannot write the job journal {self.path}: {exc.strerror}") from exc
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        await self._store.write_state_file(*layout.JOURNAL, data=data)

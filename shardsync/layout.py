@@ -41,6 +41,7 @@ from shardsync.records import OriginKind
 __all__ = [
     "AREAS",
     "CACHEDIR_TAG",
+    "JOURNAL",
     "LAYOUT_VERSION",
     "LOCKS",
     "PARTIAL",
@@ -88,6 +89,7 @@ HUB: Parts = ("hub",)
 OTHER: Parts = ("other",)
 STATE: Parts = ("state",)
 RECORDS: Parts = ("state", "snapshots")
+JOURNAL: Parts = ("daemon", "jobs.json")  # a state file: state/daemon/jobs.json
 PARTIAL: Parts = ("partial",)
 LOCKS: Parts = ("locks",)
 TMP: Parts = ("tmp",)
@@ -315,4 +317,4 @@ class CacheLayout:
         return self.path(*STATE, *check_state_parts(parts))
 
     def journal(self) -> Path:
-        return self.path(*STATE, "daemon", "jobs.json")
+        return self.state(*JOURNAL)

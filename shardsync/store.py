@@ -110,3 +110,8 @@ class AsyncStore:
 
     async def read_snapshot_record(self, repo: RepoRef, commit: str) -> SnapshotRecord | None:
         return await asyncio.to_thread(self.sync.read_snapshot_record, repo, commit)
+
+    # -- state files --------------------------------------------------------------------
+
+    async def write_state_file(self, *parts: str, data: bytes) -> None:
+        await asyncio.to_thread(self.sync.write_state_file, *parts, data=data)

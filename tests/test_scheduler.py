@@ -21,6 +21,7 @@ from shardsync.api import (
     result_from_json,
     result_to_json,
 )
+from shardsync.cache import CacheStore
 from shardsync.config import Config
 from shardsync.events import (
     ErrorInfo,
@@ -44,6 +45,7 @@ from shardsync.scheduler import (
     SharedJob,
     TokenBucket,
 )
+from shardsync.store import AsyncStore
 from shardsync.testing import Bandwidth, Checkpoint, FakeHub, Status, build_checkpoint
 
 REPO = "acme/tiny"
@@ -424,7 +426,7 @@ async def test_journaled_jobs_resume_from_their_partial_files(
     config: Config = fast_config(
         tmp_path / "cache", fake_hub.endpoint, sidecar_interval=0.05, write_size=16 * 1024
     )
-    journal = Journal(tmp_path / "cache" / "state" / "daemon" / "jobs.json")
+    journal = Journal(AsyncStore(CacheStore(config.cache_dir)))
     async with Engine(config) as engine, Scheduler(engine, journal=journal) as scheduler:
         job, _ = await scheduler.submit(JobRequest(REPO, priority=4))
         assert [r["id"] for r in await journal.load()] == [job.id]
@@ -446,10 +448,12 @@ async def test_journaled_jobs_resume_from_their_partial_files(
 
 
 async def test_a_corrupt_journal_is_set_aside(tmp_path: Path) -> None:
-    path = tmp_path / "jobs.json"
-    path.write_bytes(b"{not json")
-    assert await Journal(path).load() == []
-    assert sorted(p.name.split("-")[0] for p in _listing(tmp_path)) == ["jobs.json.corrupt"]
+    journal = Journal(AsyncStore(CacheStore(tmp_path)))
+    journal.path.parent.mkdir(parents=True)
+    journal.path.write_bytes(b"{not json")
+    assert await journal.load() == []
+    listing = _listing(journal.path.parent)
+    assert sorted(p.name.split("-")[0] for p in listing) == ["jobs.json.corrupt"]
 
 
 async def test_finished_jobs_beyond_the_history_are_forgotten(
