@@ -39,8 +39,9 @@ from typing import TYPE_CHECKING
 
 import xxhash
 
+from shardsync import layout
 from shardsync.cache import BlobLock, CacheStore, temp_name
-from shardsync.errors import CacheError
+from shardsync.errors import disk_error
 
 if TYPE_CHECKING:
     from shardsync.records import FileRecord, RepoRef
@@ -81,14 +82,6 @@ def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
     while view:
         written = os.pwrite(fd, view[: 1 << 30], offset)
         view, offset = view[written:], offset + written
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class RangeCache:
@@ -215,7 +208,7 @@ class KeptFile:
                         flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
                         self._write_fd = os.open(self.data_path, flags)
                         return self._write_fd
-                fresh = self.cache.root / "tmp" / temp_name("ranges")
+                fresh = self.cache.layout.path(*layout.TMP, temp_name("ranges"))
                 flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
                 fd = os.open(fresh, flags, 0o644)
                 try:
@@ -326,23 +319,11 @@ class KeptFile:
             "pieces": [[p.start, p.end, p.xxh3_128] for _, p in sorted(unique.items())],
         }
         data = json.dumps(obj, separators=(",", ":")).encode()
-        tmp = self.cache.root / "tmp" / temp_name("ranges")
-        fd = os.open(
-            tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644
-        )
         try:
-            _pwrite_all(fd, data, 0)
-            os.fsync(fd)
-        except BaseException:
-            os.close(fd)
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            raise
-        os.close(fd)
-        try:
-            os.replace(tmp, self.sidecar_path)
+            self.cache.fs.atomic_write(
+                layout.PARTIAL, self.sidecar_path.name, data, purpose="ranges"
+            )
         except OSError as exc:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            raise CacheError(f"cannot keep read ranges of {self.path}: {exc}") from exc
-        _fsync_dir(self.sidecar_path.parent)
+            raise disk_error(
+                exc, f"keep read ranges of {self.path}", then="they are read again next time"
+            ) from exc
