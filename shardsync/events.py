@@ -17,9 +17,9 @@ job twice or revive a finished one fails loudly instead of sending a second term
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from collections.abc import Mapping
-from dataclasses import dataclass
+from abc import ABC
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, ClassVar, Final, Literal, Self, TypeVar, get_args
@@ -111,12 +111,7 @@ class ResolvedFile:
     shard_index: int | None  # its place among the shards; None for other files
 
     def to_json(self) -> dict[str, object]:
-        return {
-            "path": self.path,
-            "size": self.size,
-            "role": self.role,
-            "shard_index": self.shard_index,
-        }
+        return _fields_json(self)
 
 
 # ------------------------------------------------------------------------------ events
@@ -128,6 +123,10 @@ class JobEvent(ABC):
 
     ``job``, ``seq`` (its number in the job's log, what ``since`` counts) and ``time`` (Unix
     seconds) are stamped by the log that takes the event; the defaults stand in until then.
+
+    A kind's own fields go on the wire in the order they are declared, each read back as its
+    declared type says (``_READERS``); a kind whose wire shape is not its fields overrides
+    ``_fields`` and ``_read_fields``.
     """
 
     kind: ClassVar[str]
@@ -145,14 +144,19 @@ class JobEvent(ABC):
             "seq": self.seq,
         }
 
-    @abstractmethod
     def _fields(self) -> dict[str, object]:
         """This kind's own fields as JSON, in their wire order."""
+        return _fields_json(self)
 
     @classmethod
-    @abstractmethod
     def from_json(cls, obj: Mapping[str, object]) -> Self:
         """The event from its JSON object; ``DaemonError`` if a field is missing or mistyped."""
+        r = _Reader(obj, f"{cls.kind} event")
+        return cls(job=r.job, seq=r.seq, time=r.time, **cls._read_fields(r))
+
+    @classmethod
+    def _read_fields(cls, r: _Reader) -> dict[str, Any]:
+        return _read_fields(cls, r)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -164,21 +168,6 @@ class FileStarted(JobEvent):
     size: int | None
     shard_index: int | None
 
-    def _fields(self) -> dict[str, object]:
-        return {"path": self.path, "size": self.size, "shard_index": self.shard_index}
-
-    @classmethod
-    def from_json(cls, obj: Mapping[str, object]) -> Self:
-        r = _Reader(obj, f"{cls.kind} event")
-        return cls(
-            job=r.job,
-            seq=r.seq,
-            time=r.time,
-            path=r.string("path"),
-            size=r.optional_integer("size"),
-            shard_index=r.optional_integer("shard_index"),
-        )
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Progress(JobEvent):
@@ -189,21 +178,6 @@ class Progress(JobEvent):
     done: int
     size: int | None
 
-    def _fields(self) -> dict[str, object]:
-        return {"path": self.path, "done": self.done, "size": self.size}
-
-    @classmethod
-    def from_json(cls, obj: Mapping[str, object]) -> Self:
-        r = _Reader(obj, f"{cls.kind} event")
-        return cls(
-            job=r.job,
-            seq=r.seq,
-            time=r.time,
-            path=r.string("path"),
-            done=r.integer("done"),
-            size=r.optional_integer("size"),
-        )
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Verified(JobEvent):
@@ -212,6 +186,7 @@ class Verified(JobEvent):
     ``file`` is the one answer to "where do I read this file", for the daemon's clients and
     for the loader in-process alike: the snapshot entry, or the blob while the snapshot has
     no id yet (origins without commits name it by content once every file is in).
+    On the wire the outcome's fields stand beside the event's own.
     """
 
     kind: ClassVar[str] = "verified"
@@ -236,8 +211,7 @@ class Verified(JobEvent):
         }
 
     @classmethod
-    def from_json(cls, obj: Mapping[str, object]) -> Self:
-        r = _Reader(obj, f"{cls.kind} event")
+    def _read_fields(cls, r: _Reader) -> dict[str, Any]:
         outcome = FileOutcome(
             path=r.string("path"),
             size=r.integer("size"),
@@ -247,15 +221,12 @@ class Verified(JobEvent):
             downloaded=r.integer("downloaded"),
             resumed=r.integer("resumed"),
         )
-        return cls(
-            job=r.job,
-            seq=r.seq,
-            time=r.time,
-            outcome=outcome,
-            shard_index=r.optional_integer("shard_index"),
-            file=Path(r.string("file")),
-            blob=Path(r.string("blob")),
-        )
+        return {
+            "outcome": outcome,
+            "shard_index": r.optional_integer("shard_index"),
+            "file": Path(r.string("file")),
+            "blob": Path(r.string("blob")),
+        }
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -267,21 +238,6 @@ class FileFailed(JobEvent):
     shard_index: int | None
     error: ErrorInfo
 
-    def _fields(self) -> dict[str, object]:
-        return {"path": self.path, "shard_index": self.shard_index, "error": self.error.to_json()}
-
-    @classmethod
-    def from_json(cls, obj: Mapping[str, object]) -> Self:
-        r = _Reader(obj, f"{cls.kind} event")
-        return cls(
-            job=r.job,
-            seq=r.seq,
-            time=r.time,
-            path=r.string("path"),
-            shard_index=r.optional_integer("shard_index"),
-            error=r.error("error"),
-        )
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Pruning(JobEvent):
@@ -290,16 +246,6 @@ class Pruning(JobEvent):
     kind: ClassVar[str] = "pruning"
     needed: int  # bytes still to download
     free: int  # bytes free on the cache's disk
-
-    def _fields(self) -> dict[str, object]:
-        return {"needed": self.needed, "free": self.free}
-
-    @classmethod
-    def from_json(cls, obj: Mapping[str, object]) -> Self:
-        r = _Reader(obj, f"{cls.kind} event")
-        return cls(
-            job=r.job, seq=r.seq, time=r.time, needed=r.integer("needed"), free=r.integer("free")
-        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -316,38 +262,6 @@ class Resolved(JobEvent):
     def shard_count(self) -> int:
         return sum(1 for f in self.files if f.shard_index is not None)
 
-    def _fields(self) -> dict[str, object]:
-        return {
-            "commit": self.commit,
-            "revision": self.revision,
-            "total_size": self.total_size,
-            "files": [f.to_json() for f in self.files],
-        }
-
-    @classmethod
-    def from_json(cls, obj: Mapping[str, object]) -> Self:
-        r = _Reader(obj, f"{cls.kind} event")
-        files = []
-        for item in r.array("files"):
-            f = _Reader(item, f"{cls.kind} event's file")
-            files.append(
-                ResolvedFile(
-                    path=f.string("path"),
-                    size=f.optional_integer("size"),
-                    role=f.choice("role", _ROLES),
-                    shard_index=f.optional_integer("shard_index"),
-                )
-            )
-        return cls(
-            job=r.job,
-            seq=r.seq,
-            time=r.time,
-            commit=r.optional_string("commit"),
-            revision=r.string("revision"),
-            total_size=r.optional_integer("total_size"),
-            files=tuple(files),
-        )
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class JobDone(JobEvent):
@@ -361,14 +275,6 @@ class JobDone(JobEvent):
     kind: ClassVar[str] = "job_done"
     result: Mapping[str, Any]
 
-    def _fields(self) -> dict[str, object]:
-        return {"result": self.result}
-
-    @classmethod
-    def from_json(cls, obj: Mapping[str, object]) -> Self:
-        r = _Reader(obj, f"{cls.kind} event")
-        return cls(job=r.job, seq=r.seq, time=r.time, result=r.mapping("result"))
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class JobFailed(JobEvent):
@@ -376,14 +282,6 @@ class JobFailed(JobEvent):
 
     kind: ClassVar[str] = "job_failed"
     error: ErrorInfo
-
-    def _fields(self) -> dict[str, object]:
-        return {"error": self.error.to_json()}
-
-    @classmethod
-    def from_json(cls, obj: Mapping[str, object]) -> Self:
-        r = _Reader(obj, f"{cls.kind} event")
-        return cls(job=r.job, seq=r.seq, time=r.time, error=r.error("error"))
 
 
 EVENT_TYPES: Final[Mapping[str, type[JobEvent]]] = MappingProxyType(
@@ -496,3 +394,51 @@ class _Reader:
     def error(self, key: str) -> ErrorInfo:
         e = _Reader(self.mapping(key), f"{self._what}'s {key}")
         return ErrorInfo(code=e.string("code"), message=e.string("message"))
+
+    def resolved_files(self, key: str) -> tuple[ResolvedFile, ...]:
+        return tuple(
+            ResolvedFile(**_read_fields(ResolvedFile, _Reader(item, f"{self._what}'s file")))
+            for item in self.array(key)
+        )
+
+
+_READERS: Final[Mapping[str, Callable[[_Reader, str], object]]] = MappingProxyType(
+    {
+        "str": _Reader.string,
+        "str | None": _Reader.optional_string,
+        "int": _Reader.integer,
+        "int | None": _Reader.optional_integer,
+        "FileRole": lambda r, key: r.choice(key, _ROLES),
+        "ErrorInfo": _Reader.error,
+        "Mapping[str, Any]": _Reader.mapping,
+        "tuple[ResolvedFile, ...]": _Reader.resolved_files,
+    }
+)
+"""How a field is read back, by its declared type."""
+
+_ENVELOPE: Final = frozenset({"job", "seq", "time"})
+
+
+def _wire_fields(cls: type) -> tuple[tuple[str, str], ...]:
+    """``(name, declared type)`` of a value's own fields in wire order (the declared order;
+    an event's envelope goes around them)."""
+    return tuple((f.name, str(f.type)) for f in fields(cls) if f.name not in _ENVELOPE)
+
+
+def _fields_json(value: Any) -> dict[str, object]:
+    """A value's own fields as JSON; nested values (an error, resolved files) as theirs."""
+    out: dict[str, object] = {}
+    for name, _ in _wire_fields(type(value)):
+        field = getattr(value, name)
+        if isinstance(field, ErrorInfo):
+            out[name] = field.to_json()
+        elif isinstance(field, tuple):
+            out[name] = [item.to_json() for item in field]
+        else:
+            out[name] = field
+    return out
+
+
+def _read_fields(cls: type, r: _Reader) -> dict[str, Any]:
+    """The fields of a ``cls`` read from ``r``, each as its declared type says."""
+    return {name: _READERS[kind](r, name) for name, kind in _wire_fields(cls)}
