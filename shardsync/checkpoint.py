@@ -196,21 +196,8 @@ async def prefetch_checkpoint(
         await job.prepare(
             select=selector(origin, engine.fetcher, checkpoint, rank, world_size, plan)
         )
-        files = await job.download()
-        elapsed = time.monotonic() - started
-        stats = engine.fetcher.statistics()
-        tier = engine.tier
-    result = PrefetchResult(
-        repo=origin.repo,
-        revision=job.revision,
-        commit=job.commit,
-        snapshot_path=job.snapshot_path,
-        files=files,
-        bytes_downloaded=sum(f.downloaded for f in files),
-        elapsed=elapsed,
-        fetch=stats,
-        tier=tier.statistics() if tier is not None else None,
-    )
+        result = job.result(await job.download(), time.monotonic() - started)
+    result = job.after_uploads(result)
     assert plan.choice is not None and plan.selection is not None
     return checkpoint_result(result, plan.choice, plan.selection)
 

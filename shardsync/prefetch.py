@@ -227,23 +227,10 @@ async def prefetch(
         job = engine.job(origin, revision=revision, allow_pickle=allow_pickle, sink=progress)
         await job.prepare(include, exclude)
         files = await job.download()
-        tier = engine.tier
-        result = PrefetchResult(
-            repo=origin.repo,
-            revision=job.revision,
-            commit=job.commit,
-            snapshot_path=job.snapshot_path,
-            files=files,
-            bytes_downloaded=sum(f.downloaded for f in files),
-            elapsed=time.monotonic() - started,  # complete now; uploads may go on
-            fetch=engine.fetcher.statistics(),
-            tier=tier.statistics() if tier is not None else None,
-        )
+        result = job.result(files, time.monotonic() - started)  # complete; uploads may go on
         if on_complete is not None:
             on_complete(result)
-    if tier is None:
-        return result
-    return replace(result, tier=tier.statistics())
+    return job.after_uploads(result)
 
 
 def _from_cache(cache: CacheStore, repo: RepoRef, revision: str, started: float) -> PrefetchResult:
@@ -332,6 +319,32 @@ class Job:
             files = await self._download_all()
             await asyncio.to_thread(AccessLog(self.cache).record, self.origin.repo, self.commit)
         return files
+
+    def result(
+        self, files: tuple[FileOutcome, ...], elapsed: float, *, counters: bool = True
+    ) -> PrefetchResult:
+        """What ``download`` returned, as the result a caller gets. ``counters``: with the
+        fetcher's and the tier's statistics, which tell this job's work only when it had the
+        engine to itself (not in the daemon, whose engine serves every job at once)."""
+        tier = self.tier if counters else None
+        return PrefetchResult(
+            repo=self.origin.repo,
+            revision=self.revision,
+            commit=self.commit,
+            snapshot_path=self.snapshot_path,
+            files=files,
+            bytes_downloaded=sum(f.downloaded for f in files),
+            elapsed=elapsed,
+            fetch=self.fetcher.statistics() if counters else None,
+            tier=tier.statistics() if tier is not None else None,
+        )
+
+    def after_uploads(self, result: PrefetchResult) -> PrefetchResult:
+        """``result`` with the tier's final counters, once the engine has closed: its
+        uploads for the fleet are done then."""
+        if result.tier is None or self.tier is None:
+            return result
+        return replace(result, tier=self.tier.statistics())
 
     async def _lease(self) -> Lease:
         """While a job works, every snapshot of its repo is leased: a prune leaves them be

@@ -732,16 +732,7 @@ class Scheduler:
         job.move_to("downloading")
         files = await engine_job.download()
         now = time.time()
-        job.result = PrefetchResult(
-            repo=job.repo,
-            revision=job.revision,
-            commit=engine_job.commit,
-            snapshot_path=engine_job.snapshot_path,
-            files=files,
-            bytes_downloaded=sum(f.downloaded for f in files),
-            elapsed=now - (job.started_at or now),
-            fetch=None,
-        )
+        job.result = engine_job.result(files, now - (job.started_at or now), counters=False)
         if plan is not None and plan.choice is not None and plan.selection is not None:
             job.checkpoint = checkpoint_result(job.result, plan.choice, plan.selection)
         try:
