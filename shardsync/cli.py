@@ -12,10 +12,10 @@ import json
 import os
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from shardsync import errors
 from shardsync.api import result_to_json
@@ -28,6 +28,11 @@ from shardsync.progress import format_bytes, make_progress
 from shardsync.prune import PruneReport, limits_from_config, prune_cache
 from shardsync.records import PrefetchResult, ProgressSink
 from shardsync.verify import EXIT_PROBLEMS, VerifyReport, verify_cache
+
+if TYPE_CHECKING:
+    from shardsync.client import Client
+
+_T = TypeVar("_T")
 
 __all__ = ["EXIT_CODES", "main", "result_to_json"]
 
@@ -249,35 +254,20 @@ def _prefetch_checkpoint(args: argparse.Namespace, config: Config) -> int:
     async def somewhere() -> CheckpointResult:
         """Through the daemon when one serves this source and cache (one download per host
         however many ranks ask), else in-process."""
-        use_daemon = not args.no_daemon
-        if use_daemon and parse_source(args.source, endpoint=config.endpoint).caller_only:
-            use_daemon = False  # the daemon never reads a client's directories
-        if use_daemon:
-            from shardsync.client import Client, daemon_serves
 
-            client = Client(config, fallback="error")
-            try:
-                await client.connect()
-            except errors.DaemonUnavailableError:
-                if config.daemon.fallback == "error":
-                    raise
-            else:
-                try:
-                    if daemon_serves(
-                        client.daemon_status or {},
-                        cache_dir=_named_cache(args),
-                        endpoint=args.endpoint,
-                    ):
-                        job = await client.prefetch(
-                            args.source,
-                            priority=args.priority,
-                            checkpoint=args.checkpoint,
-                            rank=args.rank,
-                            world_size=args.world_size,
-                        )
-                        return await job.wait_checkpoint(progress)
-                finally:
-                    await client.close()
+        async def by_daemon(client: Client) -> CheckpointResult:
+            job = await client.prefetch(
+                args.source,
+                priority=args.priority,
+                checkpoint=args.checkpoint,
+                rank=args.rank,
+                world_size=args.world_size,
+            )
+            return await job.wait_checkpoint(progress)
+
+        result = await _via_daemon(args, config, by_daemon)
+        if result is not None:
+            return result
         return await prefetch_checkpoint(
             args.source,
             config,
@@ -313,13 +303,21 @@ async def _prefetch_somewhere(
     on_complete: Callable[[PrefetchResult], None] | None = None,
 ) -> PrefetchResult:
     """Through the daemon when one answers and serves what was asked; else in-process."""
-    use_daemon = not (args.no_daemon or args.offline)
-    if use_daemon and parse_source(args.source, endpoint=config.endpoint).caller_only:
-        use_daemon = False  # the daemon never reads a client's directories
-    if use_daemon:
-        result = await _prefetch_via_daemon(args, config, progress)
-        if result is not None:
-            return result
+
+    async def by_daemon(client: Client) -> PrefetchResult:
+        job = await client.prefetch(
+            args.source,
+            revision=args.revision,
+            include=args.include,
+            exclude=args.exclude,
+            priority=args.priority,
+            allow_pickle=args.allow_pickle,
+        )
+        return await job.wait(progress)
+
+    result = await _via_daemon(args, config, by_daemon)
+    if result is not None:
+        return result
     return await prefetch(
         args.source,
         config,
@@ -333,11 +331,17 @@ async def _prefetch_somewhere(
     )
 
 
-async def _prefetch_via_daemon(
-    args: argparse.Namespace, config: Config, progress: ProgressSink | None
-) -> PrefetchResult | None:
-    """None when no daemon answers (and fallback allows), or when --cache-dir,
-    $SHARDSYNC_CACHE_DIR or --endpoint ask for another cache or Hub than the daemon's."""
+async def _via_daemon(
+    args: argparse.Namespace, config: Config, run: Callable[[Client], Awaitable[_T]]
+) -> _T | None:
+    """``run`` with a client of the daemon; None to run in-process instead: ``--no-daemon``,
+    ``--offline``, a source the daemon never reads (a client's directories), no daemon
+    answering (when fallback allows), or one serving another cache or Hub than --cache-dir,
+    $SHARDSYNC_CACHE_DIR or --endpoint ask for."""
+    if args.no_daemon or args.offline:
+        return None
+    if parse_source(args.source, endpoint=config.endpoint).caller_only:
+        return None
     from shardsync.client import Client, daemon_serves
 
     client = Client(config, fallback="error")
@@ -352,15 +356,7 @@ async def _prefetch_via_daemon(
             client.daemon_status or {}, cache_dir=_named_cache(args), endpoint=args.endpoint
         ):
             return None
-        job = await client.prefetch(
-            args.source,
-            revision=args.revision,
-            include=args.include,
-            exclude=args.exclude,
-            priority=args.priority,
-            allow_pickle=args.allow_pickle,
-        )
-        return await job.wait(progress)
+        return await run(client)
     finally:
         await client.close()
 
