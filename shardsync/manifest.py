@@ -73,7 +73,7 @@ _SAFETENSORS_INDEX_SUFFIX = ".safetensors.index.json"
 _PICKLE_INDEX_SUFFIX = ".bin.index.json"
 
 _HEX40 = re.compile(r"[0-9a-fA-F]{40}")
-_HEX64 = re.compile(r"[0-9a-fA-F]{64}")
+_HEX = re.compile(r"[0-9a-fA-F]+")
 # A drive-like first segment: Windows joins ``base / "C:x"`` onto drive C:, so it is
 # refused in every component, not only the first.
 _DRIVE = re.compile(r"[A-Za-z]:")
@@ -134,19 +134,12 @@ def _check_size(value: object, where: str) -> int | None:
     return value
 
 
-def _check_sha256(value: object, where: str) -> str | None:
+def _check_hex(value: object, where: str, what: str, digits: int) -> str | None:
+    """An optional hash as the origin wrote it (either case), lowercased."""
     if value is None:
         return None
-    if not isinstance(value, str) or not _HEX64.fullmatch(value):
-        raise ManifestError(f"{where}: sha256 must be 64 hex digits, got {value!r}")
-    return value.lower()
-
-
-def _check_blob_id(value: object, where: str) -> str | None:
-    if value is None:
-        return None
-    if not isinstance(value, str) or not _HEX40.fullmatch(value):
-        raise ManifestError(f"{where}: git blob id must be 40 hex digits, got {value!r}")
+    if not isinstance(value, str) or len(value) != digits or not _HEX.fullmatch(value):
+        raise ManifestError(f"{where}: {what} must be {digits} hex digits, got {value!r}")
     return value.lower()
 
 
@@ -169,8 +162,8 @@ class RemoteFile:
         validate_name(self.path)
         where = f"file {self.path!r}"
         _check_size(self.size, where)
-        object.__setattr__(self, "sha256", _check_sha256(self.sha256, where))
-        object.__setattr__(self, "blob_id", _check_blob_id(self.blob_id, where))
+        object.__setattr__(self, "sha256", _check_hex(self.sha256, where, "sha256", 64))
+        object.__setattr__(self, "blob_id", _check_hex(self.blob_id, where, "git blob id", 40))
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,8 +219,8 @@ class ManifestEntry:
         validate_name(self.path)
         where = f"file {self.path!r}"
         _check_size(self.size, where)
-        object.__setattr__(self, "sha256", _check_sha256(self.sha256, where))
-        object.__setattr__(self, "blob_id", _check_blob_id(self.blob_id, where))
+        object.__setattr__(self, "sha256", _check_hex(self.sha256, where, "sha256", 64))
+        object.__setattr__(self, "blob_id", _check_hex(self.blob_id, where, "git blob id", 40))
         if self.role not in ("index", "shard", "extra"):
             raise ManifestError(f"{where}: unknown role {self.role!r}")
 
@@ -495,8 +488,8 @@ def _hub_file(
     blob_id = item.get(blob_key)
     if blob_id is not None and not isinstance(blob_id, str):
         raise ManifestError(f"{where}: {blob_key!r} must be a string, got {blob_id!r}")
-    sha_checked = _check_sha256(sha256, where)
-    return RemoteFile(name, size, sha_checked, _check_blob_id(blob_id, where))
+    sha_checked = _check_hex(sha256, where, "sha256", 64)
+    return RemoteFile(name, size, sha_checked, _check_hex(blob_id, where, "git blob id", 40))
 
 
 def parse_hub_revision(payload: bytes) -> Listing:
