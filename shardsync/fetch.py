@@ -634,11 +634,14 @@ class Fetcher:
             raise ProtocolError(f"{request.label}: transfer ended with bytes missing")
 
     def _chunk(self, missing: Sequence[tuple[int, int]], connections: int) -> int:
-        """``chunk_size``, or less when that would leave connections idle on a smaller file
-        (never under ``_MIN_SPLIT``: each Range costs a round trip)."""
+        """``chunk_size`` or less, so that every connection gets as many ranges as the others:
+        a file ends with its last range, and an uneven last round (31 ranges over 8
+        connections) costs a whole range's time on a capped link. Never under ``_MIN_SPLIT``:
+        each Range costs a round trip."""
         left = sum(end - start for start, end in missing)
-        even = max(_MIN_SPLIT, -(-left // connections))
-        return min(self.config.chunk_size, even)
+        rounds = max(1, -(-left // (self.config.chunk_size * connections)))
+        even = -(-left // (rounds * connections))
+        return max(_MIN_SPLIT, min(self.config.chunk_size, even))
 
     async def _connection(
         self,
