@@ -143,6 +143,17 @@ def _check_hex(value: object, where: str, what: str, digits: int) -> str | None:
     return value.lower()
 
 
+def _check_file(file: RemoteFile | ManifestEntry) -> str:
+    """Validate a file's name and size and normalise its hashes (a listing entry and a fetch
+    list entry alike); returns how messages name it."""
+    validate_name(file.path)
+    where = f"file {file.path!r}"
+    _check_size(file.size, where)
+    object.__setattr__(file, "sha256", _check_hex(file.sha256, where, "sha256", 64))
+    object.__setattr__(file, "blob_id", _check_hex(file.blob_id, where, "git blob id", 40))
+    return where
+
+
 def _check_commit(value: object, where: str) -> str:
     if not isinstance(value, str) or not _HEX40.fullmatch(value):
         raise ManifestError(f"{where}: commit must be 40 hex digits, got {value!r}")
@@ -159,11 +170,7 @@ class RemoteFile:
     blob_id: str | None = None
 
     def __post_init__(self) -> None:
-        validate_name(self.path)
-        where = f"file {self.path!r}"
-        _check_size(self.size, where)
-        object.__setattr__(self, "sha256", _check_hex(self.sha256, where, "sha256", 64))
-        object.__setattr__(self, "blob_id", _check_hex(self.blob_id, where, "git blob id", 40))
+        _check_file(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,11 +223,7 @@ class ManifestEntry:
     role: FileRole
 
     def __post_init__(self) -> None:
-        validate_name(self.path)
-        where = f"file {self.path!r}"
-        _check_size(self.size, where)
-        object.__setattr__(self, "sha256", _check_hex(self.sha256, where, "sha256", 64))
-        object.__setattr__(self, "blob_id", _check_hex(self.blob_id, where, "git blob id", 40))
+        where = _check_file(self)
         if self.role not in ("index", "shard", "extra"):
             raise ManifestError(f"{where}: unknown role {self.role!r}")
 
