@@ -21,6 +21,7 @@ import contextlib
 import errno
 import mmap
 import os
+import re
 import selectors
 import socket
 import ssl
@@ -30,7 +31,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from shardsync.errors import ProtocolError
+from shardsync.errors import ConfigError, ProtocolError
 
 __all__ = ["BodyTruncated", "Head", "Pump", "RangeReader", "Stream", "map_for_writing"]
 
@@ -40,6 +41,21 @@ _IDLE_PER_HOST = 32
 _NO_RESERVATION = frozenset(
     {errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.ENOSPC, errno.EDQUOT}
 )
+
+
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # RFC 9110 field name
+_UNSAFE_VALUE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # CR, LF, NUL...: request splitting
+_TARGET_SAFE = frozenset(range(0x21, 0x7F))
+
+
+def _quote_target(target: str) -> str:
+    """The request target as the request line may carry it: any byte that is not visible
+    ASCII (a space, CR/LF from a hostile redirect, non-ASCII) is percent-encoded, so no
+    ``Location`` can split the request or add a header."""
+    raw = target.encode("utf-8", "surrogateescape")
+    if all(b in _TARGET_SAFE for b in raw):
+        return target
+    return "".join(chr(b) if b in _TARGET_SAFE else f"%{b:02X}" for b in raw)
 
 
 class BodyTruncated(ConnectionError):
@@ -103,14 +119,20 @@ class RangeReader:
             raise ProtocolError(f"cannot fetch {parts.scheme!r} URLs")
         port = parts.port or (443 if parts.scheme == "https" else 80)
         key: _Key = (parts.scheme, parts.hostname, port)
-        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-        default_port = port == (443 if parts.scheme == "https" else 80)
-        host = parts.hostname if default_port else f"{parts.hostname}:{port}"
-        if ":" in parts.hostname and not default_port:
-            host = f"[{parts.hostname}]:{port}"
+        target = _quote_target((parts.path or "/") + (f"?{parts.query}" if parts.query else ""))
+        name = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+        host = name if port == (443 if parts.scheme == "https" else 80) else f"{name}:{port}"
         lines = [f"GET {target} HTTP/1.1", f"Host: {host}"]
-        lines += [f"{name}: {value}" for name, value in headers.items() if name.lower() != "host"]
-        request = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+        for field_name, value in headers.items():
+            if field_name.lower() == "host":
+                continue
+            if not _TOKEN.fullmatch(field_name) or _UNSAFE_VALUE.search(value):
+                raise ConfigError(f"header {field_name[:50]!r} is not a valid HTTP field")
+            lines.append(f"{field_name}: {value}")
+        try:
+            request = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+        except UnicodeEncodeError as exc:
+            raise ConfigError("a request header is not Latin-1 text") from exc
         pooled = self._take(key)
         if pooled is not None:
             try:

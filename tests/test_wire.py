@@ -17,7 +17,7 @@ import pytest
 from aiohttp import web
 from helpers import fast_config
 
-from shardsync.errors import ProtocolError
+from shardsync.errors import ConfigError, ProtocolError
 from shardsync.prefetch import prefetch
 from shardsync.wire import BodyTruncated, RangeReader
 
@@ -193,3 +193,33 @@ async def test_a_chunked_206_goes_through_aiohttp_and_lands_intact(tmp_path: Pat
         await runner.cleanup()
     assert (result.snapshot_path / "model.safetensors").read_bytes() == data
     assert len(ranges) == 2 * len(set(ranges)) == 6  # each range asked once per path
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("X-A", "b\r\nInjected: 1"), ("X-A", "b\nc"), ("X A", "b"), ("X-A:", "b"), ("X-A", "\x00")],
+)
+def test_a_header_that_could_split_the_request_is_refused(name: str, value: str) -> None:
+    with raw_server(ok(b"")) as (url, connections):
+        rd = reader()
+        with pytest.raises(ConfigError):
+            rd.open(url, {name: value})
+        rd.close()
+        assert connections == []  # refused before connecting
+
+
+def test_a_target_with_spaces_or_line_breaks_is_percent_encoded() -> None:
+    seen: list[bytes] = []
+
+    def answer(req: bytes) -> bytes:
+        seen.append(req)
+        return ok(b"")(req)
+
+    with raw_server(answer) as (url, _):
+        rd = reader()
+        rd.open(url + "/a b\r\nX-Evil: 1/\u00e9", {}).close()
+        rd.close()
+    request_line, *headers = seen[0].decode("latin-1").split("\r\n")
+    # urlsplit drops CR and LF; what is left is quoted, so it stays one request line
+    assert request_line == "GET /blob/a%20bX-Evil:%201/%C3%A9 HTTP/1.1"
+    assert not any(h.startswith("X-Evil") for h in headers)
