@@ -641,7 +641,7 @@ class Fetcher:
         left = sum(end - start for start, end in missing)
         rounds = max(1, -(-left // (self.config.chunk_size * connections)))
         even = -(-left // (rounds * connections))
-        return max(_MIN_SPLIT, min(self.config.chunk_size, even))
+        return min(self.config.chunk_size, max(_MIN_SPLIT, even))
 
     async def _connection(
         self,
