@@ -1,13 +1,14 @@
-"""The transfer engine: the only module that speaks HTTP.
+"""The transfer engine: what every HTTP request and answer means.
 
-One pooled ``aiohttp`` session; per file, several Range requests pulling
-chunks in ascending order from a shared queue and ``pwrite``-ing them at their
-offsets into one temp file. A hasher follows the contiguous written prefix,
-so sha256 (and xxh3-128 for fast re-checks) is ready moments after the last
-byte without a second pass over the network. A JSON sidecar records which
-ranges are on disk so a later run resumes, but only with proof it is the same
-object (strong ETag + ``If-Range`` + a ``Content-Range`` that starts where we
-asked and has the total we expect); anything else restarts the file from zero.
+One pooled ``aiohttp`` session for metadata, redirects and proxied transfers; per file,
+several Range requests pulling chunks in ascending order from a shared queue. Their bodies
+land at their offsets in the partial file: read by ``shardsync.wire`` straight into a mapping
+of it (direct connections), or received by aiohttp and ``pwritev``-ed (through a proxy). A
+hasher follows the contiguous prefix on disk, so sha256 (and xxh3-128 for fast re-checks) is
+ready moments after the last byte without a second pass over the network. The slot's resume
+record says which ranges are on disk so a later run resumes, but only with proof it is the
+same object (strong ETag + ``If-Range`` + a ``Content-Range`` that starts where we asked and
+has the total we expect); anything else restarts the file from zero.
 
 ``sleep`` is injected so tests run retries without patching.
 """
