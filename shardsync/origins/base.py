@@ -9,7 +9,7 @@ partial file is checked against. A new origin is a new class here, not an engine
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import ClassVar, Protocol
 
@@ -19,7 +19,7 @@ from shardsync.ranges import is_strong_etag
 from shardsync.records import RepoRef
 from shardsync.slot import Slot, VerifiedFile
 
-__all__ = ["Origin", "Progress", "RequestOrigin", "Slot"]
+__all__ = ["Origin", "Progress", "RequestOrigin", "Slot", "bearer_headers"]
 
 Progress = Callable[[int], None]
 Entry = ManifestEntry | RemoteFile
@@ -72,6 +72,11 @@ class Origin(Protocol):
         """Release what the origin opened (clients, sessions); called once by its engine."""
 
 
+def bearer_headers(token: str | None) -> Mapping[str, str]:
+    """The ``Authorization`` header that carries ``token`` (none without one)."""
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
 class RequestOrigin(ABC):
     """What origins share whose files the fetcher reads from a request (the Hub, a base URL,
     S3): a subclass says how to ask for one entry (``request_for``) and whether the ETag it
@@ -79,6 +84,11 @@ class RequestOrigin(ABC):
 
     __slots__ = ()
     records_etag: ClassVar[bool] = True
+
+    @property
+    def caller_only(self) -> bool:
+        """False: what a request reads, the daemon can read on a client's behalf."""
+        return False
 
     @abstractmethod
     def request_for(self, commit: str | None, entry: Entry) -> BlobRequest:

@@ -10,7 +10,7 @@ from urllib.parse import quote, urlsplit
 from shardsync.errors import ConfigError, EntryNotFoundError, ManifestError, first_error
 from shardsync.fetch import BlobRequest, Fetcher
 from shardsync.manifest import Listing, RemoteFile, validate_name
-from shardsync.origins.base import Entry, RequestOrigin
+from shardsync.origins.base import Entry, RequestOrigin, bearer_headers
 from shardsync.ranges import is_strong_etag
 from shardsync.records import RepoRef
 
@@ -53,12 +53,8 @@ class UrlOrigin(RequestOrigin):
         return RepoRef(kind="url", name=self.base)
 
     @property
-    def caller_only(self) -> bool:
-        return False
-
-    @property
     def auth_headers(self) -> Mapping[str, str]:
-        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        return bearer_headers(self.token)
 
     def url_for(self, path: str) -> str:
         return self.base + quote(validate_name(path))

@@ -20,7 +20,7 @@ from shardsync.manifest import (
     parse_hub_tree,
 )
 from shardsync.names import validate_revision
-from shardsync.origins.base import Entry, RequestOrigin
+from shardsync.origins.base import Entry, RequestOrigin, bearer_headers
 from shardsync.records import RepoRef
 
 __all__ = ["DEFAULT_ENDPOINT", "HubOrigin"]
@@ -64,12 +64,8 @@ class HubOrigin(RequestOrigin):
         return RepoRef(kind="hub", name=self.repo_id)
 
     @property
-    def caller_only(self) -> bool:
-        return False
-
-    @property
     def auth_headers(self) -> Mapping[str, str]:
-        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        return bearer_headers(self.token)
 
     async def list_files(self, fetcher: Fetcher, revision: str, *, hidden: bool = False) -> Listing:
         """Commit hash plus every file with size and LFS sha256: one API call, or for a large

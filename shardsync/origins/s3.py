@@ -50,10 +50,6 @@ class S3Origin(RequestOrigin):
     def repo(self) -> RepoRef:
         return RepoRef(kind="s3", name=self.location.url)
 
-    @property
-    def caller_only(self) -> bool:
-        return False
-
     async def list_files(self, fetcher: Fetcher, revision: str, *, hidden: bool = False) -> Listing:
         """Every object under the prefix; SHA-256 from the store where it keeps one."""
         if revision != self.default_revision:
