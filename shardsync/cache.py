@@ -24,7 +24,7 @@ import fcntl
 import os
 import shutil
 import stat
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Self
 
@@ -219,23 +219,11 @@ class CacheRoot:
         return True
 
     def walk_existing(self, parts: Sequence[str]) -> int | None:
-        """Like ``_walk`` but creating nothing: None when a component is missing."""
+        """Like ``walk`` but creating nothing: None when a component is missing."""
         try:
-            fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            return self._descend(parts, self._open_dir_at)
         except FileNotFoundError:
             return None
-        try:
-            for depth in range(len(parts)):
-                child = self._open_dir_at(fd, parts[: depth + 1])
-                os.close(fd)
-                fd = child
-        except FileNotFoundError:
-            os.close(fd)
-            return None
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
 
     def read_small(self, path: Path) -> bytes | None:
         """Read a small file without following a symlink at its name; None when absent."""
@@ -257,10 +245,17 @@ class CacheRoot:
     def walk(self, parts: Sequence[str]) -> int:
         """Open ``root/parts...`` as a directory fd, one component at a time and never through
         a symlink, creating missing components (0o755) on the way."""
+        return self._descend(parts, self._open_child)
+
+    def _descend(
+        self, parts: Sequence[str], open_child: Callable[[int, Sequence[str]], int]
+    ) -> int:
+        """The fd of ``root/parts...``, each component opened by ``open_child`` from its
+        parent's fd; no fd is left open when a step fails."""
         fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             for depth in range(len(parts)):
-                child = self._open_child(fd, parts[: depth + 1])
+                child = open_child(fd, parts[: depth + 1])
                 os.close(fd)
                 fd = child
         except BaseException:
