@@ -457,7 +457,7 @@ class Fetcher:
             while True:
                 located = await self.locate(request)
                 try:
-                    result = await self._download(
+                    result = await _FileDownload(self).run(
                         request, located, slot, progress, single_stream, tally
                     )
                 except (_Restart, _Relocate) as exc:
@@ -494,7 +494,123 @@ class Fetcher:
             progress(-shown)  # a failed fetch holds nothing: whoever goes on counts afresh
             raise
 
-    async def _download(
+    async def _probe_size(self, located: Located, label: str) -> int:
+        """Origins that omit Content-Length on HEAD: ask for one byte and read the total."""
+        headers = {**located.headers, "Range": format_range(0, 0)}
+        async with self._request("GET", located.url, headers) as resp:
+            if resp.status == 206:
+                cr = parse_content_range(resp.headers.get("Content-Range", ""))
+                if cr is not None and cr.total is not None:
+                    return cr.total
+            if resp.status == 200 and resp.content_length is not None:
+                return resp.content_length
+        raise ProtocolError(f"{label}: the origin does not say how large the file is")
+
+    # ------------------------------------------------------------------ HTTP plumbing
+
+    @contextlib.asynccontextmanager
+    async def _request(
+        self, method: str, url: str, headers: Mapping[str, str], *, metadata: bool = False
+    ) -> AsyncIterator[aiohttp.ClientResponse]:
+        """A request with redirects followed by hand (credentials never leave the origin),
+        each hop through the proxy ``NO_PROXY`` leaves it. ``metadata``: an API answer or
+        listing, which a mirror may fetch upstream first (its own, longer, read timeout)."""
+        hdrs = dict(headers)
+        for _ in range(_MAX_REDIRECTS + 1):
+            self._active += 1
+            try:
+                async with self._session.request(
+                    method,
+                    url,
+                    headers=self._headers(url, hdrs),
+                    allow_redirects=False,
+                    timeout=self._metadata_timeout() if metadata else None,
+                    **self._proxy(url),
+                ) as resp:
+                    if resp.status not in _REDIRECTS:
+                        yield resp
+                        return
+                    location = resp.headers.get("Location")
+            finally:
+                self._active -= 1
+            url, hdrs = _follow(url, hdrs, location)
+        raise ProtocolError(f"more than {_MAX_REDIRECTS} redirects for {redact_url(url)}")
+
+    def _headers(self, url: str, headers: Mapping[str, str]) -> dict[str, str]:
+        """Ours, then the configured ones for this host, then the request's own."""
+        merged = _with_defaults({})
+        merged.update(self.network.extra_headers(url))
+        merged.update(headers)
+        return merged
+
+    def _proxy(self, url: str) -> dict[str, Any]:
+        proxy = self.network.proxy_for(url)
+        if proxy is None:
+            return {}
+        if proxy.username is None:
+            return {"proxy": proxy.url}
+        auth = aiohttp.encode_basic_auth(proxy.username, proxy.password or "")
+        return {"proxy": proxy.url, "proxy_headers": {"Proxy-Authorization": auth}}
+
+    def _metadata_timeout(self) -> aiohttp.ClientTimeout:
+        cfg = self.config
+        return aiohttp.ClientTimeout(
+            total=None,
+            connect=cfg.connect_timeout,
+            sock_connect=cfg.connect_timeout,
+            sock_read=max(cfg.read_timeout, self.network.metadata_timeout),
+        )
+
+    async def _raise_for_status(
+        self, resp: aiohttp.ClientResponse, label: str, *, relocatable: bool = False
+    ) -> None:
+        """Turn a non-success answer into an exception (retryable ones as ``_RetryLater``)."""
+        body = b""
+        with contextlib.suppress(Exception):
+            body = await resp.content.read(_ERROR_BODY)
+        raise _status_error(resp.status, resp.headers.get, body, label, relocatable=relocatable)
+
+    async def _backoff_or_raise(
+        self, exc: BaseException, label: str, backoff: Backoff, retry_after: float | None
+    ) -> None:
+        cause = _cause(exc)
+        if isinstance(exc, aiohttp.ClientHttpProxyError):  # the proxy refused a CONNECT
+            if exc.status == 407:
+                raise AuthError(
+                    f"{label}: the proxy wants credentials (HTTP 407): give them in the "
+                    "proxy URL, http://USER:PASS@HOST:PORT"
+                ) from None
+            exc = _RetryLater(f"proxy answered HTTP {exc.status}", after=None, status=exc.status)
+        retryable = isinstance(exc, (_RetryLater, StalledError, ProtocolError)) or (
+            is_retryable_exception(exc)
+        )
+        if not retryable:
+            raise TransferError(f"{label}: {_describe(exc)}") from exc
+        delay = backoff.next_delay(retry_after)
+        if delay is None:
+            if isinstance(exc, ShardsyncError) and not isinstance(exc, _RetryLater):
+                raise exc
+            raise TransferError(
+                f"{label}: giving up after {backoff.attempts} attempts, last error: "
+                f"{_describe(exc)}"
+            ) from exc
+        self._retries[cause] += 1
+        await self._sleep(delay)
+
+
+class _FileDownload:
+    """One attempt at one file: its connections, their bodies, the hash that follows them and
+    the resume record that follows what is on disk. ``Fetcher.fetch`` makes one per attempt
+    (a relocation or a restart starts another) and owns the retries around it."""
+
+    def __init__(self, fetcher: Fetcher) -> None:
+        self._fetcher = fetcher  # HTTP plumbing, retry decisions and the shared counters
+        self.config = fetcher.config
+        self.network = fetcher.network
+        self._clock = fetcher._clock
+        self._throttle = fetcher._throttle
+
+    async def run(
         self,
         request: BlobRequest,
         located: Located,
@@ -505,7 +621,7 @@ class Fetcher:
     ) -> VerifiedFile | None:
         size = located.size
         if size is None:
-            size = await self._probe_size(located, request.label)
+            size = await self._fetcher._probe_size(located, request.label)
         if request.size is not None and size != request.size:
             raise ProtocolError(
                 f"{request.label}: origin reports {size} bytes, manifest says {request.size}"
@@ -606,18 +722,6 @@ class Fetcher:
         )
         return _Wire(reader, threads, pump)
 
-    async def _probe_size(self, located: Located, label: str) -> int:
-        """Origins that omit Content-Length on HEAD: ask for one byte and read the total."""
-        headers = {**located.headers, "Range": format_range(0, 0)}
-        async with self._request("GET", located.url, headers) as resp:
-            if resp.status == 206:
-                cr = parse_content_range(resp.headers.get("Content-Range", ""))
-                if cr is not None and cr.total is not None:
-                    return cr.total
-            if resp.status == 200 and resp.content_length is not None:
-                return resp.content_length
-        raise ProtocolError(f"{label}: the origin does not say how large the file is")
-
     async def _run_connections(
         self, request: BlobRequest, located: Located, state: _FileState, on_progress: ProgressFn
     ) -> None:
@@ -665,13 +769,15 @@ class Fetcher:
                     if self._progressed(covered - start, end - start):
                         backoff.reset()
                     start = max(start, covered)
-                    await self._backoff_or_raise(exc, request.label, backoff, None)
+                    await self._fetcher._backoff_or_raise(exc, request.label, backoff, None)
                     continue
                 except _RetryLater as later:
-                    await self._backoff_or_raise(later, request.label, backoff, later.after)
+                    await self._fetcher._backoff_or_raise(
+                        later, request.label, backoff, later.after
+                    )
                     continue
                 if written == 0:
-                    await self._backoff_or_raise(
+                    await self._fetcher._backoff_or_raise(
                         ProtocolError(f"empty body for bytes {start}-{end - 1}"),
                         request.label,
                         backoff,
@@ -682,7 +788,7 @@ class Fetcher:
                 if self._progressed(written, wanted):
                     backoff.reset()
                 elif start < end:  # a trickle per request: it must run out of attempts too
-                    await self._backoff_or_raise(
+                    await self._fetcher._backoff_or_raise(
                         ProtocolError(f"short body: {written} of {wanted} bytes"),
                         request.label,
                         backoff,
@@ -716,7 +822,7 @@ class Fetcher:
                 )
                 if received is not None:
                     return received
-        async with self._request("GET", located.url, headers) as resp:
+        async with self._fetcher._request("GET", located.url, headers) as resp:
             if resp.status == 200 and whole:
                 if resp.content_length is not None and resp.content_length != state.size:
                     raise ProtocolError(
@@ -726,7 +832,7 @@ class Fetcher:
             elif resp.status in (200, 206, 416):
                 _check_range_answer(resp.status, resp.headers.get, request.label, state, start, end)
             else:
-                await self._raise_for_status(resp, request.label, relocatable=True)
+                await self._fetcher._raise_for_status(resp, request.label, relocatable=True)
             _check_encoding(resp.headers.get, request.label)
             return await self._stream_body(resp, state, start, end, on_progress)
 
@@ -759,7 +865,7 @@ class Fetcher:
             state.done.add(first, stop)
             state.unsaved += n
             state.downloaded += n
-            self._bytes += n
+            self._fetcher._bytes += n
             on_progress(n)
             state.progressed.set()
             if state.unsaved >= cfg.sidecar_bytes:
@@ -771,7 +877,7 @@ class Fetcher:
         watchdog = _Watchdog(self._clock, cfg)
 
         def begin() -> _Begun:
-            stream = wire.reader.open(url, self._headers(url, headers))
+            stream = wire.reader.open(url, self._fetcher._headers(url, headers))
             head = stream.head
             if head.status != 206 or not stream.framed:
                 return _Begun(stream, None)
@@ -783,7 +889,7 @@ class Fetcher:
                 raise
             return _Begun(stream, wire.pump.receive(stream, start, end, report, watchdog.count))
 
-        self._active += 1
+        self._fetcher._active += 1
         try:
             opening = state.start_in_thread(begin, executor=wire.threads)
             try:
@@ -811,7 +917,7 @@ class Fetcher:
             finally:
                 stream.close()
         finally:
-            self._active -= 1
+            self._fetcher._active -= 1
 
     @staticmethod
     async def _await_body(
@@ -893,7 +999,7 @@ class Fetcher:
                 n = len(piece)
                 pending += n
                 state.downloaded += n
-                self._bytes += n
+                self._fetcher._bytes += n
                 on_progress(n)
                 if pending >= cfg.write_size:
                     await flush()
@@ -946,97 +1052,6 @@ class Fetcher:
             state.record_due.clear()
             if state.unsaved and not state.closing:
                 await _save_record(record, request, state)
-
-    # ------------------------------------------------------------------ HTTP plumbing
-
-    @contextlib.asynccontextmanager
-    async def _request(
-        self, method: str, url: str, headers: Mapping[str, str], *, metadata: bool = False
-    ) -> AsyncIterator[aiohttp.ClientResponse]:
-        """A request with redirects followed by hand (credentials never leave the origin),
-        each hop through the proxy ``NO_PROXY`` leaves it. ``metadata``: an API answer or
-        listing, which a mirror may fetch upstream first (its own, longer, read timeout)."""
-        hdrs = dict(headers)
-        for _ in range(_MAX_REDIRECTS + 1):
-            self._active += 1
-            try:
-                async with self._session.request(
-                    method,
-                    url,
-                    headers=self._headers(url, hdrs),
-                    allow_redirects=False,
-                    timeout=self._metadata_timeout() if metadata else None,
-                    **self._proxy(url),
-                ) as resp:
-                    if resp.status not in _REDIRECTS:
-                        yield resp
-                        return
-                    location = resp.headers.get("Location")
-            finally:
-                self._active -= 1
-            url, hdrs = _follow(url, hdrs, location)
-        raise ProtocolError(f"more than {_MAX_REDIRECTS} redirects for {redact_url(url)}")
-
-    def _headers(self, url: str, headers: Mapping[str, str]) -> dict[str, str]:
-        """Ours, then the configured ones for this host, then the request's own."""
-        merged = _with_defaults({})
-        merged.update(self.network.extra_headers(url))
-        merged.update(headers)
-        return merged
-
-    def _proxy(self, url: str) -> dict[str, Any]:
-        proxy = self.network.proxy_for(url)
-        if proxy is None:
-            return {}
-        if proxy.username is None:
-            return {"proxy": proxy.url}
-        auth = aiohttp.encode_basic_auth(proxy.username, proxy.password or "")
-        return {"proxy": proxy.url, "proxy_headers": {"Proxy-Authorization": auth}}
-
-    def _metadata_timeout(self) -> aiohttp.ClientTimeout:
-        cfg = self.config
-        return aiohttp.ClientTimeout(
-            total=None,
-            connect=cfg.connect_timeout,
-            sock_connect=cfg.connect_timeout,
-            sock_read=max(cfg.read_timeout, self.network.metadata_timeout),
-        )
-
-    async def _raise_for_status(
-        self, resp: aiohttp.ClientResponse, label: str, *, relocatable: bool = False
-    ) -> None:
-        """Turn a non-success answer into an exception (retryable ones as ``_RetryLater``)."""
-        body = b""
-        with contextlib.suppress(Exception):
-            body = await resp.content.read(_ERROR_BODY)
-        raise _status_error(resp.status, resp.headers.get, body, label, relocatable=relocatable)
-
-    async def _backoff_or_raise(
-        self, exc: BaseException, label: str, backoff: Backoff, retry_after: float | None
-    ) -> None:
-        cause = _cause(exc)
-        if isinstance(exc, aiohttp.ClientHttpProxyError):  # the proxy refused a CONNECT
-            if exc.status == 407:
-                raise AuthError(
-                    f"{label}: the proxy wants credentials (HTTP 407): give them in the "
-                    "proxy URL, http://USER:PASS@HOST:PORT"
-                ) from None
-            exc = _RetryLater(f"proxy answered HTTP {exc.status}", after=None, status=exc.status)
-        retryable = isinstance(exc, (_RetryLater, StalledError, ProtocolError)) or (
-            is_retryable_exception(exc)
-        )
-        if not retryable:
-            raise TransferError(f"{label}: {_describe(exc)}") from exc
-        delay = backoff.next_delay(retry_after)
-        if delay is None:
-            if isinstance(exc, ShardsyncError) and not isinstance(exc, _RetryLater):
-                raise exc
-            raise TransferError(
-                f"{label}: giving up after {backoff.attempts} attempts, last error: "
-                f"{_describe(exc)}"
-            ) from exc
-        self._retries[cause] += 1
-        await self._sleep(delay)
 
 
 class _RetryLater(TransferError):
