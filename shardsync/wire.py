@@ -416,7 +416,8 @@ class Pump:
         self, stream: Stream, start: int, end: int, landed: Landed, meter: Meter
     ) -> Future[int]:
         """Read ``stream``'s body into ``view[start:end]``; the future gets the bytes read
-        (fewer only with an exception). ``landed`` hears every stretch as it lands."""
+        (fewer when the body ends short) or the error that stopped it. ``landed`` hears
+        every stretch as it lands."""
         done: Future[int] = Future()
         sock = stream._take()
         if sock is None:
