@@ -1,9 +1,11 @@
-"""One pass over a file's bytes computing the hashes a cache checks it by (sha256, xxh3-128,
-git's blob id), optionally copying it on the way: the one hashing loop of whole files."""
+"""The hashes a cache checks a file by (sha256, xxh3-128, git's blob id), fed in order from
+a file object, a mapping or a file descriptor's range: the one hashing loop. A download feeds
+its contiguous prefix as it grows; ``verify`` and local copies read a whole file."""
 
 from __future__ import annotations
 
 import hashlib
+import os
 from typing import IO
 
 import xxhash
@@ -26,17 +28,41 @@ class Digest:
             self._git = hashlib.sha1(b"blob %d\0" % git_size, usedforsecurity=False)
         self.nbytes = 0
 
+    def update(self, data: bytes | memoryview) -> None:
+        """The next bytes of the file, in order."""
+        self._xxh3.update(data)
+        for h in (self._sha256, self._git):
+            if h is not None:
+                h.update(data)
+        self.nbytes += len(data)
+
     def read(self, src: IO[bytes], *, copy_to: IO[bytes] | None = None) -> Digest:
         """Hash ``src`` to its end (writing each chunk to ``copy_to`` too); returns self."""
         while chunk := src.read(CHUNK):
             if copy_to is not None:
                 copy_to.write(chunk)
-            self._xxh3.update(chunk)
-            for h in (self._sha256, self._git):
-                if h is not None:
-                    h.update(chunk)
-            self.nbytes += len(chunk)
+            self.update(chunk)
         return self
+
+    def update_from_view(self, view: memoryview, start: int, end: int) -> int:
+        """Hash ``view[start:end]`` where it lies (a mapped file: no copy out of the page
+        cache); returns ``end``."""
+        for pos in range(start, end, CHUNK):
+            with view[pos : min(end, pos + CHUNK)] as piece:
+                self.update(piece)
+        return end
+
+    def update_from_fd(self, fd: int, start: int, end: int) -> int:
+        """Hash bytes ``start..end`` of ``fd`` read with ``pread``; returns where it got
+        (short only if the file shrank)."""
+        pos = start
+        while pos < end:
+            data = os.pread(fd, min(CHUNK, end - pos), pos)
+            if not data:
+                break
+            self.update(data)
+            pos += len(data)
+        return pos
 
     @property
     def xxh3_128(self) -> str:

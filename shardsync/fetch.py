@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import hashlib
 import json
 import mmap
 import os
@@ -35,8 +34,8 @@ from typing import Any, Literal, TypeVar
 from urllib.parse import urljoin, urlsplit, urlunsplit
 
 import aiohttp
-import xxhash
 
+from shardsync.digest import Digest
 from shardsync.errors import (
     AuthError,
     EntryNotFoundError,
@@ -654,7 +653,8 @@ class _FileDownload:
                     finally:
                         state.closing = True  # the keeper returns (no cancel to lose)
                         state.record_due.set()
-                digest, xxh, git_sha1 = hasher.result()
+                hashes = hasher.result()
+                digest, xxh, git_sha1 = hashes.sha256, hashes.xxh3_128, hashes.git_sha1
             except BaseExceptionGroup as group:
                 _raise_first(group)
                 raise  # unreachable: _raise_first always raises
@@ -1011,14 +1011,10 @@ class _FileDownload:
 
     # ------------------------------------------------------------------ hashing
 
-    async def _hash(self, state: _FileState, request: BlobRequest) -> tuple[str, str, str | None]:
+    async def _hash(self, state: _FileState, request: BlobRequest) -> Digest:
         """Follow the contiguous prefix on disk: the digest is ready right after the last byte."""
-        sha = hashlib.sha256()
-        xxh = xxhash.xxh3_128()
-        git = None
-        if request.git_blob_id is not None:
-            git = hashlib.sha1(usedforsecurity=False)
-            git.update(b"blob %d\0" % state.size)
+        git_size = state.size if request.git_blob_id is not None else None
+        digest = Digest(git_size=git_size)
         hashed = 0
         while hashed < state.size:
             frontier = state.done.contiguous_prefix()
@@ -1026,12 +1022,16 @@ class _FileDownload:
                 state.progressed.clear()
                 await state.progressed.wait()
                 continue
-            hashers = (sha, xxh, git)
             if state.view is not None:
-                hashed = await state.in_thread(_hash_view, state.view, hashed, frontier, hashers)
+                hashed = await state.in_thread(
+                    digest.update_from_view, state.view, hashed, frontier
+                )
             else:
-                hashed = await state.in_thread(_hash_range, state.fd, hashed, frontier, hashers)
-        return sha.hexdigest(), xxh.hexdigest(), git.hexdigest() if git else None
+                got = await state.in_thread(digest.update_from_fd, state.fd, hashed, frontier)
+                if got < frontier:
+                    raise ProtocolError("partial file shrank while hashing")
+                hashed = got
+        return digest
 
     # ------------------------------------------------------------------ sidecar
 
@@ -1320,31 +1320,6 @@ def _pwritev_all(fd: int, pieces: list[bytes], offset: int) -> None:
             views.pop(0)
         if views and n:
             views[0] = views[0][n:]
-
-
-def _hash_view(view: memoryview, start: int, end: int, hashers: tuple[object, ...]) -> int:
-    """Hash the mapped file's bytes where they lie: no copy out of the page cache."""
-    step = 8 * MiB
-    for pos in range(start, end, step):
-        with view[pos : min(end, pos + step)] as piece:
-            for h in hashers:
-                if h is not None:
-                    h.update(piece)  # type: ignore[attr-defined]
-    return end
-
-
-def _hash_range(fd: int, start: int, end: int, hashers: tuple[object, ...]) -> int:
-    step = 8 * MiB
-    pos = start
-    while pos < end:
-        data = os.pread(fd, min(step, end - pos), pos)
-        if not data:
-            raise ProtocolError("partial file shrank while hashing")
-        for h in hashers:
-            if h is not None:
-                h.update(data)  # type: ignore[attr-defined]
-        pos += len(data)
-    return pos
 
 
 async def _save_record(
