@@ -227,6 +227,15 @@ class _FileState:
     view: memoryview | None = None  # the file's shared mapping, when bodies go through it
     wire: _Wire | None = None  # worker threads reading bodies into ``view``
 
+    def on_disk(self, first: int, stop: int, record_every: int) -> None:
+        """Bytes ``[first, stop)`` are in the file: the hasher may follow them, and the resume
+        record claims them at its next save (due now once ``record_every`` bytes wait)."""
+        self.done.add(first, stop)
+        self.unsaved += stop - first
+        self.progressed.set()
+        if self.unsaved >= record_every:
+            self.record_due.set()
+
     def start_in_thread(
         self, fn: Callable[..., _T], *args: object, executor: Executor | None = None
     ) -> asyncio.Future[_T]:
@@ -862,14 +871,10 @@ class _FileDownload:
 
         def landed(first: int, stop: int) -> None:
             n = stop - first
-            state.done.add(first, stop)
-            state.unsaved += n
             state.downloaded += n
             self._fetcher._bytes += n
             on_progress(n)
-            state.progressed.set()
-            if state.unsaved >= cfg.sidecar_bytes:
-                state.record_due.set()
+            state.on_disk(first, stop, cfg.sidecar_bytes)
 
         def report(first: int, stop: int) -> None:
             loop.call_soon_threadsafe(landed, first, stop)
@@ -969,11 +974,7 @@ class _FileDownload:
             def mark(future: asyncio.Future[None]) -> None:
                 if future.cancelled() or future.exception() is not None:
                     return
-                state.done.add(first, stop)
-                state.unsaved += stop - first
-                state.progressed.set()
-                if state.unsaved >= cfg.sidecar_bytes:
-                    state.record_due.set()
+                state.on_disk(first, stop, cfg.sidecar_bytes)
 
             return mark
 
