@@ -303,6 +303,14 @@ class Fetcher:
         self._active = 0
         self._retries: Counter[str] = Counter()
         self._verify_failures = 0
+        self._tls: ssl.SSLContext | None = None
+
+    def tls(self) -> ssl.SSLContext:
+        """The TLS context of body transfers, made once: loading the CA store costs tens of
+        milliseconds, which every file and every retry would pay again."""
+        if self._tls is None:
+            self._tls = ssl_context(self.network)
+        return self._tls
 
     @staticmethod
     def default_timeout(config: FetchConfig) -> aiohttp.ClientTimeout:
@@ -706,7 +714,7 @@ class _FileDownload:
 
     def _open_wire(self, url: str, view: memoryview) -> _Wire:
         cfg = self.config
-        context = ssl_context(self.network) if urlsplit(url).scheme == "https" else None
+        context = self._fetcher.tls() if urlsplit(url).scheme == "https" else None
         reader = RangeReader(
             context, connect_timeout=cfg.connect_timeout, read_timeout=cfg.read_timeout
         )
