@@ -61,7 +61,7 @@ from shardsync.ranges import (
 from shardsync.records import FetchConfig, FetchStatistics
 from shardsync.retry import Backoff, classify_status, parse_retry_after
 from shardsync.slot import Resumable, ResumeRecord, Slot, VerifiedFile
-from shardsync.wire import Pump, RangeReader, Stream, map_for_writing
+from shardsync.wire import Pump, RangeReader, Stream, map_for_writing, release_pages
 
 __all__ = [
     "BlobRequest",
@@ -224,7 +224,8 @@ class _FileState:
     record_due: asyncio.Event = field(default_factory=asyncio.Event)
     in_flight: set[asyncio.Future[Any]] = field(default_factory=set)
     etag_lock: threading.Lock = field(default_factory=threading.Lock)
-    view: memoryview | None = None  # the file's shared mapping, when bodies go through it
+    mapping: mmap.mmap | None = None  # the file's shared mapping, when bodies go through it
+    view: memoryview | None = None  # a view of ``mapping``, which the pump writes through
     wire: _Wire | None = None  # worker threads reading bodies into ``view``
 
     def on_disk(self, first: int, stop: int, record_every: int) -> None:
@@ -660,7 +661,7 @@ class _FileDownload:
                     except OSError as exc:
                         raise disk_error(exc, "reserve the partial file") from exc
                     if mapping is not None:
-                        state.view = memoryview(mapping)
+                        state.mapping, state.view = mapping, memoryview(mapping)
                         state.wire = self._open_wire(located.url, state.view)
                 async with asyncio.TaskGroup() as tg:
                     hasher = tg.create_task(self._hash(state, request))
@@ -1031,9 +1032,9 @@ class _FileDownload:
                 state.progressed.clear()
                 await state.progressed.wait()
                 continue
-            if state.view is not None:
+            if state.mapping is not None and state.view is not None:
                 hashed = await state.in_thread(
-                    digest.update_from_view, state.view, hashed, frontier
+                    _hash_mapped, digest, state.mapping, state.view, hashed, frontier
                 )
             else:
                 got = await state.in_thread(digest.update_from_fd, state.fd, hashed, frontier)
@@ -1302,6 +1303,14 @@ def _abandon(state: _FileState, pump: Pump, opening: asyncio.Future[_Begun]) -> 
     begun.stream.close()
 
 
+def _hash_mapped(digest: Digest, mapping: mmap.mmap, view: memoryview, start: int, end: int) -> int:
+    """Hash a span of the mapping, then let its pages go from this process (``release_pages``:
+    they are final, and the hasher is their last reader)."""
+    got = digest.update_from_view(view, start, end)
+    release_pages(mapping, start, got)
+    return got
+
+
 def _unmap(state: _FileState, mapping: mmap.mmap | None) -> None:
     """Close the file's wire and mapping once no thread uses them."""
     if state.wire is not None:
@@ -1310,6 +1319,7 @@ def _unmap(state: _FileState, mapping: mmap.mmap | None) -> None:
     if state.view is not None:
         state.view.release()
         state.view = None
+    state.mapping = None
     if mapping is not None:
         with contextlib.suppress(BufferError):  # a view still held: freed with it
             mapping.close()

@@ -7,7 +7,12 @@ answers it hands back to aiohttp's path.
 
 from __future__ import annotations
 
+import filecmp
+import mmap
+import os
 import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -19,7 +24,8 @@ from helpers import fast_config
 
 from shardsync.errors import ConfigError, ProtocolError
 from shardsync.prefetch import prefetch
-from shardsync.wire import BodyTruncated, RangeReader
+from shardsync.testing import FakeHub, serve_in_thread
+from shardsync.wire import BodyTruncated, RangeReader, map_for_writing, release_pages
 
 Answer = Callable[[bytes], bytes]
 """Given a request's bytes, the raw bytes a connection answers (then it waits for the next)."""
@@ -223,3 +229,74 @@ def test_a_target_with_spaces_or_line_breaks_is_percent_encoded() -> None:
     # urlsplit drops CR and LF; what is left is quoted, so it stays one request line
     assert request_line == "GET /blob/a%20bX-Evil:%201/%C3%A9 HTTP/1.1"
     assert not any(h.startswith("X-Evil") for h in headers)
+
+
+def _mapped_rss(path: Path) -> int:
+    """Bytes of ``path``'s mappings resident in this process (from /proc/self/smaps)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if line[:1].isdigit() or (line[:1] in "abcdef" and "-" in line.split(" ", 1)[0]):
+            inside = line.endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1]) * 1024
+    return total
+
+
+def test_released_pages_leave_the_process_and_keep_their_bytes(tmp_path: Path) -> None:
+    page = mmap.PAGESIZE
+    path = tmp_path / "partial"
+    data = os.urandom(64 * page)
+    with path.open("w+b") as f:
+        mapping = map_for_writing(f.fileno(), len(data))
+        assert mapping is not None
+        mapping[:] = data
+        assert _mapped_rss(path) == len(data)
+        release_pages(mapping, 0, 40 * page + 100)  # the page holding byte 40*page+99 stays
+        assert _mapped_rss(path) == 24 * page
+        release_pages(mapping, 40 * page + 100, 64 * page)
+        assert _mapped_rss(path) == 0
+        assert os.pread(f.fileno(), len(data), 0) == data  # in the page cache, not lost
+        assert mapping[:] == data  # faulted back in on access
+        mapping.close()
+    assert path.read_bytes() == data
+
+
+_PEAK_RSS_OF_PREFETCH = """
+import sys
+from shardsync.cli import main
+code = main(sys.argv[1:])
+status = open("/proc/self/status").read()
+print(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:")))
+sys.exit(code)
+"""
+
+
+def test_a_download_does_not_keep_the_file_resident(tmp_path: Path) -> None:
+    """The partial file is written through a shared mapping; each page the hash has passed is
+    let go, so a download's peak RSS does not grow with the file (before: by all of it)."""
+    big, small = tmp_path / "big.bin", tmp_path / "small.bin"
+    size, block = 640 << 20, os.urandom(8 << 20)
+    with big.open("wb") as f:
+        for n in range(size // len(block)):
+            f.write(n.to_bytes(8) + block[8:])
+    small.write_bytes(os.urandom(1 << 20))
+    hub = FakeHub()
+    hub.add_repo("acme/big", {"model.safetensors": big})
+    hub.add_repo("acme/small", {"model.safetensors": small})
+
+    def peak_rss(repo: str) -> int:
+        """VmHWM of the prefetch's own process (ru_maxrss would include this one's, from the
+        fork before exec)."""
+        argv = [sys.executable, "-c", _PEAK_RSS_OF_PREFETCH, "prefetch", repo, "--quiet"]
+        argv += ["--no-daemon", "--endpoint", running.endpoint]
+        argv += ["--cache-dir", str(tmp_path / repo)]
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=True)
+        return int(out.stdout.split()[-1]) * 1024
+
+    with serve_in_thread(hub) as running:
+        baseline = peak_rss("acme/small")
+        grown = peak_rss("acme/big") - baseline
+    blob = next((tmp_path / "acme/big").rglob("blobs/*"))
+    assert filecmp.cmp(blob, big, shallow=False)
+    # what stays is the window in flight (about connections x chunk), not the file
+    assert grown < size // 2, f"peak RSS grew by {grown >> 20} MiB for a {size >> 20} MiB file"
