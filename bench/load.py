@@ -55,6 +55,12 @@ import glob, json, os, sys, time
 from pathlib import Path
 import torch
 from safetensors.torch import load_file
+
+
+def elapsed(start):
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # every copy to the GPU has landed, not just been queued
+    return time.monotonic() - start
 """
 _LOAD_SHARDS = """
 def load_shards(snapshot, device):
@@ -71,7 +77,7 @@ from huggingface_hub import snapshot_download
 start = time.monotonic()
 path = snapshot_download(sys.argv[1], endpoint=sys.argv[2], cache_dir=sys.argv[3])
 tensors = load_shards(path, sys.argv[4])
-print(json.dumps({"tensors": len(tensors), "seconds": time.monotonic() - start}))
+print(json.dumps({"tensors": len(tensors), "seconds": elapsed(start)}))
 """
 )
 _SHARDSYNC_PREFETCH = (
@@ -96,7 +102,7 @@ _LOAD_SNAPSHOT = (
     + """
 start = time.monotonic()
 tensors = load_shards(sys.argv[1], sys.argv[2])
-print(json.dumps({"tensors": len(tensors), "seconds": time.monotonic() - start}))
+print(json.dumps({"tensors": len(tensors), "seconds": elapsed(start)}))
 """
 )
 _SHARDSYNC_LOAD = (
@@ -106,7 +112,7 @@ from shardsync import load
 start = time.monotonic()
 tensors = load(sys.argv[1], device_map=sys.argv[4], endpoint=sys.argv[2],
                cache_dir=Path(sys.argv[3]))
-print(json.dumps({"tensors": len(tensors), "seconds": time.monotonic() - start}))
+print(json.dumps({"tensors": len(tensors), "seconds": elapsed(start)}))
 """
 )
 
@@ -241,7 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="2GB")
     parser.add_argument("--shards", type=int, default=4)
-    parser.add_argument("--bandwidth", type=float, default=25_000_000)
+    parser.add_argument(
+        "--bandwidth", type=float, default=25_000_000, help="bytes/s per connection; 0: uncapped"
+    )
     parser.add_argument("--latency", type=float, default=0.02)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeat", type=int, default=3, help="rounds; the medians count")
@@ -267,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         shardsync_config=None,
     )
     origin = ensure_origin(settings)
-    scenario = Scenario("capped", args.bandwidth, args.latency)
+    scenario = Scenario("capped", args.bandwidth or None, args.latency)
     with tempfile.TemporaryDirectory(prefix="shardsync-load-bench-") as tmp:
         scratch = Path(tmp)
         with serve_hub(origin, scenario, scratch) as endpoint:
@@ -282,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     results = medians(rounds)
     print(
         f"\n{origin.total_size / 1e9:.2f} GB, {args.shards} shards, "
-        f"{args.bandwidth / 1e6:.0f} MB/s per connection, {args.latency * 1000:.0f} ms latency, "
+        + (f"{args.bandwidth / 1e6:.0f} MB/s per connection" if args.bandwidth else "uncapped")
+        + f", {args.latency * 1000:.0f} ms latency, "
         f"device {args.device}"
     )
     print(

@@ -223,6 +223,66 @@ def test_cuda_auto_map_with_dtype(hub: FakeHub, checkpoint: Checkpoint, tmp_path
         assert torch.equal(tensor.cpu(), want[name].to(torch.float32)), name
 
 
+@pytest.mark.cuda
+@cuda
+def test_cuda_staging_ring_reuse_never_corrupts_a_copy() -> None:
+    """Many chunks through two tiny pinned buffers, no sync between tensors: a staging buffer
+    refilled before its DMA finished would show up as wrong bytes on the device."""
+    from shardsync.loader import _CudaPlacer
+
+    placer = _CudaPlacer("cuda:0", buffers=2, size=4096)
+    generator = torch.Generator().manual_seed(0)
+    sources = [
+        torch.randint(0, 256, (n,), dtype=torch.uint8, generator=generator)
+        for n in (1, 4095, 4096, 4097, 1 << 20, 3 * 4096 + 17)
+    ]
+    placed = [placer.place(source, None) for source in sources]
+    for source, (out, event) in zip(sources, placed, strict=True):
+        event.synchronize()
+        assert out.device.type == "cuda"
+        assert torch.equal(out.cpu(), source)
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_split_between_gpu_and_cpu_by_max_memory(
+    hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    config = fast_config(tmp_path, hub.endpoint)
+    budget = {0: 2 << 20, "cpu": 1 << 30}  # the 6 MiB checkpoint cannot fit on the GPU
+    with shardsync.stream(REPO, device_map="auto", max_memory=budget, config=config) as tensors:
+        got = {name: tensor for name, tensor in tensors}
+    on_gpu = [t for t in got.values() if t.device.type == "cuda"]
+    assert on_gpu and {t.device.type for t in got.values()} == {"cuda", "cpu"}
+    assert sum(t.nbytes for t in on_gpu) <= 2 << 20
+    _assert_bit_exact({k: v.cpu() for k, v in got.items()}, _originals(checkpoint))
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_fill_a_meta_model_and_match_forward(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    original = TinyTransformer().eval()
+    (tmp_path / "tiny").mkdir()
+    save_torch_state_dict(original.state_dict(), tmp_path / "tiny", max_shard_size=20_000)
+    fake = FakeHub()
+    fake.add_repo("acme/tiny-model", {p.name: p for p in (tmp_path / "tiny").iterdir()})
+    with torch.device("meta"):
+        model = TinyTransformer()
+    with serve_in_thread(fake) as hub:
+        shardsync.load(
+            "acme/tiny-model",
+            model=model,
+            device_map="cuda:0",
+            config=fast_config(tmp_path / "cache", hub.endpoint),
+        )
+    assert {p.device.type for p in model.parameters()} == {"cuda"}
+    model.eval()
+    ids = torch.randint(0, 64, (2, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids.cuda()).cpu(), original(ids))
+
+
 def test_cli_load_reports_plan_and_timings(hub: FakeHub, tmp_path: Path) -> None:
     import subprocess
     import sys
