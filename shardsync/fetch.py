@@ -50,6 +50,7 @@ from shardsync.errors import (
     disk_error,
 )
 from shardsync.network import NetworkConfig, ssl_context
+from shardsync.ramp import ConnectionRamp
 from shardsync.ranges import (
     RangeSet,
     format_range,
@@ -79,6 +80,7 @@ MiB = 1 << 20
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
 _MAX_REDIRECTS = 5
 _MIN_SPLIT = MiB  # the smallest Range worth a connection of its own
+_RAMP_EVERY = 0.1  # seconds between the connection ramp's looks at a file's rate
 _SIDECAR_VERSION = 3
 _MAX_RECORD = 1 << 20
 _ERROR_BODY = 4096  # bytes of an error answer read for its message
@@ -227,6 +229,9 @@ class _FileState:
     mapping: mmap.mmap | None = None  # the file's shared mapping, when bodies go through it
     view: memoryview | None = None  # a view of ``mapping``, which the pump writes through
     wire: _Wire | None = None  # worker threads reading bodies into ``view``
+    connections: int = 0  # running
+    wanted: int = 0  # what the ramp asks for: a connection beyond it takes no next range
+    drained: asyncio.Event = field(default_factory=asyncio.Event)  # every range is taken
 
     def on_disk(self, first: int, stop: int, record_every: int) -> None:
         """Bytes ``[first, stop)`` are in the file: the hasher may follow them, and the resume
@@ -743,16 +748,40 @@ class _FileDownload:
     async def _run_connections(
         self, request: BlobRequest, located: Located, state: _FileState, on_progress: ProgressFn
     ) -> None:
+        """Fetch every missing range over up to ``connections_per_file`` connections. Through
+        the pump they start at a few and follow ``ConnectionRamp`` (more only while more
+        bring more bytes per second); the aiohttp path opens them all at once."""
         missing = state.done.missing(state.size)
-        n = 1 if state.single_stream else self.config.connections_per_file
-        chunk = state.size if state.single_stream else self._chunk(missing, n)
+        most = 1 if state.single_stream else self.config.connections_per_file
+        chunk = state.size if state.single_stream else self._chunk(missing, most)
         queue: asyncio.Queue[tuple[int, int]] = asyncio.Queue()
         for start, end in missing:
             for piece in split_ranges(end - start, max(chunk, 1)):
                 queue.put_nowait((start + piece[0], start + piece[1]))
+        pump = state.wire.pump if state.wire is not None else None
+        ramp = ConnectionRamp(most)
+        state.wanted = most if pump is None else ramp.count
         async with asyncio.TaskGroup() as tg:
-            for _ in range(min(n, max(queue.qsize(), 1))):
-                tg.create_task(self._connection(request, located, state, queue, on_progress))
+
+            def open_up_to(count: int) -> None:
+                while state.connections < count:
+                    state.connections += 1
+                    tg.create_task(self._connection(request, located, state, queue, on_progress))
+
+            open_up_to(min(state.wanted, max(queue.qsize(), 1)))
+            if pump is not None and ramp.count < most and queue.qsize() > state.connections:
+                then, received = self._clock(), pump.received
+                while not queue.empty():
+                    with contextlib.suppress(TimeoutError):  # every interval, or as it drains
+                        async with asyncio.timeout(_RAMP_EVERY):
+                            await state.drained.wait()
+                    if queue.empty():
+                        break
+                    now = self._clock()
+                    rate = (pump.received - received) / max(now - then, 1e-3)
+                    then, received = now, pump.received
+                    state.wanted = ramp.observe(rate)
+                    open_up_to(min(state.wanted, state.connections + queue.qsize()))
         if state.done.total() != state.size:
             raise ProtocolError(f"{request.label}: transfer ended with bytes missing")
 
@@ -774,9 +803,26 @@ class _FileDownload:
         queue: asyncio.Queue[tuple[int, int]],
         on_progress: ProgressFn,
     ) -> None:
+        try:
+            await self._ranges(request, located, state, queue, on_progress)
+        finally:
+            state.connections -= 1
+
+    async def _ranges(
+        self,
+        request: BlobRequest,
+        located: Located,
+        state: _FileState,
+        queue: asyncio.Queue[tuple[int, int]],
+        on_progress: ProgressFn,
+    ) -> None:
+        """One connection's work: ranges off the queue until none are left, or until the
+        file wants fewer connections than it has."""
         backoff = Backoff(self.config.retry)
-        while not queue.empty():
+        while not queue.empty() and state.connections <= state.wanted:
             start, end = queue.get_nowait()
+            if queue.empty():
+                state.drained.set()
             while start < end:
                 try:
                     written = await self._get_range(

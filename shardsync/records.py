@@ -321,7 +321,7 @@ class ProgressSink(Protocol):
 class FetchConfig:
     """Transfer tuning. Defaults come from ``bench/download.py`` (see README)."""
 
-    connections_per_file: int = 8
+    connections_per_file: int = 16
     chunk_size: int = 16 * MiB
     read_size: int = 4 * MiB
     write_size: int = 128 * 1024

@@ -75,7 +75,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
 
 def test_the_documented_max_bandwidth_floor_is_the_one_enforced(tmp_path: Path) -> None:
     """README (daemon, Priority) and config.example.toml: `max_bandwidth` must be at least
-    `max_files x connections_per_file x min_throughput` (1 MiB/s with the defaults); a lower
+    `max_files x connections_per_file x min_throughput` (2 MiB/s with the defaults); a lower
     value is refused (exit 2), the floor itself is accepted."""
     from shardsync.cli import main
     from shardsync.config import load_config
@@ -85,10 +85,10 @@ def test_the_documented_max_bandwidth_floor_is_the_one_enforced(tmp_path: Path) 
     assert rule in _flat(README) and rule in _flat(EXAMPLE)
     default = load_config(None, {})
     product = default.max_files * default.fetch.connections_per_file
-    assert product * default.fetch.min_throughput == 1 << 20
-    assert "(1 MiB/s with the defaults: 4 x 8 x 32 KiB/s)" in _flat(README)
-    assert "(4 x 8 x 32KiB = 1MiB/s by default)" in _flat(EXAMPLE)
-    assert (default.max_files, default.fetch.connections_per_file) == (4, 8)
+    assert product * default.fetch.min_throughput == 2 << 20
+    assert "(2 MiB/s with the defaults: 4 x 16 x 32 KiB/s)" in _flat(README)
+    assert "(4 x 16 x 32KiB = 2MiB/s by default)" in _flat(EXAMPLE)
+    assert (default.max_files, default.fetch.connections_per_file) == (4, 16)
     assert default.fetch.min_throughput == 32 << 10
 
     floor = 3 * 5 * (10 << 10)  # with other settings: exactly their product

@@ -20,6 +20,7 @@ PURE = [
     "shardsync.manifest",
     "shardsync.names",
     "shardsync.network",
+    "shardsync.ramp",
     "shardsync.ranges",
     "shardsync.records",
     "shardsync.retry",

@@ -275,7 +275,7 @@ def test_a_download_does_not_keep_the_file_resident(tmp_path: Path) -> None:
     """The partial file is written through a shared mapping; each page the hash has passed is
     let go, so a download's peak RSS does not grow with the file (before: by all of it)."""
     big, small = tmp_path / "big.bin", tmp_path / "small.bin"
-    size, block = 640 << 20, os.urandom(8 << 20)
+    size, block = 768 << 20, os.urandom(8 << 20)
     with big.open("wb") as f:
         for n in range(size // len(block)):
             f.write(n.to_bytes(8) + block[8:])
@@ -284,10 +284,14 @@ def test_a_download_does_not_keep_the_file_resident(tmp_path: Path) -> None:
     hub.add_repo("acme/big", {"model.safetensors": big})
     hub.add_repo("acme/small", {"model.safetensors": small})
 
+    config = tmp_path / "shardsync.toml"  # at most 4 x 16 MiB written ahead of the hash
+    config.write_text('[download]\nconnections_per_file = 4\nchunk_size = "16MiB"\n')
+
     def peak_rss(repo: str) -> int:
         """VmHWM of the prefetch's own process (ru_maxrss would include this one's, from the
         fork before exec)."""
-        argv = [sys.executable, "-c", _PEAK_RSS_OF_PREFETCH, "prefetch", repo, "--quiet"]
+        argv = [sys.executable, "-c", _PEAK_RSS_OF_PREFETCH, "--config", str(config)]
+        argv += ["prefetch", repo, "--quiet"]
         argv += ["--no-daemon", "--endpoint", running.endpoint]
         argv += ["--cache-dir", str(tmp_path / repo)]
         out = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=True)
@@ -298,5 +302,5 @@ def test_a_download_does_not_keep_the_file_resident(tmp_path: Path) -> None:
         grown = peak_rss("acme/big") - baseline
     blob = next((tmp_path / "acme/big").rglob("blobs/*"))
     assert filecmp.cmp(blob, big, shallow=False)
-    # what stays is the window in flight (about connections x chunk), not the file
+    # what stays is the window in flight (connections x chunk), not the file
     assert grown < size // 2, f"peak RSS grew by {grown >> 20} MiB for a {size >> 20} MiB file"

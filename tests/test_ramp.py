@@ -1,0 +1,144 @@
+"""The connection ramp: climb while each step brings more bytes per second, undo the first
+step that does not, and stop there."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+from aiohttp import web
+from helpers import fast_config
+
+from shardsync.prefetch import prefetch
+from shardsync.ramp import ConnectionRamp
+
+
+def climb(ramp: ConnectionRamp, rate_of: dict[int, float] | None = None) -> list[int]:
+    """Counts the ramp holds, interval by interval, when ``count`` connections bring
+    ``rate_of(count)`` (default: 25 MB/s each, a per-connection cap with room to spare)."""
+    counts = [ramp.count]
+    for _ in range(20):
+        rate = rate_of[ramp.count] if rate_of else 25e6 * ramp.count
+        counts.append(ramp.observe(rate))
+    return counts
+
+
+def test_starts_with_a_quarter_or_all_of_up_to_four() -> None:
+    assert ConnectionRamp(32).count == 8
+    assert ConnectionRamp(16).count == 4
+    assert ConnectionRamp(8).count == 4
+    assert ConnectionRamp(2).count == 2
+    assert ConnectionRamp(1).count == 1
+
+
+def test_climbs_by_half_while_each_step_pays() -> None:
+    # each count: one interval skipped while new connections start, two measured
+    counts = climb(ConnectionRamp(16))
+    assert counts[:13] == [4, 4, 4, 6, 6, 6, 9, 9, 9, 13, 13, 13, 16]
+    assert set(counts[13:]) == {16}
+
+
+def test_a_step_that_brings_nothing_is_undone_then_tried_again_later() -> None:
+    # past 6 connections this host takes no more: 9 bring what 6 did
+    rates = {4: 100e6, 6: 150e6, 9: 150e6, 13: 150e6}
+    counts = climb(ConnectionRamp(16, pause=4), rates)
+    assert counts[:13] == [4, 4, 4, 6, 6, 6, 9, 9, 9, 6, 6, 6, 6]
+    assert max(counts[13:]) == 9 and counts[-1] in (6, 9)
+
+
+def test_a_step_must_bring_half_of_its_proportional_gain() -> None:
+    # 4 -> 6 is +50% connections: it must bring at least +25%
+    assert climb(ConnectionRamp(16), {4: 100e6, 6: 124e6}).count(6) < 10
+    assert climb(ConnectionRamp(16), {4: 100e6, 6: 124e6})[-1] in (4, 6)
+    assert climb(ConnectionRamp(16), {4: 100e6, 6: 126e6, 9: 126e6})[-1] in (6, 9)
+    assert 4 not in climb(ConnectionRamp(16), {4: 100e6, 6: 126e6, 9: 126e6})[6:]
+
+
+def test_up_to_four_connections_never_climb() -> None:
+    assert set(climb(ConnectionRamp(1))) == {1}
+    assert set(climb(ConnectionRamp(4))) == {4}
+
+
+# ------------------------------------------------------------------ a real download, ramped
+
+
+@contextlib.asynccontextmanager
+async def range_server(
+    data: bytes, pace: Callable[[int], Awaitable[None]]
+) -> AsyncIterator[tuple[str, list[tuple[float, int]]]]:
+    """An aiohttp server of ``model.safetensors`` answering Range requests in 64 KiB pieces,
+    each after ``pace(len(piece))``; yields its base URL and (time, bodies in flight) at the
+    start of every body."""
+    seen: list[tuple[float, int]] = []
+    flowing = 0
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        nonlocal flowing
+        if request.match_info["name"] != "model.safetensors":
+            raise web.HTTPNotFound()
+        headers = {"ETag": '"v1"', "Accept-Ranges": "bytes"}
+        if request.method == "HEAD":
+            return web.Response(headers={**headers, "Content-Length": str(len(data))})
+        first, last = (int(x) for x in request.headers["Range"][6:].split("-"))
+        headers["Content-Range"] = f"bytes {first}-{last}/{len(data)}"
+        headers["Content-Length"] = str(last + 1 - first)
+        response = web.StreamResponse(status=206, headers=headers)
+        await response.prepare(request)
+        flowing += 1
+        seen.append((time.monotonic(), flowing))
+        try:
+            for pos in range(first, last + 1, 64 << 10):
+                piece = data[pos : min(last + 1, pos + (64 << 10))]
+                await pace(len(piece))
+                await response.write(piece)
+        finally:
+            flowing -= 1
+        return response
+
+    app = web.Application()
+    app.router.add_route("*", "/ckpt/{name}", handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}/ckpt/", seen
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_file_starts_with_four_connections_and_climbs_while_each_is_capped(
+    tmp_path: Path,
+) -> None:
+    """2 MB/s per connection: every step brings more, so all 16 end up open."""
+    data = os.urandom(48 << 20)
+
+    async def per_connection_cap(n: int) -> None:
+        await asyncio.sleep(n / 2e6)
+
+    async with range_server(data, per_connection_cap) as (url, seen):
+        config = fast_config(tmp_path, connections_per_file=16, chunk_size=1 << 20)
+        result = await prefetch(url, config)
+    assert (result.snapshot_path / "model.safetensors").read_bytes() == data
+    start = seen[0][0]
+    assert max(n for t, n in seen if t - start < 0.25) <= 4  # a quarter at first
+    assert max(n for _, n in seen) == 16
+
+
+async def test_a_file_does_not_climb_when_more_connections_bring_nothing(tmp_path: Path) -> None:
+    """The link as a whole is the limit (16 MB/s shared): steps do not pay and are undone."""
+    data = os.urandom(32 << 20)
+    link = asyncio.Lock()
+
+    async def shared_cap(n: int) -> None:
+        async with link:
+            await asyncio.sleep(n / 16e6)
+
+    async with range_server(data, shared_cap) as (url, seen):
+        config = fast_config(tmp_path, connections_per_file=16, chunk_size=1 << 20)
+        result = await prefetch(url, config)
+    assert (result.snapshot_path / "model.safetensors").read_bytes() == data
+    assert max(n for _, n in seen) < 16
