@@ -3,67 +3,135 @@
     python bench/kill.py [--size 1GB] [--shards 4] [--bandwidth 25MB] [--latency 0.02]
                          [--scenarios one,five,daemon] [--seed 0] [--json bench/kill.json]
 
+    python bench/kill.py [--server nginx|fakehub] [--size 1GB] [--shards 4] ...
+
 Scenarios (each on a fresh cache):
 
 - ``one``: ``shardsync prefetch`` killed once 40% of the model has been served, then rerun.
 - ``five``: killed five times, each at a random point (seeded) of what is left, then rerun.
 - ``daemon``: the daemon killed once 40% has been served, restarted, the client rerun.
 
-The fake Hub runs in this process (so it can count every byte it sends, per request) with a
-per-connection cap and first-byte latency, like a CDN link; the clients are real processes.
-"Extra" is (bytes served in all) / (model bytes) - 1: what the kills cost.
+``--server nginx`` (the default): nginx serves the shards with ``limit_rate`` per connection,
+the fake Hub (its own process) answers the API and redirects, as in ``bench/download.py``.
+Kills are timed by the bytes nginx's open connections have sent (``ss``'s ``bytes_sent``);
+what each request really sent is read from nginx's access log afterwards.
+``--server fakehub``: the Python fake Hub serves every byte from this process and counts
+them as they flow. It is a CPU-hungry server sharing the client's cores, so clients fall
+behind and more bytes sit in socket buffers at a kill; kept to compare.
+
+"Extra" is (shard bytes served in all) / (model bytes) - 1: what the kills cost.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Protocol
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import download  # a sibling script: the checkpoint, nginx and the fake Hub in front of it
 from daemons import DaemonProcess, write_config
 
 from shardsync.config import parse_size
 from shardsync.testing import Bandwidth, FakeHub, Latency, build_checkpoint, serve_in_thread
 
-REPO = "bench/kill"
+
+class Server(Protocol):
+    """Where the clients download from, and how many shard bytes it has sent."""
+
+    endpoint: str
+    repo: str
+
+    def served(self) -> int:
+        """Shard bytes sent so far, bodies still flowing included (partial files are
+        preallocated, so their size on disk says nothing about progress)."""
+        ...
+
+    def settle(self) -> int:
+        """Once every client is gone: the exact shard bytes sent in all."""
+        ...
+
+
+class FakeHubServer:
+    def __init__(self, hub: FakeHub, repo: str) -> None:
+        self.endpoint, self.repo, self._hub = hub.endpoint, repo, hub
+
+    def served(self) -> int:
+        return self._hub.bytes_served("*.safetensors")
+
+    def settle(self) -> int:
+        return self.served()
+
+
+class NginxServer:
+    """nginx's access log holds what each finished request sent; its open connections'
+    ``bytes_sent`` (from ``ss``) what the running ones have. A client keeps its connections
+    for the whole run, so the live count of a run is the log up to its start plus those."""
+
+    def __init__(self, servers: download.Servers, port: int) -> None:
+        self.endpoint, self.repo = servers.endpoint, download.REPO_ID
+        self._servers, self._port = servers, port
+        self._logged = 0
+
+    def _read_log(self) -> int:
+        time.sleep(0.3)  # nginx logs a request once it notices its end
+        self._logged += self._servers.cdn_since_last()[1]
+        return self._logged
+
+    def served(self) -> int:
+        argv = ["ss", "-tinH", "state", "established", f"( sport = :{self._port} )"]
+        out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+        return self._logged + sum(int(n) for n in re.findall(r"bytes_sent:(\d+)", out))
+
+    def settle(self) -> int:
+        return self._read_log()
+
+    def client_gone(self) -> None:
+        """A killed client's requests are in the log now; the next run counts from there."""
+        self._read_log()
 
 
 def _prefetch(
-    endpoint: str, cache: Path, *, daemon: bool, config: Path | None = None
+    server: Server, cache: Path, *, daemon: bool, config: Path | None = None
 ) -> subprocess.Popen[bytes]:
     args = [sys.executable, "-m", "shardsync.cli"]
     if config is not None:
         args += ["--config", str(config)]
-    args += ["prefetch", REPO, "--endpoint", endpoint, "--cache-dir", str(cache), "--quiet"]
+    args += ["prefetch", server.repo, "--endpoint", server.endpoint]
+    args += ["--cache-dir", str(cache), "--quiet"]
     if not daemon:
         args.append("--no-daemon")
     return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
-def _served(hub: FakeHub) -> int:
-    """Shard bytes the hub has sent, bodies still flowing included. Partial files are
-    preallocated, so their size on disk says nothing about progress; this does."""
-    return hub.bytes_served("*.safetensors")
-
-
-def _wait_served(hub: FakeHub, target: int, proc: subprocess.Popen[bytes] | None) -> bool:
-    """Until the hub has sent ``target`` shard bytes (False if the client finished first)."""
-    while _served(hub) < target:
+def _wait_served(server: Server, target: int, proc: subprocess.Popen[bytes] | None) -> bool:
+    """Until ``target`` shard bytes are sent (False if the client finished first)."""
+    while server.served() < target:
         if proc is not None and proc.poll() is not None:
             return False
         time.sleep(0.005)
     return True
+
+
+def _gone(server: Server) -> int:
+    """What was sent once a killed client is gone (exactly, for nginx: from its log)."""
+    if isinstance(server, NginxServer):
+        server.client_gone()
+    return server.settle()
 
 
 def _finish(proc: subprocess.Popen[bytes]) -> None:
@@ -72,38 +140,38 @@ def _finish(proc: subprocess.Popen[bytes]) -> None:
         raise SystemExit(f"prefetch failed ({proc.returncode}): {err.decode()[-2000:]}")
 
 
-def one(hub: FakeHub, model: int, work: Path, rng: random.Random) -> dict[str, float]:
+def one(server: Server, model: int, work: Path, rng: random.Random) -> dict[str, float]:
     cache = work / "cache"
-    proc = _prefetch(hub.endpoint, cache, daemon=False)
-    killed = _wait_served(hub, int(0.4 * model), proc)
+    proc = _prefetch(server, cache, daemon=False)
+    killed = _wait_served(server, int(0.4 * model), proc)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    at = _served(hub)
-    _finish(_prefetch(hub.endpoint, cache, daemon=False))
+    at = _gone(server)
+    _finish(_prefetch(server, cache, daemon=False))
     return {"killed_at": round(at / model, 3), "kills": int(killed)}
 
 
-def five(hub: FakeHub, model: int, work: Path, rng: random.Random) -> dict[str, float]:
+def five(server: Server, model: int, work: Path, rng: random.Random) -> dict[str, float]:
     cache = work / "cache"
     kills = 0
     points = []
     for _ in range(5):
-        proc = _prefetch(hub.endpoint, cache, daemon=False)
+        proc = _prefetch(server, cache, daemon=False)
         # a random early point: 2-12% of the model more than has been served so far
-        target = _served(hub) + int(rng.uniform(0.02, 0.12) * model)
-        if _wait_served(hub, target, proc):
+        target = server.served() + int(rng.uniform(0.02, 0.12) * model)
+        if _wait_served(server, target, proc):
             kills += 1
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-        points.append(round(_served(hub) / model, 3))
-    _finish(_prefetch(hub.endpoint, cache, daemon=False))
+        points.append(round(_gone(server) / model, 3))
+    _finish(_prefetch(server, cache, daemon=False))
     return {"kills": kills, "points": points}  # type: ignore[dict-item]
 
 
-def daemon(hub: FakeHub, model: int, work: Path, rng: random.Random) -> dict[str, float]:
+def daemon(server: Server, model: int, work: Path, rng: random.Random) -> dict[str, float]:
     sock = Path(tempfile.mkdtemp(prefix="kb-", dir="/tmp")) / "d.sock"
     config = write_config(
-        work / "d.toml", cache=work / "cache", endpoint=hub.endpoint, socket_path=sock
+        work / "d.toml", cache=work / "cache", endpoint=server.endpoint, socket_path=sock
     )
     config.write_text(
         config.read_text()
@@ -112,34 +180,61 @@ def daemon(hub: FakeHub, model: int, work: Path, rng: random.Random) -> dict[str
     )
     first = DaemonProcess(config, work)
     first.start()
-    client = _prefetch(hub.endpoint, work / "cache", daemon=True, config=config)
-    killed = _wait_served(hub, int(0.4 * model), client)
+    client = _prefetch(server, work / "cache", daemon=True, config=config)
+    killed = _wait_served(server, int(0.4 * model), client)
     assert first.proc is not None
     first.proc.send_signal(signal.SIGKILL)
     first.proc.wait()
-    at = _served(hub)
     client.kill()
     client.wait()
+    at = _gone(server)
     first.close()
     second = DaemonProcess(config, work)
     second.start()
     try:
-        _finish(_prefetch(hub.endpoint, work / "cache", daemon=True, config=config))
+        _finish(_prefetch(server, work / "cache", daemon=True, config=config))
     finally:
         second.close()
         shutil.rmtree(sock.parent, ignore_errors=True)
     return {"killed_at": round(at / model, 3), "kills": int(killed)}
 
 
-SCENARIOS: dict[str, Callable[[FakeHub, int, Path, random.Random], dict[str, float]]] = {
+SCENARIOS: dict[str, Callable[[Server, int, Path, random.Random], dict[str, float]]] = {
     "one": one,
     "five": five,
     "daemon": daemon,
 }
 
 
+@contextlib.contextmanager
+def fakehub_server(args: argparse.Namespace, root: Path) -> Iterator[tuple[Server, int]]:
+    ckpt = build_checkpoint(root / "ckpt", total_bytes=parse_size(args.size), n_shards=args.shards)
+    hub = FakeHub()
+    hub.add_checkpoint("bench/kill", ckpt)
+    hub.faults.add(Bandwidth(parse_size(args.bandwidth)))
+    hub.faults.add(Latency(args.latency))
+    with serve_in_thread(hub) as running:
+        yield (
+            FakeHubServer(running, "bench/kill"),
+            sum(ckpt.path(s).stat().st_size for s in ckpt.shards),
+        )
+
+
+@contextlib.contextmanager
+def nginx_server(args: argparse.Namespace, root: Path) -> Iterator[tuple[Server, int]]:
+    argv = ["--size", args.size, "--shards", str(args.shards)]
+    argv += ["--bandwidth", args.bandwidth, "--latency", str(args.latency)]
+    settings = download.parse_args(argv)
+    origin = download.ensure_origin(settings)
+    scenario = download.Scenario("kill", settings.bandwidth, settings.latency or None)
+    with download.serve_scenario(origin, scenario, settings) as servers:
+        port = int(servers.nginx.url.rsplit(":", 1)[1])
+        yield NginxServer(servers, port), sum(size for size, _ in origin.lfs.values())
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--server", choices=("nginx", "fakehub"), default="nginx")
     parser.add_argument("--size", default="1GB")
     parser.add_argument("--shards", type=int, default=4)
     parser.add_argument("--bandwidth", default="25MB", help="per connection")
@@ -149,24 +244,17 @@ def main() -> int:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     rng = random.Random(args.seed)
+    serve = nginx_server if args.server == "nginx" else fakehub_server
     results = {}
     with tempfile.TemporaryDirectory(prefix="shardsync-kill-") as tmp:
         root = Path(tmp)
-        ckpt = build_checkpoint(
-            root / "ckpt", total_bytes=parse_size(args.size), n_shards=args.shards
-        )
-        model = sum(ckpt.path(s).stat().st_size for s in ckpt.shards)
         for name in args.scenarios.split(","):
-            hub = FakeHub()
-            hub.add_checkpoint(REPO, ckpt)
-            hub.faults.add(Bandwidth(parse_size(args.bandwidth)))
-            hub.faults.add(Latency(args.latency))
             work = root / name
             work.mkdir()
-            with serve_in_thread(hub) as running:
+            with serve(args, root) as (server, model):
                 started = time.monotonic()
-                detail = SCENARIOS[name](running, model, work, rng)
-                served = running.bytes_served("*.safetensors")
+                detail = SCENARIOS[name](server, model, work, rng)
+                served = server.settle()
             extra = served / model - 1
             results[name] = {
                 "extra": round(extra, 4),
@@ -179,6 +267,7 @@ def main() -> int:
             shutil.rmtree(work, ignore_errors=True)
     machine = {"cpus": os.cpu_count(), "python": sys.version.split()[0]}
     report = {
+        "server": args.server,
         "size": args.size,
         "shards": args.shards,
         "bandwidth": args.bandwidth,
