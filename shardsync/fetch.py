@@ -763,10 +763,14 @@ class _FileDownload:
         state.wanted = most if pump is None else ramp.count
         async with asyncio.TaskGroup() as tg:
 
+            def closed(_: asyncio.Task[None]) -> None:
+                state.connections -= 1
+
             def open_up_to(count: int) -> None:
                 while state.connections < count:
                     state.connections += 1
-                    tg.create_task(self._connection(request, located, state, queue, on_progress))
+                    work = self._ranges(request, located, state, queue, on_progress)
+                    tg.create_task(work).add_done_callback(closed)
 
             open_up_to(min(state.wanted, max(queue.qsize(), 1)))
             if pump is not None and ramp.count < most and queue.qsize() > state.connections:
@@ -794,19 +798,6 @@ class _FileDownload:
         rounds = max(1, -(-left // (self.config.chunk_size * connections)))
         even = -(-left // (rounds * connections))
         return min(self.config.chunk_size, max(_MIN_SPLIT, even))
-
-    async def _connection(
-        self,
-        request: BlobRequest,
-        located: Located,
-        state: _FileState,
-        queue: asyncio.Queue[tuple[int, int]],
-        on_progress: ProgressFn,
-    ) -> None:
-        try:
-            await self._ranges(request, located, state, queue, on_progress)
-        finally:
-            state.connections -= 1
 
     async def _ranges(
         self,

@@ -8,9 +8,10 @@ import hashlib
 import os
 import subprocess
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -18,6 +19,9 @@ from shardsync.config import Config, DaemonConfig
 from shardsync.records import FetchConfig, FileOutcome
 from shardsync.retry import RetryPolicy
 from shardsync.testing import Checkpoint, FakeHub, serve_in_thread
+
+if TYPE_CHECKING:
+    from aiohttp import web
 
 
 def fast_config(cache_dir: Path, endpoint: str | None = None, **fetch: object) -> Config:
@@ -173,3 +177,45 @@ class Bars:
 
     def file_done(self, outcome: FileOutcome) -> None:
         return None
+
+
+SendBody = Callable[["web.StreamResponse", int, int], Awaitable[None]]
+"""Writes bytes ``first..last`` (inclusive) of a 206 that is already prepared."""
+
+
+@contextlib.asynccontextmanager
+async def range_server(
+    data: bytes, send_body: SendBody, *, chunked: bool = False
+) -> AsyncIterator[str]:
+    """A real aiohttp server of one file, ``model.safetensors``: HEAD, and GET with a Range
+    answered by a 206 (with Content-Length, or chunked) whose body ``send_body`` writes.
+    Yields the base URL to prefetch (a plain-URL origin)."""
+    from aiohttp import web
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        if request.match_info["name"] != "model.safetensors":
+            raise web.HTTPNotFound()
+        headers = {"ETag": '"v1"', "Accept-Ranges": "bytes"}
+        if request.method == "HEAD":
+            return web.Response(headers={**headers, "Content-Length": str(len(data))})
+        first, last = (int(x) for x in request.headers["Range"][6:].split("-"))
+        headers["Content-Range"] = f"bytes {first}-{last}/{len(data)}"
+        if not chunked:
+            headers["Content-Length"] = str(last + 1 - first)
+        response = web.StreamResponse(status=206, headers=headers)
+        if chunked:
+            response.enable_chunked_encoding()
+        await response.prepare(request)
+        await send_body(response, first, last)
+        await response.write_eof()
+        return response
+
+    app = web.Application()
+    app.router.add_route("*", "/ckpt/{name}", handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}/ckpt/"
+    finally:
+        await runner.cleanup()

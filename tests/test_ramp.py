@@ -4,14 +4,13 @@ step that does not, and stop there."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from aiohttp import web
-from helpers import fast_config
+from helpers import SendBody, fast_config, range_server
 
 from shardsync.prefetch import prefetch
 from shardsync.ramp import ConnectionRamp
@@ -66,28 +65,15 @@ def test_up_to_four_connections_never_climb() -> None:
 # ------------------------------------------------------------------ a real download, ramped
 
 
-@contextlib.asynccontextmanager
-async def range_server(
-    data: bytes, pace: Callable[[int], Awaitable[None]]
-) -> AsyncIterator[tuple[str, list[tuple[float, int]]]]:
-    """An aiohttp server of ``model.safetensors`` answering Range requests in 64 KiB pieces,
-    each after ``pace(len(piece))``; yields its base URL and (time, bodies in flight) at the
-    start of every body."""
-    seen: list[tuple[float, int]] = []
+def paced(
+    data: bytes, pace: Callable[[int], Awaitable[None]], seen: list[tuple[float, int]]
+) -> SendBody:
+    """Bodies in 64 KiB pieces, each after ``pace(len(piece))``; ``seen`` gets (time, bodies
+    in flight) as each body starts."""
     flowing = 0
 
-    async def handle(request: web.Request) -> web.StreamResponse:
+    async def send(response: web.StreamResponse, first: int, last: int) -> None:
         nonlocal flowing
-        if request.match_info["name"] != "model.safetensors":
-            raise web.HTTPNotFound()
-        headers = {"ETag": '"v1"', "Accept-Ranges": "bytes"}
-        if request.method == "HEAD":
-            return web.Response(headers={**headers, "Content-Length": str(len(data))})
-        first, last = (int(x) for x in request.headers["Range"][6:].split("-"))
-        headers["Content-Range"] = f"bytes {first}-{last}/{len(data)}"
-        headers["Content-Length"] = str(last + 1 - first)
-        response = web.StreamResponse(status=206, headers=headers)
-        await response.prepare(request)
         flowing += 1
         seen.append((time.monotonic(), flowing))
         try:
@@ -97,32 +83,32 @@ async def range_server(
                 await response.write(piece)
         finally:
             flowing -= 1
-        return response
 
-    app = web.Application()
-    app.router.add_route("*", "/ckpt/{name}", handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}/ckpt/", seen
-    finally:
-        await runner.cleanup()
+    return send
+
+
+async def download(
+    tmp_path: Path, data: bytes, pace: Callable[[int], Awaitable[None]]
+) -> list[tuple[float, int]]:
+    """Prefetch ``data`` over up to 16 connections from a server pacing every body with
+    ``pace``; check the bytes and return (time, bodies in flight) at each body's start."""
+    seen: list[tuple[float, int]] = []
+    async with range_server(data, paced(data, pace, seen)) as url:
+        config = fast_config(tmp_path, connections_per_file=16, chunk_size=1 << 20)
+        result = await prefetch(url, config)
+    assert (result.snapshot_path / "model.safetensors").read_bytes() == data
+    return seen
 
 
 async def test_a_file_starts_with_four_connections_and_climbs_while_each_is_capped(
     tmp_path: Path,
 ) -> None:
     """2 MB/s per connection: every step brings more, so all 16 end up open."""
-    data = os.urandom(48 << 20)
 
     async def per_connection_cap(n: int) -> None:
         await asyncio.sleep(n / 2e6)
 
-    async with range_server(data, per_connection_cap) as (url, seen):
-        config = fast_config(tmp_path, connections_per_file=16, chunk_size=1 << 20)
-        result = await prefetch(url, config)
-    assert (result.snapshot_path / "model.safetensors").read_bytes() == data
+    seen = await download(tmp_path, os.urandom(48 << 20), per_connection_cap)
     start = seen[0][0]
     assert max(n for t, n in seen if t - start < 0.25) <= 4  # a quarter at first
     assert max(n for _, n in seen) == 16
@@ -130,15 +116,11 @@ async def test_a_file_starts_with_four_connections_and_climbs_while_each_is_capp
 
 async def test_a_file_does_not_climb_when_more_connections_bring_nothing(tmp_path: Path) -> None:
     """The link as a whole is the limit (16 MB/s shared): steps do not pay and are undone."""
-    data = os.urandom(32 << 20)
     link = asyncio.Lock()
 
     async def shared_cap(n: int) -> None:
         async with link:
             await asyncio.sleep(n / 16e6)
 
-    async with range_server(data, shared_cap) as (url, seen):
-        config = fast_config(tmp_path, connections_per_file=16, chunk_size=1 << 20)
-        result = await prefetch(url, config)
-    assert (result.snapshot_path / "model.safetensors").read_bytes() == data
+    seen = await download(tmp_path, os.urandom(32 << 20), shared_cap)
     assert max(n for _, n in seen) < 16

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from aiohttp import web
-from helpers import fast_config
+from helpers import fast_config, range_server
 
 from shardsync.errors import ConfigError, ProtocolError
 from shardsync.prefetch import prefetch
@@ -171,33 +171,12 @@ async def test_a_chunked_206_goes_through_aiohttp_and_lands_intact(tmp_path: Pat
     data = bytes(range(256)) * 4096 * 3  # 3 MiB
     ranges: list[str] = []
 
-    async def handle(request: web.Request) -> web.StreamResponse:
-        if request.match_info["name"] != "model.safetensors":
-            raise web.HTTPNotFound()
-        headers = {"ETag": '"v1"', "Accept-Ranges": "bytes"}
-        if request.method == "HEAD":
-            return web.Response(headers={**headers, "Content-Length": str(len(data))})
-        ranges.append(request.headers["Range"])
-        first, last = (int(x) for x in request.headers["Range"][6:].split("-"))
-        headers["Content-Range"] = f"bytes {first}-{last}/{len(data)}"
-        response = web.StreamResponse(status=206, headers=headers)
-        response.enable_chunked_encoding()
-        await response.prepare(request)
+    async def send(response: web.StreamResponse, first: int, last: int) -> None:
+        ranges.append(f"bytes={first}-{last}")
         await response.write(data[first : last + 1])
-        await response.write_eof()
-        return response
 
-    app = web.Application()
-    app.router.add_route("*", "/ckpt/{name}", handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    port = runner.addresses[0][1]
-    try:
-        config = fast_config(tmp_path / "cache", chunk_size=1 << 20)
-        result = await prefetch(f"http://127.0.0.1:{port}/ckpt/", config)
-    finally:
-        await runner.cleanup()
+    async with range_server(data, send, chunked=True) as url:
+        result = await prefetch(url, fast_config(tmp_path / "cache", chunk_size=1 << 20))
     assert (result.snapshot_path / "model.safetensors").read_bytes() == data
     assert len(ranges) == 2 * len(set(ranges)) == 6  # each range asked once per path
 
@@ -314,33 +293,15 @@ async def test_a_body_whose_end_trickles_in_is_not_timed_out(tmp_path: Path) -> 
     data = os.urandom(64 << 20)  # long enough at full speed for its rate to count
     fast = len(data) - (256 << 10)
 
-    async def handle(request: web.Request) -> web.StreamResponse:
-        headers = {"ETag": '"v1"', "Accept-Ranges": "bytes"}
-        if request.method == "HEAD":
-            return web.Response(headers={**headers, "Content-Length": str(len(data))})
-        first, last = (int(x) for x in request.headers["Range"][6:].split("-"))
-        headers["Content-Range"] = f"bytes {first}-{last}/{len(data)}"
-        headers["Content-Length"] = str(last + 1 - first)
-        response = web.StreamResponse(status=206, headers=headers)
-        await response.prepare(request)
+    async def send(response: web.StreamResponse, first: int, last: int) -> None:
         await response.write(data[first : min(last + 1, fast)])
         for pos in range(max(first, fast), last + 1, 32 << 10):  # the end: 32 KiB per 0.25 s
             await asyncio.sleep(0.25)
             await response.write(data[pos : min(last + 1, pos + (32 << 10))])
-        return response
 
-    app = web.Application()
-    app.router.add_route("*", "/ckpt/model.safetensors", handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    try:
-        config = fast_config(
-            tmp_path, connections_per_file=1, chunk_size=len(data), read_timeout=1.0
-        )
-        result = await prefetch(f"http://127.0.0.1:{runner.addresses[0][1]}/ckpt/", config)
-    finally:
-        await runner.cleanup()
+    config = fast_config(tmp_path, connections_per_file=1, chunk_size=len(data), read_timeout=1.0)
+    async with range_server(data, send) as url:
+        result = await prefetch(url, config)
     assert (result.snapshot_path / "model.safetensors").read_bytes() == data
     (outcome,) = [f for f in result.files if f.path == "model.safetensors"]
     assert outcome.downloaded == len(data)  # one request did it: no timeout, no retry
