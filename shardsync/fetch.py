@@ -62,7 +62,14 @@ from shardsync.ranges import (
 from shardsync.records import FetchConfig, FetchStatistics
 from shardsync.retry import Backoff, classify_status, parse_retry_after
 from shardsync.slot import Resumable, ResumeRecord, Slot, VerifiedFile
-from shardsync.wire import Pump, RangeReader, Stream, map_for_writing, release_pages
+from shardsync.wire import (
+    Pump,
+    RangeReader,
+    Stream,
+    map_for_writing,
+    release_pages,
+    start_writeback,
+)
 
 __all__ = [
     "BlobRequest",
@@ -81,6 +88,7 @@ _REDIRECTS = frozenset({301, 302, 303, 307, 308})
 _MAX_REDIRECTS = 5
 _MIN_SPLIT = MiB  # the smallest Range worth a connection of its own
 _RAMP_EVERY = 0.1  # seconds between the connection ramp's looks at a file's rate
+_WRITEBACK_EVERY = 8 * MiB  # hashed bytes sent to the disk at once
 _SIDECAR_VERSION = 3
 _MAX_RECORD = 1 << 20
 _ERROR_BODY = 4096  # bytes of an error answer read for its message
@@ -232,6 +240,7 @@ class _FileState:
     connections: int = 0  # running
     wanted: int = 0  # what the ramp asks for: a connection beyond it takes no next range
     drained: asyncio.Event = field(default_factory=asyncio.Event)  # every range is taken
+    written_back: int = 0  # bytes [0, this) have been sent to the disk (``start_writeback``)
 
     def on_disk(self, first: int, stop: int, record_every: int) -> None:
         """Bytes ``[first, stop)`` are in the file: the hasher may follow them, and the resume
@@ -1069,15 +1078,10 @@ class _FileDownload:
                 state.progressed.clear()
                 await state.progressed.wait()
                 continue
-            if state.mapping is not None and state.view is not None:
-                hashed = await state.in_thread(
-                    _hash_mapped, digest, state.mapping, state.view, hashed, frontier
-                )
-            else:
-                got = await state.in_thread(digest.update_from_fd, state.fd, hashed, frontier)
-                if got < frontier:
-                    raise ProtocolError("partial file shrank while hashing")
-                hashed = got
+            got = await state.in_thread(_hash_span, digest, state, hashed, frontier)
+            if got < frontier:
+                raise ProtocolError("partial file shrank while hashing")
+            hashed = got
         return digest
 
     # ------------------------------------------------------------------ sidecar
@@ -1340,11 +1344,19 @@ def _abandon(state: _FileState, pump: Pump, opening: asyncio.Future[_Begun]) -> 
     begun.stream.close()
 
 
-def _hash_mapped(digest: Digest, mapping: mmap.mmap, view: memoryview, start: int, end: int) -> int:
-    """Hash a span of the mapping, then let its pages go from this process (``release_pages``:
-    they are final, and the hasher is their last reader)."""
-    got = digest.update_from_view(view, start, end)
-    release_pages(mapping, start, got)
+def _hash_span(digest: Digest, state: _FileState, start: int, end: int) -> int:
+    """Hash bytes ``[start, end)`` of the file, which are final: from its mapping, whose pages
+    then leave this process (``release_pages``; the hasher is their last reader), or with
+    ``pread``. Every ``_WRITEBACK_EVERY`` bytes hashed are sent to the disk now rather than
+    in the fsync before publishing. Returns where it got (short only if the file shrank)."""
+    if state.mapping is not None and state.view is not None:
+        got = digest.update_from_view(state.view, start, end)
+        release_pages(state.mapping, start, got)
+    else:
+        got = digest.update_from_fd(state.fd, start, end)
+    if got - state.written_back >= _WRITEBACK_EVERY or got == state.size:
+        start_writeback(state.fd, state.written_back, got)
+        state.written_back = got
     return got
 
 
