@@ -327,16 +327,15 @@ class Stream:
         return self._left == 0
 
     def buffered_bytes(self) -> int:
-        """How many body bytes ``buffered`` holds: they will not arrive on the socket."""
+        """Body bytes already read off the socket (with the head, or decrypted by TLS): a
+        readiness check on the socket would not show them, and they will not arrive on it."""
         sock = self._sock
         pending = sock.pending() if isinstance(sock, ssl.SSLSocket) else 0
         return len(self._rest) + pending
 
     def buffered(self) -> bool:
-        """Body bytes already read off the socket (with the head, or decrypted by TLS), which
-        a readiness check on the socket would not show."""
-        sock = self._sock
-        return bool(self._rest) or (isinstance(sock, ssl.SSLSocket) and sock.pending() > 0)
+        """Whether ``buffered_bytes`` holds any."""
+        return self.buffered_bytes() > 0
 
     def abort(self) -> None:
         """Stop the transfer: a blocked ``readinto`` raises, the connection is not reused."""
