@@ -147,7 +147,9 @@ def test_a_body_cut_short_is_a_retryable_connection_error() -> None:
         rd.close()
 
 
-def test_the_request_carries_host_range_and_headers() -> None:
+def request_sent(suffix: str, headers: dict[str, str]) -> tuple[str, bytes]:
+    """Open ``<url><suffix>`` with ``headers`` against a server that answers an empty 200;
+    returns the URL and the bytes of the request it received."""
     seen: list[bytes] = []
 
     def answer(req: bytes) -> bytes:
@@ -156,9 +158,14 @@ def test_the_request_carries_host_range_and_headers() -> None:
 
     with raw_server(answer) as (url, _):
         rd = reader()
-        rd.open(url + "?sig=1", {"Range": "bytes=0-9", "X-A": "b"}).close()
+        rd.open(url + suffix, headers).close()
         rd.close()
-    lines = seen[0].decode().split("\r\n")
+    return url, seen[0]
+
+
+def test_the_request_carries_host_range_and_headers() -> None:
+    url, request = request_sent("?sig=1", {"Range": "bytes=0-9", "X-A": "b"})
+    lines = request.decode().split("\r\n")
     assert lines[0] == "GET /blob?sig=1 HTTP/1.1"
     port = url.split(":")[2].split("/")[0]
     assert f"Host: 127.0.0.1:{port}" in lines
@@ -195,17 +202,8 @@ def test_a_header_that_could_split_the_request_is_refused(name: str, value: str)
 
 
 def test_a_target_with_spaces_or_line_breaks_is_percent_encoded() -> None:
-    seen: list[bytes] = []
-
-    def answer(req: bytes) -> bytes:
-        seen.append(req)
-        return ok(b"")(req)
-
-    with raw_server(answer) as (url, _):
-        rd = reader()
-        rd.open(url + "/a b\r\nX-Evil: 1/\u00e9", {}).close()
-        rd.close()
-    request_line, *headers = seen[0].decode("latin-1").split("\r\n")
+    _url, request = request_sent("/a b\r\nX-Evil: 1/\u00e9", {})
+    request_line, *headers = request.decode("latin-1").split("\r\n")
     # urlsplit drops CR and LF; what is left is quoted, so it stays one request line
     assert request_line == "GET /blob/a%20bX-Evil:%201/%C3%A9 HTTP/1.1"
     assert not any(h.startswith("X-Evil") for h in headers)
