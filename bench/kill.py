@@ -62,7 +62,8 @@ class Server(Protocol):
         ...
 
     def settle(self) -> int:
-        """Once every client is gone: the exact shard bytes sent in all."""
+        """Once the clients so far are gone (killed or done): the exact shard bytes sent in
+        all; a later ``served`` counts on from there."""
         ...
 
 
@@ -87,22 +88,15 @@ class NginxServer:
         self._servers, self._port = servers, port
         self._logged = 0
 
-    def _read_log(self) -> int:
-        time.sleep(0.3)  # nginx logs a request once it notices its end
-        self._logged += self._servers.cdn_since_last()[1]
-        return self._logged
-
     def served(self) -> int:
         argv = ["ss", "-tinH", "state", "established", f"( sport = :{self._port} )"]
         out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
         return self._logged + sum(int(n) for n in re.findall(r"bytes_sent:(\d+)", out))
 
     def settle(self) -> int:
-        return self._read_log()
-
-    def client_gone(self) -> None:
-        """A killed client's requests are in the log now; the next run counts from there."""
-        self._read_log()
+        time.sleep(0.3)  # nginx logs a request once it notices its end
+        self._logged += self._servers.cdn_since_last()[1]
+        return self._logged
 
 
 def _prefetch(
@@ -127,13 +121,6 @@ def _wait_served(server: Server, target: int, proc: subprocess.Popen[bytes] | No
     return True
 
 
-def _gone(server: Server) -> int:
-    """What was sent once a killed client is gone (exactly, for nginx: from its log)."""
-    if isinstance(server, NginxServer):
-        server.client_gone()
-    return server.settle()
-
-
 def _finish(proc: subprocess.Popen[bytes]) -> None:
     _out, err = proc.communicate(timeout=3600)
     if proc.returncode != 0:
@@ -146,7 +133,7 @@ def one(server: Server, model: int, work: Path, rng: random.Random) -> dict[str,
     killed = _wait_served(server, int(0.4 * model), proc)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    at = _gone(server)
+    at = server.settle()
     _finish(_prefetch(server, cache, daemon=False))
     return {"killed_at": round(at / model, 3), "kills": int(killed)}
 
@@ -163,7 +150,7 @@ def five(server: Server, model: int, work: Path, rng: random.Random) -> dict[str
             kills += 1
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-        points.append(round(_gone(server) / model, 3))
+        points.append(round(server.settle() / model, 3))
     _finish(_prefetch(server, cache, daemon=False))
     return {"kills": kills, "points": points}  # type: ignore[dict-item]
 
@@ -187,7 +174,7 @@ def daemon(server: Server, model: int, work: Path, rng: random.Random) -> dict[s
     first.proc.wait()
     client.kill()
     client.wait()
-    at = _gone(server)
+    at = server.settle()
     first.close()
     second = DaemonProcess(config, work)
     second.start()
