@@ -61,7 +61,7 @@ from shardsync.ranges import (
 )
 from shardsync.records import FetchConfig, FetchStatistics
 from shardsync.retry import Backoff, classify_status, parse_retry_after
-from shardsync.slot import Resumable, ResumeRecord, Slot, VerifiedFile
+from shardsync.slot import RecordKeeper, Resumable, Slot, VerifiedFile
 from shardsync.wire import (
     Pump,
     RangeReader,
@@ -228,10 +228,9 @@ class _FileState:
     done: RangeSet
     single_stream: bool
     downloaded: int = 0
-    unsaved: int = 0  # bytes on disk that the resume record does not claim yet
     closing: bool = False  # the connections are done: the record keeper stops
     progressed: asyncio.Event = field(default_factory=asyncio.Event)
-    record_due: asyncio.Event = field(default_factory=asyncio.Event)
+    closed: asyncio.Event = field(default_factory=asyncio.Event)  # ``closing`` became true
     in_flight: set[asyncio.Future[Any]] = field(default_factory=set)
     etag_lock: threading.Lock = field(default_factory=threading.Lock)
     mapping: mmap.mmap | None = None  # the file's shared mapping, when bodies go through it
@@ -241,15 +240,13 @@ class _FileState:
     wanted: int = 0  # what the ramp asks for: a connection beyond it takes no next range
     drained: asyncio.Event = field(default_factory=asyncio.Event)  # every range is taken
     written_back: int = 0  # bytes [0, this) have been sent to the disk (``start_writeback``)
+    keeper: RecordKeeper = field(init=False)  # the resume record, told first (on the thread)
 
-    def on_disk(self, first: int, stop: int, record_every: int) -> None:
-        """Bytes ``[first, stop)`` are in the file: the hasher may follow them, and the resume
-        record claims them at its next save (due now once ``record_every`` bytes wait)."""
+    def on_disk(self, first: int, stop: int) -> None:
+        """Bytes ``[first, stop)`` are in the file (``keeper`` knows already): the hasher
+        may follow them."""
         self.done.add(first, stop)
-        self.unsaved += stop - first
         self.progressed.set()
-        if self.unsaved >= record_every:
-            self.record_due.set()
 
     def start_in_thread(
         self, fn: Callable[..., _T], *args: object, executor: Executor | None = None
@@ -658,12 +655,15 @@ class _FileDownload:
                 f"{request.label}: origin reports {size} bytes, manifest says {request.size}"
             )
         etag = located.etag if is_strong_etag(located.etag) else None
-        partial = slot.open(Resumable(request.url, etag, size, request.sha256))
-        fd, done, record = partial.fd, partial.done, partial.record
+        opened = slot.open(Resumable(request.url, etag, size, request.sha256))
+        fd, done, record = opened.fd, opened.done, opened.record
         resumed = done.total()
         if tally.resumed is None:
             tally.resumed = resumed
         state = _FileState(fd=fd, size=size, etag=etag, done=done, single_stream=single_stream)
+        state.keeper = RecordKeeper(
+            record, done, self.config.sidecar_bytes, partial(_resumable, request, state)
+        )
         on_progress(resumed)
         verified: Literal["sha256", "git-sha1", "tofu"] | None = None
         mapping: mmap.mmap | None = None
@@ -679,12 +679,13 @@ class _FileDownload:
                         state.wire = self._open_wire(located.url, state.view)
                 async with asyncio.TaskGroup() as tg:
                     hasher = tg.create_task(self._hash(state, request))
-                    tg.create_task(self._keep_record(record, request, state))
+                    if record is not None:
+                        tg.create_task(self._keep_record(state))
                     try:
                         await self._run_connections(request, located, state, on_progress)
                     finally:
                         state.closing = True  # the keeper returns (no cancel to lose)
-                        state.record_due.set()
+                        state.closed.set()
                 hashes = hasher.result()
                 digest, xxh, git_sha1 = hashes.sha256, hashes.xxh3_128, hashes.git_sha1
             except BaseExceptionGroup as group:
@@ -695,7 +696,7 @@ class _FileDownload:
                 _unmap(state, mapping)
                 tally.downloaded += state.downloaded
                 try:
-                    await _save_record(record, request, state)
+                    await state.in_thread(state.keeper.save)
                 finally:
                     os.close(fd)
                     if record is not None:
@@ -929,9 +930,10 @@ class _FileDownload:
             state.downloaded += n
             self._fetcher._bytes += n
             on_progress(n)
-            state.on_disk(first, stop, cfg.sidecar_bytes)
+            state.on_disk(first, stop)
 
         def report(first: int, stop: int) -> None:
+            state.keeper.landed(first, stop)
             loop.call_soon_threadsafe(landed, first, stop)
 
         watchdog = _Watchdog(self._clock, cfg)
@@ -1029,7 +1031,7 @@ class _FileDownload:
             def mark(future: asyncio.Future[None]) -> None:
                 if future.cancelled() or future.exception() is not None:
                     return
-                state.on_disk(first, stop, cfg.sidecar_bytes)
+                state.on_disk(first, stop)
 
             return mark
 
@@ -1040,7 +1042,7 @@ class _FileDownload:
                 return
             batch, pieces, pending = pieces, [], 0
             size = sum(len(p) for p in batch)
-            writing = state.start_in_thread(_pwritev_all, state.fd, batch, queued)
+            writing = state.start_in_thread(_write_landed, state, batch, queued)
             writing.add_done_callback(landed(queued, queued + size))
             queued += size
 
@@ -1086,23 +1088,18 @@ class _FileDownload:
 
     # ------------------------------------------------------------------ sidecar
 
-    async def _keep_record(
-        self, record: ResumeRecord | None, request: BlobRequest, state: _FileState
-    ) -> None:
-        """Save the resume record once ``sidecar_bytes`` more are on disk, or every
-        ``sidecar_interval`` while any are: a ``kill -9`` then loses about what was in
-        flight, not what was written (cancelled at the end)."""
-        if record is None:
-            return
+    async def _keep_record(self, state: _FileState) -> None:
+        """Save the resume record every ``sidecar_interval`` while bytes it does not claim are
+        on disk: the threads landing bytes save it every ``sidecar_bytes``, and on a slow
+        link that can take long. A ``kill -9`` then loses about what was in flight."""
         while not state.closing:
             # wall time, not the retry clock; asyncio.timeout, not wait_for, whose 3.11
             # version can swallow a cancellation and keep a finished transfer waiting
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.config.sidecar_interval):
-                    await state.record_due.wait()
-            state.record_due.clear()
-            if state.unsaved and not state.closing:
-                await _save_record(record, request, state)
+                    await state.closed.wait()
+            if not state.closing:
+                await state.in_thread(state.keeper.save)
 
 
 class _RetryLater(TransferError):
@@ -1390,15 +1387,14 @@ def _pwritev_all(fd: int, pieces: list[bytes], offset: int) -> None:
             views[0] = views[0][n:]
 
 
-async def _save_record(
-    record: ResumeRecord | None, request: BlobRequest, state: _FileState
-) -> None:
-    """Record the progress (taken on the loop, so it is consistent) with one write in a
-    worker thread, so a slow disk never stalls the transfers sharing the event loop."""
-    if record is None or state.etag is None:
-        return  # without a strong validator a partial can never be resumed safely
-    what = Resumable(request.url, state.etag, state.size, request.sha256)
-    blob = record.encode(what, state.done)
-    state.unsaved = 0
-    # tracked and shielded: a cancelled transfer still finishes the write before the close
-    await state.in_thread(record.write, blob)
+def _resumable(request: BlobRequest, state: _FileState) -> Resumable | None:
+    """What the resume record binds the partial to; None without a strong ETag (yet)."""
+    if state.etag is None:
+        return None
+    return Resumable(request.url, state.etag, state.size, request.sha256)
+
+
+def _write_landed(state: _FileState, batch: list[bytes], offset: int) -> None:
+    """Write ``batch`` at ``offset`` (a worker thread) and tell the resume record at once."""
+    _pwritev_all(state.fd, batch, offset)
+    state.keeper.landed(offset, offset + sum(len(piece) for piece in batch))

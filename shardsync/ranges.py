@@ -112,6 +112,12 @@ class RangeSet:
         self._starts[lo:hi] = [start]
         self._ends[lo:hi] = [end]
 
+    def copy(self) -> RangeSet:
+        """An independent set with the same intervals."""
+        twin = RangeSet()
+        twin._starts, twin._ends = list(self._starts), list(self._ends)
+        return twin
+
     def contains(self, start: int, end: int) -> bool:
         """Whether all of ``[start, end)`` is done (an empty range always is)."""
         _check_interval(start, end)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
+import os
+import time
 from pathlib import Path
 
 import aiohttp
@@ -12,7 +16,7 @@ from helpers import fast_config
 from shardsync.errors import ProtocolError
 from shardsync.fetch import Fetcher, _follow
 from shardsync.prefetch import prefetch
-from shardsync.testing import FakeHub
+from shardsync.testing import Bandwidth, FakeHub, serve_in_thread
 
 
 @pytest.mark.parametrize(
@@ -119,3 +123,46 @@ async def test_a_next_page_on_another_origin_is_refused(tmp_path: Path) -> None:
                 await fetcher.get_page(url, {"Authorization": "Bearer t"}, max_size=1000, label="x")
     finally:
         await runner.cleanup()
+
+
+def _claimed(partial: Path) -> list[list[int]]:
+    """The ranges the one resume record in ``partial`` claims (none before it exists)."""
+    for _ in range(100):  # read while it is rewritten: a torn read is read again
+        try:
+            (record,) = partial.glob("*.json")
+            return list(json.loads(record.read_bytes())["done"])
+        except ValueError:  # no record yet, or a torn one
+            time.sleep(0.005)
+    raise AssertionError("no readable resume record")
+
+
+async def test_the_resume_record_follows_the_bytes_while_the_event_loop_is_busy(
+    tmp_path: Path,
+) -> None:
+    """A ``kill -9`` loses what the resume record does not claim. Bytes land on the pump's
+    thread; a record saved from the event loop fell behind whenever the loop was busy (by
+    7-25 MB at the kills of ``bench/kill.py``). Here the loop is blocked mid-download: the
+    record keeps claiming what lands, and what it claims is the origin's bytes."""
+    data = b"\x02\x00\x00\x00\x00\x00\x00\x00{}" + os.urandom((64 << 20) - 10)
+    mib = 1 << 20
+    partial = tmp_path / "c" / "partial"
+    with serve_in_thread(FakeHub()) as hub:
+        hub.add_repo("acme/rec", {"model.safetensors": data})
+        hub.faults.add(Bandwidth(4_000_000))  # 4 connections: about 4 s in all
+        config = fast_config(
+            tmp_path / "c", hub.endpoint, chunk_size=8 * mib, read_size=mib, sidecar_bytes=mib
+        )
+        task = asyncio.create_task(prefetch("acme/rec", config))
+        while not list(partial.glob("*.json")) or not _claimed(partial):
+            assert not task.done()
+            await asyncio.sleep(0.01)
+        before = sum(end - start for start, end in _claimed(partial))
+        time.sleep(0.8)  # noqa: ASYNC251 - the point: the loop stalls, only threads run
+        claimed = _claimed(partial)
+        (part,) = partial.glob("*.part")
+        on_disk = part.read_bytes()
+        result = await task
+    assert sum(end - start for start, end in claimed) - before >= 4 * mib
+    for start, end in claimed:
+        assert on_disk[start:end] == data[start:end]
+    assert (result.snapshot_path / "model.safetensors").read_bytes() == data

@@ -989,7 +989,8 @@ def serve_in_thread(hub: FakeHub) -> Iterator[FakeHub]:
         finally:
             asyncio.run_coroutine_threadsafe(hub.close(), loop).result()
     finally:
+        # on its own thread: the caller may be running an event loop of its own
+        asyncio.run_coroutine_threadsafe(loop.shutdown_asyncgens(), loop).result()
         loop.call_soon_threadsafe(loop.stop)
         thread.join()
-        loop.run_until_complete(loop.shutdown_asyncgens())
         loop.close()
