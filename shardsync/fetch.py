@@ -58,6 +58,7 @@ from shardsync.ranges import (
     parse_content_range,
     parse_unsatisfied_range,
     split_ranges,
+    split_tail,
 )
 from shardsync.records import FetchConfig, FetchStatistics
 from shardsync.retry import Backoff, classify_status, parse_retry_after
@@ -68,6 +69,7 @@ from shardsync.wire import (
     Stream,
     map_for_writing,
     release_pages,
+    reserve,
     start_writeback,
 )
 
@@ -87,6 +89,7 @@ MiB = 1 << 20
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
 _MAX_REDIRECTS = 5
 _MIN_SPLIT = MiB  # the smallest Range worth a connection of its own
+_TAIL_PARTS = 4  # the last round of ranges is cut in this many (``split_tail``)
 _RAMP_EVERY = 0.1  # seconds between the connection ramp's looks at a file's rate
 _WRITEBACK_EVERY = 8 * MiB  # hashed bytes sent to the disk at once
 _SIDECAR_VERSION = 3
@@ -764,10 +767,15 @@ class _FileDownload:
         missing = state.done.missing(state.size)
         most = 1 if state.single_stream else self.config.connections_per_file
         chunk = state.size if state.single_stream else self._chunk(missing, most)
+        pieces = [
+            (start + first, start + stop)
+            for start, end in missing
+            for first, stop in split_ranges(end - start, max(chunk, 1))
+        ]
         queue: asyncio.Queue[tuple[int, int]] = asyncio.Queue()
-        for start, end in missing:
-            for piece in split_ranges(end - start, max(chunk, 1)):
-                queue.put_nowait((start + piece[0], start + piece[1]))
+        last_round = 0 if state.single_stream else most
+        for piece in split_tail(pieces, last_round, _TAIL_PARTS, 2 * _MIN_SPLIT):
+            queue.put_nowait(piece)
         pump = state.wire.pump if state.wire is not None else None
         ramp = ConnectionRamp(most)
         state.wanted = most if pump is None else ramp.count
@@ -939,6 +947,10 @@ class _FileDownload:
         watchdog = _Watchdog(self._clock, cfg)
 
         def begin() -> _Begun:
+            try:
+                reserve(state.fd, start, end)
+            except OSError as exc:
+                raise disk_error(exc, "reserve the partial file") from exc
             stream = wire.reader.open(url, self._fetcher._headers(url, headers))
             head = stream.head
             if head.status != 206 or not stream.framed:

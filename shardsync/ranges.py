@@ -85,6 +85,22 @@ def split_ranges(size: int, chunk_size: int) -> list[tuple[int, int]]:
     return [(start, min(start + chunk_size, size)) for start in range(0, size, chunk_size)]
 
 
+def split_tail(
+    pieces: list[tuple[int, int]], last: int, parts: int, smallest: int
+) -> list[tuple[int, int]]:
+    """``pieces`` with each of the last ``last`` cut into up to ``parts`` pieces of at least
+    ``smallest`` bytes. A file ends with its last round of ranges, one per connection: on a
+    link capped per connection, the last 16 MiB took 0.65 s at 25 MB/s while most of the
+    file's connections had nothing left to do; cut finer, they share it."""
+    keep = max(0, len(pieces) - last)
+    out = pieces[:keep]
+    for start, end in pieces[keep:]:
+        count = max(1, min(parts, (end - start) // smallest))
+        step = -(-(end - start) // count)
+        out += [(first, min(first + step, end)) for first in range(start, end, step)]
+    return out
+
+
 class RangeSet:
     """Disjoint, merged, half-open byte intervals: which parts of a file are on disk.
 

@@ -73,8 +73,10 @@ async def test_empty_file(tmp_path: Path) -> None:
     [
         (8 << 20, 4, 4),  # 8 MiB over 4 connections: 2 MiB each, not one 16 MiB chunk
         (3 << 20, 8, 3),  # never a Range under 1 MiB
-        (64 << 20, 2, 4),  # larger than 2 x chunk_size: 16 MiB chunks
-        (72 << 20, 2, 6),  # 12 MiB: 3 ranges each, not 16 MiB with one connection doing 3 of 5
+        # larger than 2 x chunk_size: 16 MiB chunks, the last round (one each) in quarters
+        (64 << 20, 2, 2 + 2 * 4),
+        # 12 MiB: 3 ranges each, not 16 MiB with one connection doing 3 of 5; last round cut
+        (72 << 20, 2, 4 + 2 * 4),
     ],
 )
 async def test_smaller_files_are_split_across_connections(

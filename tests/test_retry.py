@@ -23,6 +23,7 @@ from shardsync.ranges import (
     parse_content_range,
     parse_unsatisfied_range,
     split_ranges,
+    split_tail,
 )
 from shardsync.retry import Backoff, RetryPolicy, classify_status, parse_retry_after
 
@@ -376,6 +377,23 @@ def test_split_ranges(size: int, chunk: int, expected: list[tuple[int, int]]) ->
 def test_split_ranges_rejects(size: int, chunk: int) -> None:
     with pytest.raises(ValueError):
         split_ranges(size, chunk)
+
+
+# --- split_tail -------------------------------------------------------------------------
+
+
+def test_the_last_round_of_ranges_is_cut_finer_and_still_covers_the_file() -> None:
+    pieces = split_ranges(100, 16)  # 6 of 16 and one of 4
+    cut = split_tail(pieces, 2, 4, 3)
+    assert cut[:5] == pieces[:5]
+    assert cut[5:] == [(80, 84), (84, 88), (88, 92), (92, 96), (96, 100)]  # 4: no cut
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(cut)) and cut[-1][1] == 100
+
+
+def test_no_tail_piece_is_cut_below_the_smallest() -> None:
+    assert split_tail([(0, 5), (5, 10)], 2, 4, 3) == [(0, 5), (5, 10)]
+    assert split_tail([(0, 12)], 5, 4, 3) == [(0, 3), (3, 6), (6, 9), (9, 12)]
+    assert split_tail([(0, 12)], 0, 4, 3) == [(0, 12)]  # no last round: untouched
 
 
 # --- RangeSet -----------------------------------------------------------------------------

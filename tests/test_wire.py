@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -26,7 +27,17 @@ from helpers import fast_config, range_server
 from shardsync.errors import ConfigError, ProtocolError
 from shardsync.prefetch import prefetch
 from shardsync.testing import FakeHub, serve_in_thread
-from shardsync.wire import BodyTruncated, RangeReader, map_for_writing, release_pages
+from shardsync.wire import (
+    _WAKE_EVERY,
+    BodyTruncated,
+    RangeReader,
+    _set_lowat,
+    _track_rate,
+    _Transfer,
+    map_for_writing,
+    release_pages,
+    reserve,
+)
 
 Answer = Callable[[bytes], bytes]
 """Given a request's bytes, the raw bytes a connection answers (then it waits for the next)."""
@@ -225,8 +236,10 @@ def test_released_pages_leave_the_process_and_keep_their_bytes(tmp_path: Path) -
     path = tmp_path / "partial"
     data = os.urandom(64 * page)
     with path.open("w+b") as f:
+        f.truncate(len(data))  # as a slot makes a partial
         mapping = map_for_writing(f.fileno(), len(data))
         assert mapping is not None
+        reserve(f.fileno(), 0, len(data))  # as each transfer does for its range
         mapping[:] = data
         assert _mapped_rss(path) == len(data)
         release_pages(mapping, 0, 40 * page + 100)  # the page holding byte 40*page+99 stays
@@ -332,3 +345,39 @@ async def test_writeback_starts_as_the_hash_passes(
     assert [start for start, _ in asked] == [0, *(end for _, end in asked[:-1])]  # in order
     assert asked[-1][1] == len(data)  # all of it
     assert all(end - start >= 8 << 20 for start, end in asked[:-1])  # in steps, not per piece
+
+
+class _Unbuffered:
+    def buffered_bytes(self) -> int:
+        return 0
+
+
+def test_wake_ups_are_sized_to_the_lower_of_the_recent_and_the_average_rate() -> None:
+    """A socket wakes the pump once ``_WAKE_EVERY`` of its data has arrived; what is below
+    that mark stays in the kernel until more comes, and a kill loses it. nginx's
+    ``limit_rate`` sends a request's first second at once, then bursts: sized to the burst
+    reads, a mark stranded up to 1 MiB per connection between bursts; sized to the average
+    since the request began, it stayed high long after the first burst."""
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        t = _Transfer(_Unbuffered(), ours, 0, 0, 1 << 40, print, print, Future(), 0.0)  # type: ignore[arg-type]
+
+        def read(n: int, at: float) -> None:
+            previous, t.last = t.last, at
+            t.pos += n
+            _track_rate(t, n, previous, at)
+            _set_lowat(t, t.rate)
+
+        # bursts: 2.5 MB every 100 ms, read in 4 quick pieces (25 MB/s on average)
+        for burst in range(1, 11):
+            for k in range(4):
+                read(625_000, 0.1 * burst + 0.0005 * k)
+            assert t.lowat <= 1.25 * _WAKE_EVERY * t.pos / t.last
+        # a first burst of 4 MB, then a steady 25 MB/s in 125 KB reads
+        t.pos, t.rate, t.recent, t.lowat, t.began = 0, None, None, 1, 10.0
+        t.last = 10.0
+        for k in range(8):
+            read(500_000, 10.021 + 0.0005 * k)
+        for k in range(1, 60):
+            read(125_000, 10.025 + 0.005 * k)
+        assert t.lowat <= 1.25 * _WAKE_EVERY * 25e6
