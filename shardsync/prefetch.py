@@ -87,6 +87,7 @@ class _NoProgress:
 
 
 _MAX_INDEX = 64 << 20
+_SMALL_AT_ONCE = 4  # small files fetched at once, besides ``max_files`` large ones
 
 
 class Engine:
@@ -407,12 +408,15 @@ class Job:
                     self._hints.setdefault(f.path, f)
 
     async def _obtain_all(self, entries: Sequence[ManifestEntry]) -> None:
-        queue: asyncio.Queue[ManifestEntry] = asyncio.Queue()
+        """``max_files`` workers for the large files and ``_SMALL_AT_ONCE`` more for the
+        small ones (``ManifestEntry.small``), which never wait behind the shards."""
+        small: asyncio.Queue[ManifestEntry] = asyncio.Queue()
+        large: asyncio.Queue[ManifestEntry] = asyncio.Queue()
         for entry in entries:
-            queue.put_nowait(entry)
+            (small if entry.small else large).put_nowait(entry)
         positions = {e.path: i for i, e in enumerate(self.manifest.entries)}
 
-        async def worker() -> None:
+        async def worker(queue: asyncio.Queue[ManifestEntry]) -> None:
             while not queue.empty():
                 entry = queue.get_nowait()
                 async with self.gate(entry, positions[entry.path]):
@@ -421,8 +425,9 @@ class Job:
 
         try:
             async with asyncio.TaskGroup() as tg:
-                for _ in range(min(self.max_files, len(entries))):
-                    tg.create_task(worker())
+                for queue, most in ((large, self.max_files), (small, _SMALL_AT_ONCE)):
+                    for _ in range(min(most, queue.qsize())):
+                        tg.create_task(worker(queue))
         except BaseExceptionGroup as group:
             raise first_error(group) from None
 

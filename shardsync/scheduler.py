@@ -805,7 +805,9 @@ class Scheduler:
 
         @contextlib.asynccontextmanager
         async def admit(entry: ManifestEntry, position: int) -> AsyncIterator[None]:
-            async with gate.admit(lambda: (-job.priority, job.seq, position)):
+            # a small file takes no slot: it costs round trips, not bandwidth
+            slot = contextlib.nullcontext() if entry.small else None
+            async with slot or gate.admit(lambda: (-job.priority, job.seq, position)):
                 index = sink.shard_index(entry.path)
                 job.emit(FileStarted(path=entry.path, size=entry.size, shard_index=index))
                 try:

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -28,8 +29,10 @@ from shardsync.errors import (
     UnsafeNameError,
 )
 from shardsync.prefetch import prefetch
+from shardsync.records import FileOutcome
 from shardsync.store import AsyncStore
 from shardsync.testing import (
+    Bandwidth,
     ChangeEtag,
     Checkpoint,
     CutBody,
@@ -334,3 +337,35 @@ async def test_blob_pruned_between_check_and_reuse_is_downloaded(
     assert_snapshot_matches(twin.snapshot_path, checkpoint)
     assert gone and gone[0].exists()  # downloaded again and republished
     assert hub.bytes_served("*.safetensors") == gone[0].stat().st_size
+
+
+class _Finished:
+    """A progress sink that lists files in the order they are done."""
+
+    def __init__(self) -> None:
+        self.order: list[str] = []
+
+    def add_file(self, path: str, size: int | None) -> None:
+        return None
+
+    def advance(self, path: str, nbytes: int) -> None:
+        return None
+
+    def file_done(self, outcome: FileOutcome) -> None:
+        self.order.append(outcome.path)
+
+
+async def test_small_files_do_not_wait_behind_the_shards(
+    hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    """Configs and tokenizers cost round trips, not bandwidth: with one file at a time they
+    waited until every shard was in (0.5 s at the end of a 2 GB download)."""
+    hub.faults.add(Bandwidth(2_000_000, path="*.safetensors"))  # 2 MB shards: about 0.5 s each
+    finished = _Finished()
+    config = fast_config(tmp_path, hub.endpoint)
+    result = await prefetch(REPO, replace(config, max_files=1), progress=finished)
+    shards = set(checkpoint.shards)
+    first_shard = min(finished.order.index(s) for s in shards)
+    small = [p for p in finished.order if p not in shards]
+    assert small and all(finished.order.index(p) < first_shard for p in small), finished.order
+    assert_snapshot_matches(result.snapshot_path, checkpoint)

@@ -35,6 +35,7 @@ from shardsync.events import (
     Verified,
 )
 from shardsync.journal import Journal
+from shardsync.manifest import SMALL_FILE
 from shardsync.prefetch import Engine, prefetch
 from shardsync.records import RepoRef
 from shardsync.scheduler import (
@@ -303,6 +304,33 @@ async def test_events_describe_the_download(scheduler: Scheduler, checkpoint: Ch
     assert info["bytes"]["done"] == info["bytes"]["total"] == resolved.total_size
 
 
+def _small(started: FileStarted) -> bool:
+    """A small file beside the weights takes no slot: it starts whatever the priorities."""
+    return started.shard_index is None and started.size is not None and started.size <= SMALL_FILE
+
+
+async def test_small_files_take_no_slot(
+    fake_hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    fake_hub.add_checkpoint("acme/held", checkpoint)
+    config = replace(fast_config(tmp_path / "cache", fake_hub.endpoint), max_files=1)
+    async with Engine(config) as engine, Scheduler(engine) as scheduler:
+        hold = scheduler.gate.admit(lambda: (-(10**9),))
+        await hold.__aenter__()  # the one slot is taken: no shard can start
+        job, _ = await scheduler.submit(JobRequest("acme/held"))
+        small = {path for path in checkpoint.files if path not in checkpoint.shards}
+
+        def verified() -> set[str]:
+            return {e.outcome.path for e in job.events.past() if isinstance(e, Verified)}
+
+        async with asyncio.timeout(30):  # all of them while the slot is held
+            await _until(lambda: verified() >= small)
+        started = {e.path for e in job.events.past() if isinstance(e, FileStarted)}
+        assert not started & set(checkpoint.shards)
+        await hold.__aexit__(None, None, None)
+        await _outcome(job)
+
+
 async def test_files_of_the_highest_priority_job_go_first(
     fake_hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path
 ) -> None:
@@ -326,7 +354,7 @@ async def test_files_of_the_highest_priority_job_go_first(
         started += [
             (e.time, job.request.source, e.path)
             for e in events
-            if isinstance(e, FileStarted) and e.seq > resolved
+            if isinstance(e, FileStarted) and e.seq > resolved and not _small(e)
         ]
     started.sort()
     sources = [source for _, source, _ in started]
