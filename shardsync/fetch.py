@@ -92,8 +92,6 @@ _MIN_SPLIT = MiB  # the smallest Range worth a connection of its own
 _TAIL_PARTS = 4  # the last round of ranges is cut in this many (``split_tail``)
 _RAMP_EVERY = 0.1  # seconds between the connection ramp's looks at a file's rate
 _WRITEBACK_EVERY = 8 * MiB  # hashed bytes sent to the disk at once
-_SIDECAR_VERSION = 3
-_MAX_RECORD = 1 << 20
 _ERROR_BODY = 4096  # bytes of an error answer read for its message
 _CREDENTIAL_HEADERS = ("authorization", "cookie", "proxy-authorization", "x-amz-security-token")
 
