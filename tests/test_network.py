@@ -436,13 +436,14 @@ async def test_no_proxy_keeps_s3_requests_direct(
     reads the same variables itself (without CIDRs)."""
     import botocore.session
 
-    for name in ("HTTP_PROXY", "HTTPS_PROXY"):
-        monkeypatch.setenv(name, squid.url)
-    monkeypatch.setenv("NO_PROXY", "127.0.0.0/8")
-
+    # uploaded before the proxy variables are set: squid logs a request when it ends, so a
+    # proxied upload's line could land after the mark below and look like ours
     client = botocore.session.get_session().create_client("s3", **s3server.client_kwargs())
     for rel in checkpoint.files:
         client.put_object(Bucket=s3bucket, Key=f"m/{rel}", Body=checkpoint.path(rel).read_bytes())
+    for name in ("HTTP_PROXY", "HTTPS_PROXY"):
+        monkeypatch.setenv(name, squid.url)
+    monkeypatch.setenv("NO_PROXY", "127.0.0.0/8")
     s3 = S3Config(endpoint=s3server.endpoint, region=s3server.region, addressing="path")
     if endpoint_from == "AWS_ENDPOINT_URL":  # the chain names the endpoint, not [s3]
         monkeypatch.setenv("AWS_ENDPOINT_URL", s3server.endpoint)
