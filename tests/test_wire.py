@@ -26,7 +26,7 @@ from helpers import fast_config, range_server
 
 from shardsync.errors import ConfigError, ProtocolError
 from shardsync.prefetch import prefetch
-from shardsync.testing import FakeHub, serve_in_thread
+from shardsync.testing import Bandwidth, FakeHub, serve_in_thread
 from shardsync.wire import (
     _WAKE_EVERY,
     BodyTruncated,
@@ -274,8 +274,11 @@ def test_a_download_does_not_keep_the_file_resident(tmp_path: Path) -> None:
     hub = FakeHub()
     hub.add_repo("acme/big", {"model.safetensors": big})
     hub.add_repo("acme/small", {"model.safetensors": small})
+    # 4 x 50 MB/s, well under what one core hashes: at full loopback speed the hash lags
+    # by whatever the CPU allows (137-658 MiB on the 2-core CI box), and that lag is resident
+    hub.faults.add(Bandwidth(50_000_000, path="*.safetensors"))
 
-    config = tmp_path / "shardsync.toml"  # at most 4 x 16 MiB written ahead of the hash
+    config = tmp_path / "shardsync.toml"  # about 4 x 16 MiB written ahead of the hash
     config.write_text('[download]\nconnections_per_file = 4\nchunk_size = "16MiB"\n')
 
     def peak_rss(repo: str) -> int:
@@ -294,7 +297,7 @@ def test_a_download_does_not_keep_the_file_resident(tmp_path: Path) -> None:
     blob = next((tmp_path / "acme/big").rglob("blobs/*"))
     assert filecmp.cmp(blob, big, shallow=False)
     # what stays is the window in flight (connections x chunk), not the file
-    assert grown < size // 2, f"peak RSS grew by {grown >> 20} MiB for a {size >> 20} MiB file"
+    assert grown < size // 4, f"peak RSS grew by {grown >> 20} MiB for a {size >> 20} MiB file"
 
 
 async def test_a_body_whose_end_trickles_in_is_not_timed_out(tmp_path: Path) -> None:
