@@ -1052,7 +1052,7 @@ class _FileDownload:
                 return
             batch, pieces, pending = pieces, [], 0
             size = sum(len(p) for p in batch)
-            writing = state.start_in_thread(_write_landed, state, batch, queued)
+            writing = state.start_in_thread(_write_landed, state, batch, queued, queued + size)
             writing.add_done_callback(landed(queued, queued + size))
             queued += size
 
@@ -1404,7 +1404,8 @@ def _resumable(request: BlobRequest, state: _FileState) -> Resumable | None:
     return Resumable(request.url, state.etag, state.size, request.sha256)
 
 
-def _write_landed(state: _FileState, batch: list[bytes], offset: int) -> None:
-    """Write ``batch`` at ``offset`` (a worker thread) and tell the resume record at once."""
-    _pwritev_all(state.fd, batch, offset)
-    state.keeper.landed(offset, offset + sum(len(piece) for piece in batch))
+def _write_landed(state: _FileState, batch: list[bytes], first: int, stop: int) -> None:
+    """Write ``batch`` (bytes ``[first, stop)``) in a worker thread and tell the resume record
+    at once."""
+    _pwritev_all(state.fd, batch, first)
+    state.keeper.landed(first, stop)
