@@ -2,10 +2,11 @@
 
 One pooled ``aiohttp`` session for metadata, redirects and proxied transfers; per file,
 several Range requests pulling chunks in ascending order from a shared queue. Their bodies
-land at their offsets in the partial file: read by ``shardsync.wire`` straight into a mapping
-of it (direct connections), or received by aiohttp and ``pwritev``-ed (through a proxy). A
-hasher follows the contiguous prefix on disk, so sha256 (and xxh3-128 for fast re-checks) is
-ready moments after the last byte without a second pass over the network. The slot's resume
+land at their offsets in the partial file: read by ``shardsync.wire``'s per-file pump thread
+(direct connections), or received by aiohttp and ``pwritev``-ed (through a proxy). A hasher
+follows the contiguous prefix on disk, reading it through a mapping, so sha256 (and xxh3-128
+for fast re-checks) is ready moments after the last byte without a second pass over the
+network. The slot's resume
 record says which ranges are on disk so a later run resumes, but only with proof it is the
 same object (strong ETag + ``If-Range`` + a ``Content-Range`` that starts where we asked and
 has the total we expect); anything else restarts the file from zero.
@@ -67,9 +68,8 @@ from shardsync.wire import (
     Pump,
     RangeReader,
     Stream,
-    map_for_writing,
+    map_for_reading,
     release_pages,
-    reserve,
     start_writeback,
 )
 
@@ -234,9 +234,9 @@ class _FileState:
     closed: asyncio.Event = field(default_factory=asyncio.Event)  # ``closing`` became true
     in_flight: set[asyncio.Future[Any]] = field(default_factory=set)
     etag_lock: threading.Lock = field(default_factory=threading.Lock)
-    mapping: mmap.mmap | None = None  # the file's shared mapping, when bodies go through it
-    view: memoryview | None = None  # a view of ``mapping``, which the pump writes through
-    wire: _Wire | None = None  # worker threads reading bodies into ``view``
+    mapping: mmap.mmap | None = None  # read-only, for the hasher (None: it uses ``pread``)
+    view: memoryview | None = None  # a view of ``mapping``
+    wire: _Wire | None = None  # worker threads writing bodies to ``fd``
     connections: int = 0  # running
     wanted: int = 0  # what the ramp asks for: a connection beyond it takes no next range
     drained: asyncio.Event = field(default_factory=asyncio.Event)  # every range is taken
@@ -670,14 +670,11 @@ class _FileDownload:
         mapping: mmap.mmap | None = None
         try:
             try:
+                mapping = map_for_reading(fd, size)
+                if mapping is not None:
+                    state.mapping, state.view = mapping, memoryview(mapping)
                 if self._wire_serves(located.url):
-                    try:
-                        mapping = await state.in_thread(map_for_writing, fd, size)
-                    except OSError as exc:
-                        raise disk_error(exc, "reserve the partial file") from exc
-                    if mapping is not None:
-                        state.mapping, state.view = mapping, memoryview(mapping)
-                        state.wire = self._open_wire(located.url, state.view)
+                    state.wire = self._open_wire(located.url, fd)
                 async with asyncio.TaskGroup() as tg:
                     hasher = tg.create_task(self._hash(state, request))
                     if record is not None:
@@ -729,7 +726,7 @@ class _FileDownload:
         they take the aiohttp path, which speaks to proxies."""
         return urlsplit(url).scheme in ("http", "https") and self.network.proxy_for(url) is None
 
-    def _open_wire(self, url: str, view: memoryview) -> _Wire:
+    def _open_wire(self, url: str, fd: int) -> _Wire:
         cfg = self.config
         context = self._fetcher.tls() if urlsplit(url).scheme == "https" else None
         reader = RangeReader(
@@ -747,7 +744,7 @@ class _FileDownload:
             asyncio.run_coroutine_threadsafe(admit(n), loop).result()
 
         pump = Pump(
-            view,
+            fd,
             read_size=cfg.read_size,
             report_size=cfg.write_size,
             read_timeout=cfg.read_timeout,
@@ -917,14 +914,14 @@ class _FileDownload:
         end: int,
         on_progress: ProgressFn,
     ) -> int | None:
-        """``_get_range`` with the body read by the file's pump into its mapping.
+        """``_get_range`` with the body read by the file's pump and written to the file.
 
         A worker thread sends the request, reads the head, checks it and hands a good 206
         to the pump itself: a body never waits in socket buffers for the event loop's turn
         (a ``kill -9`` would lose what waits there). None: an answer only the aiohttp path
         reads (a redirect, a body without a length); it asks again. Every other answer
-        means what it means there. Bytes count as on disk the moment they are in the
-        mapping (the page cache, as after a ``pwrite``), reported every ``write_size``.
+        means what it means there. Bytes count as on disk the moment their ``pwrite``
+        returns (they are in the page cache), reported every ``write_size``.
         """
         cfg = self.config
         loop = asyncio.get_running_loop()
@@ -945,10 +942,6 @@ class _FileDownload:
         watchdog = _Watchdog(self._clock, cfg)
 
         def begin() -> _Begun:
-            try:
-                reserve(state.fd, start, end)
-            except OSError as exc:
-                raise disk_error(exc, "reserve the partial file") from exc
             stream = wire.reader.open(url, self._fetcher._headers(url, headers))
             head = stream.head
             if head.status != 206 or not stream.framed:
@@ -1330,8 +1323,8 @@ class _Begun:
 
 
 def _track_body(state: _FileState, body: concurrent.futures.Future[int]) -> asyncio.Future[int]:
-    """The pump's reading as a loop future that ``drain`` waits for: the mapping must
-    outlive every write into it."""
+    """The pump's reading as a loop future that ``drain`` waits for: the file must stay open
+    while the pump writes to it."""
     future = asyncio.wrap_future(body)
     state.in_flight.add(future)
     future.add_done_callback(state.in_flight.discard)

@@ -34,9 +34,9 @@ from shardsync.wire import (
     _set_lowat,
     _track_rate,
     _Transfer,
-    map_for_writing,
+    map_for_reading,
     release_pages,
-    reserve,
+    write_at,
 )
 
 Answer = Callable[[bytes], bytes]
@@ -237,10 +237,10 @@ def test_released_pages_leave_the_process_and_keep_their_bytes(tmp_path: Path) -
     data = os.urandom(64 * page)
     with path.open("w+b") as f:
         f.truncate(len(data))  # as a slot makes a partial
-        mapping = map_for_writing(f.fileno(), len(data))
+        mapping = map_for_reading(f.fileno(), len(data))
         assert mapping is not None
-        reserve(f.fileno(), 0, len(data))  # as each transfer does for its range
-        mapping[:] = data
+        write_at(f.fileno(), memoryview(data), 0)  # as the pump does
+        assert mapping[:] == data  # the hasher reads every page
         assert _mapped_rss(path) == len(data)
         release_pages(mapping, 0, 40 * page + 100)  # the page holding byte 40*page+99 stays
         assert _mapped_rss(path) == 24 * page
@@ -263,7 +263,7 @@ sys.exit(code)
 
 
 def test_a_download_does_not_keep_the_file_resident(tmp_path: Path) -> None:
-    """The partial file is written through a shared mapping; each page the hash has passed is
+    """The hasher reads the partial file through a shared mapping; each page it has passed is
     let go, so a download's peak RSS does not grow with the file (before: by all of it)."""
     big, small = tmp_path / "big.bin", tmp_path / "small.bin"
     size, block = 768 << 20, os.urandom(8 << 20)
