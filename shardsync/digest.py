@@ -1,16 +1,18 @@
 """The hashes a cache checks a file by (sha256, xxh3-128, git's blob id), fed in order from
-a file object, a mapping or a file descriptor's range: the one hashing loop. A download feeds
-its contiguous prefix as it grows; ``verify`` and local copies read a whole file."""
+a file object, a file's pages in place (``MappedFile``) or a file descriptor's range: the one
+hashing loop. A download feeds its contiguous prefix as it grows; ``verify`` and local copies
+read a whole file."""
 
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 from typing import IO
 
 import xxhash
 
-__all__ = ["Digest"]
+__all__ = ["Digest", "MappedFile"]
 
 CHUNK = 8 << 20
 
@@ -44,14 +46,6 @@ class Digest:
             self.update(chunk)
         return self
 
-    def update_from_view(self, view: memoryview, start: int, end: int) -> int:
-        """Hash ``view[start:end]`` where it lies (a mapped file: no copy out of the page
-        cache); returns ``end``."""
-        for pos in range(start, end, CHUNK):
-            with view[pos : min(end, pos + CHUNK)] as piece:
-                self.update(piece)
-        return end
-
     def update_from_fd(self, fd: int, start: int, end: int) -> int:
         """Hash bytes ``start..end`` of ``fd`` read with ``pread``; returns where it got
         (short only if the file shrank)."""
@@ -77,3 +71,69 @@ class Digest:
     @property
     def git_sha1(self) -> str | None:
         return None if self._git is None else self._git.hexdigest()
+
+
+class MappedFile:
+    """A file's bytes hashed in order where they lie in the page cache: read-only mappings of
+    one ``window`` at a time, so nothing is copied out and a page fault maps 16 pages.
+
+    Each window is unmapped as soon as the hash passes its end, so a download's RSS holds one
+    window per file, not the file. Unmapping lets other threads run, where ``madvise`` (the
+    page release this replaced) held the GIL: 0.17 s of a 1 GB download in the daemon, with
+    the pump threads waiting. Where the file cannot be mapped the rest is read with ``pread``.
+    """
+
+    def __init__(self, fd: int, size: int, *, window: int = 16 << 20) -> None:
+        if window <= 0 or window % mmap.ALLOCATIONGRANULARITY:
+            raise ValueError("a window is a whole number of allocation units")
+        self._fd = fd
+        self._size = size
+        self._window_size = window
+        self._window: mmap.mmap | None = None
+        self._base = 0
+        self._mappable = True
+
+    def hash_into(self, digest: Digest, start: int, end: int) -> int:
+        """Feed bytes ``[start, end)`` to ``digest``; returns where it got (short only if the
+        file shrank, read with ``pread``)."""
+        pos = start
+        while pos < end:
+            window = self._window_at(pos)
+            if window is None:
+                return digest.update_from_fd(self._fd, pos, end)
+            stop = min(end, self._base + len(window))
+            with memoryview(window) as view:
+                for at in range(pos - self._base, stop - self._base, CHUNK):
+                    with view[at : min(stop - self._base, at + CHUNK)] as piece:
+                        digest.update(piece)
+            pos = stop
+            if stop == self._base + len(window):
+                self.close()
+        return end
+
+    def _window_at(self, pos: int) -> mmap.mmap | None:
+        base = pos - pos % self._window_size
+        if self._window is not None and self._base == base:
+            return self._window
+        self.close()
+        if not self._mappable:
+            return None
+        try:
+            self._window = mmap.mmap(
+                self._fd,
+                min(self._window_size, self._size - base),
+                flags=mmap.MAP_SHARED,
+                prot=mmap.PROT_READ,
+                offset=base,
+            )
+        except (OSError, ValueError):  # not mappable here (or shrunk): ``pread`` says why
+            self._mappable = False
+            return None
+        self._base = base
+        return self._window
+
+    def close(self) -> None:
+        """Unmap the window in use (the bytes stay in the page cache)."""
+        window, self._window = self._window, None
+        if window is not None:
+            window.close()

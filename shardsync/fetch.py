@@ -20,7 +20,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import json
-import mmap
 import os
 import socket
 import ssl
@@ -36,7 +35,7 @@ from urllib.parse import urljoin, urlsplit, urlunsplit
 
 import aiohttp
 
-from shardsync.digest import Digest
+from shardsync.digest import Digest, MappedFile
 from shardsync.errors import (
     AuthError,
     EntryNotFoundError,
@@ -68,8 +67,6 @@ from shardsync.wire import (
     Pump,
     RangeReader,
     Stream,
-    map_for_reading,
-    release_pages,
     start_writeback,
 )
 
@@ -234,8 +231,7 @@ class _FileState:
     closed: asyncio.Event = field(default_factory=asyncio.Event)  # ``closing`` became true
     in_flight: set[asyncio.Future[Any]] = field(default_factory=set)
     etag_lock: threading.Lock = field(default_factory=threading.Lock)
-    mapping: mmap.mmap | None = None  # read-only, for the hasher (None: it uses ``pread``)
-    view: memoryview | None = None  # a view of ``mapping``
+    pages: MappedFile | None = None  # what the hasher reads the file through
     wire: _Wire | None = None  # worker threads writing bodies to ``fd``
     connections: int = 0  # running
     wanted: int = 0  # what the ramp asks for: a connection beyond it takes no next range
@@ -667,12 +663,9 @@ class _FileDownload:
         )
         on_progress(resumed)
         verified: Literal["sha256", "git-sha1", "tofu"] | None = None
-        mapping: mmap.mmap | None = None
+        state.pages = MappedFile(fd, size)
         try:
             try:
-                mapping = map_for_reading(fd, size)
-                if mapping is not None:
-                    state.mapping, state.view = mapping, memoryview(mapping)
                 if self._wire_serves(located.url):
                     state.wire = self._open_wire(located.url, fd)
                 async with asyncio.TaskGroup() as tg:
@@ -691,7 +684,7 @@ class _FileDownload:
                 raise  # unreachable: _raise_first always raises
             finally:
                 await state.drain()  # no thread may still use ``fd`` when it closes
-                _unmap(state, mapping)
+                _close_wire(state)
                 tally.downloaded += state.downloaded
                 try:
                     await state.in_thread(state.keeper.save)
@@ -1345,33 +1338,26 @@ def _abandon(state: _FileState, pump: Pump, opening: asyncio.Future[_Begun]) -> 
 
 
 def _hash_span(digest: Digest, state: _FileState, start: int, end: int) -> int:
-    """Hash bytes ``[start, end)`` of the file, which are final: from its mapping, whose pages
-    then leave this process (``release_pages``; the hasher is their last reader), or with
-    ``pread``. Every ``_WRITEBACK_EVERY`` bytes hashed are sent to the disk now rather than
-    in the fsync before publishing. Returns where it got (short only if the file shrank)."""
-    if state.mapping is not None and state.view is not None:
-        got = digest.update_from_view(state.view, start, end)
-        release_pages(state.mapping, start, got)
-    else:
-        got = digest.update_from_fd(state.fd, start, end)
+    """Hash bytes ``[start, end)`` of the file, which are final, where they lie in the page
+    cache (``MappedFile``). Every ``_WRITEBACK_EVERY`` bytes hashed are sent to the disk now
+    rather than in the fsync before publishing. Returns where it got (short only if the
+    file shrank)."""
+    assert state.pages is not None
+    got = state.pages.hash_into(digest, start, end)
     if got - state.written_back >= _WRITEBACK_EVERY or got == state.size:
         start_writeback(state.fd, state.written_back, got)
         state.written_back = got
     return got
 
 
-def _unmap(state: _FileState, mapping: mmap.mmap | None) -> None:
-    """Close the file's wire and mapping once no thread uses them."""
+def _close_wire(state: _FileState) -> None:
+    """Close the file's wire and the hasher's window once no thread uses them."""
     if state.wire is not None:
         state.wire.close()
         state.wire = None
-    if state.view is not None:
-        state.view.release()
-        state.view = None
-    state.mapping = None
-    if mapping is not None:
-        with contextlib.suppress(BufferError):  # a view still held: freed with it
-            mapping.close()
+    if state.pages is not None:
+        state.pages.close()
+        state.pages = None
 
 
 _IOV_MAX = 512  # pieces per pwritev call, well under the kernel's IOV_MAX (1024)

@@ -6,9 +6,9 @@ written with ``pwritev`` and read back again to hash). Here worker threads send 
 and read its head (``RangeReader``), and one thread per file (``Pump``) reads the bodies of
 all its connections with ``recv_into`` into one reused buffer and ``pwrite``s each read at
 its offset: the buffer stays in the CPU's cache, and the page cache's pages are filled by a
-plain copy. The hasher then reads those pages through a read-only mapping, without copying
-them out (``map_for_reading``). ``recv_into``, ``pwrite`` and ``sha256`` release the GIL, so
-the files' transfers and hashes run on separate cores.
+plain copy. The hasher then reads those pages in place (``digest.MappedFile``).
+``recv_into``, ``pwrite`` and ``sha256`` release the GIL, so the files' transfers and hashes
+run on separate cores.
 
 Only the happy path lives here: a plain HTTP/1.1 response whose body length is known. The
 fetcher decides what every other answer means (the same code as for aiohttp's), and sends
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import mmap
 import os
 import re
 import selectors
@@ -39,7 +38,6 @@ __all__ = [
     "Pump",
     "RangeReader",
     "Stream",
-    "map_for_reading",
     "write_at",
 ]
 
@@ -67,39 +65,12 @@ class BodyTruncated(ConnectionError):
     """The server closed the connection before the body's last byte (retryable)."""
 
 
-def map_for_reading(fd: int, size: int) -> mmap.mmap | None:
-    """A shared read-only mapping of the whole file, for hashing what has landed where it
-    lies in the page cache: no copy out of it, and one page fault maps 16 pages
-    (fault-around). None where the file is empty or cannot be mapped; the hasher then reads
-    with ``pread``."""
-    if size <= 0:
-        return None
-    try:
-        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-    except OSError:
-        return None
-
-
 def write_at(fd: int, data: memoryview, pos: int) -> None:
     """``pwrite`` all of ``data`` at ``pos`` (a write cut short by a full disk is followed by
     one that fails with ENOSPC)."""
     while data:
         n = os.pwrite(fd, data, pos)
         data, pos = data[n:], pos + n
-
-
-def release_pages(mapping: mmap.mmap, start: int, end: int) -> None:
-    """Unmap, from this process only, the pages of ``mapping`` done with once ``[0, end)``
-    is: from the page holding ``start`` to the last whole page below ``end``.
-
-    The bytes stay in the page cache (dirty pages are written back as usual), and a later
-    access faults them in again. Without this, every page written through the mapping counts
-    in the process's RSS until it closes: a 2 GB download looked like 2 GB of memory.
-    """
-    first = start - start % mmap.PAGESIZE
-    last = end - end % mmap.PAGESIZE
-    if last > first:
-        mapping.madvise(mmap.MADV_DONTNEED, first, last - first)
 
 
 _SYNC_FILE_RANGE_WRITE = 2  # start writeback of dirty pages in the range; do not wait

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import filecmp
+import hashlib
 import mmap
 import os
 import socket
@@ -24,6 +25,7 @@ import pytest
 from aiohttp import web
 from helpers import fast_config, range_server
 
+from shardsync.digest import Digest, MappedFile
 from shardsync.errors import ConfigError, ProtocolError
 from shardsync.prefetch import prefetch
 from shardsync.testing import Bandwidth, FakeHub, serve_in_thread
@@ -34,8 +36,6 @@ from shardsync.wire import (
     _set_lowat,
     _track_rate,
     _Transfer,
-    map_for_reading,
-    release_pages,
     write_at,
 )
 
@@ -231,25 +231,38 @@ def _mapped_rss(path: Path) -> int:
     return total
 
 
-def test_released_pages_leave_the_process_and_keep_their_bytes(tmp_path: Path) -> None:
+def test_the_hash_maps_one_window_at_a_time_and_reads_the_bytes_in_place(
+    tmp_path: Path,
+) -> None:
     page = mmap.PAGESIZE
     path = tmp_path / "partial"
-    data = os.urandom(64 * page)
+    data = os.urandom(64 * page + 100)
     with path.open("w+b") as f:
         f.truncate(len(data))  # as a slot makes a partial
-        mapping = map_for_reading(f.fileno(), len(data))
-        assert mapping is not None
         write_at(f.fileno(), memoryview(data), 0)  # as the pump does
-        assert mapping[:] == data  # the hasher reads every page
-        assert _mapped_rss(path) == len(data)
-        release_pages(mapping, 0, 40 * page + 100)  # the page holding byte 40*page+99 stays
-        assert _mapped_rss(path) == 24 * page
-        release_pages(mapping, 40 * page + 100, 64 * page)
+        pages = MappedFile(f.fileno(), len(data), window=16 * page)
+        digest = Digest()
+        assert pages.hash_into(digest, 0, 20 * page + 7) == 20 * page + 7
+        assert 0 < _mapped_rss(path) <= 16 * page  # the window holding the frontier only
+        assert pages.hash_into(digest, 20 * page + 7, 32 * page) == 32 * page
+        assert _mapped_rss(path) == 0  # a window the hash has passed is unmapped
+        assert pages.hash_into(digest, 32 * page, len(data)) == len(data)
+        pages.close()
         assert _mapped_rss(path) == 0
-        assert os.pread(f.fileno(), len(data), 0) == data  # in the page cache, not lost
-        assert mapping[:] == data  # faulted back in on access
-        mapping.close()
-    assert path.read_bytes() == data
+    assert digest.sha256 == hashlib.sha256(data).hexdigest()
+    assert digest.nbytes == len(data)
+
+
+def test_a_file_that_shrank_under_the_hash_is_reported_short(tmp_path: Path) -> None:
+    path = tmp_path / "partial"
+    path.write_bytes(os.urandom(3 << 20))
+    with path.open("r+b") as f:
+        pages = MappedFile(f.fileno(), 3 << 20, window=1 << 20)
+        digest = Digest()
+        assert pages.hash_into(digest, 0, 1 << 20) == 1 << 20
+        f.truncate((3 << 20) // 2)  # someone else cut it: no SIGBUS, a short count
+        assert pages.hash_into(digest, 1 << 20, 3 << 20) == (3 << 20) // 2
+        pages.close()
 
 
 _PEAK_RSS_OF_PREFETCH = """
@@ -263,8 +276,9 @@ sys.exit(code)
 
 
 def test_a_download_does_not_keep_the_file_resident(tmp_path: Path) -> None:
-    """The hasher reads the partial file through a shared mapping; each page it has passed is
-    let go, so a download's peak RSS does not grow with the file (before: by all of it)."""
+    """The hasher reads the partial file through a mapping, a window at a time, each
+    unmapped once passed, so a download's peak RSS does not grow with the file (before:
+    by all of it)."""
     big, small = tmp_path / "big.bin", tmp_path / "small.bin"
     size, block = 768 << 20, os.urandom(8 << 20)
     with big.open("wb") as f:
