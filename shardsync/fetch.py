@@ -95,9 +95,11 @@ _CREDENTIAL_HEADERS = ("authorization", "cookie", "proxy-authorization", "x-amz-
 _T = TypeVar("_T")
 Sleep = Callable[[float], Awaitable[None]]
 Validator = Literal["If-Range", "If-Match"]
-Throttle = Callable[[int], Awaitable[None]]
+Throttle = Callable[[int], float]
+"""Told each body read's size, on the event loop or on a pump thread (so it must be
+thread-safe), it answers how many seconds that reader pauses (0: none): a shared bandwidth
+budget (the daemon's token bucket). Raising stops the transfer."""
 Header = Callable[[str], "str | None"]  # a response header by case-insensitive name
-"""Awaited with each body read's size: a shared bandwidth budget (the daemon's token bucket)."""
 ProgressFn = Callable[[int], None]
 
 
@@ -726,23 +728,13 @@ class _FileDownload:
             context, connect_timeout=cfg.connect_timeout, read_timeout=cfg.read_timeout
         )
         threads = ThreadPoolExecutor(cfg.connections_per_file, thread_name_prefix="shardsync-open")
-        throttle = self._throttle
-        loop = asyncio.get_running_loop()
-
-        async def admit(n: int) -> None:
-            assert throttle is not None
-            await throttle(n)
-
-        def wait_turn(n: int) -> None:
-            asyncio.run_coroutine_threadsafe(admit(n), loop).result()
-
         pump = Pump(
             fd,
             read_size=cfg.read_size,
             report_size=cfg.write_size,
             read_timeout=cfg.read_timeout,
             clock=self._clock,
-            throttle=None if throttle is None else wait_turn,
+            throttle=self._throttle,
         )
         return _Wire(reader, threads, pump)
 
@@ -1047,8 +1039,8 @@ class _FileDownload:
                 piece = await resp.content.read(min(cfg.read_size, end - queued - pending))
                 if not piece:
                     break
-                if self._throttle is not None:
-                    await self._throttle(len(piece))
+                if self._throttle is not None and (pause := self._throttle(len(piece))) > 0:
+                    await asyncio.sleep(pause)
                 pieces.append(piece)
                 n = len(piece)
                 pending += n

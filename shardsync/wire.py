@@ -25,6 +25,7 @@ import selectors
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -456,7 +457,7 @@ class Pump:
         report_size: int,
         read_timeout: float,
         clock: Callable[[], float],
-        throttle: Callable[[int], None] | None = None,
+        throttle: Callable[[int], float] | None = None,
     ) -> None:
         self._fd = fd
         self._buffer = memoryview(bytearray(read_size))  # reused: stays in the CPU's cache
@@ -581,8 +582,8 @@ class Pump:
         self.received += n
         _track_rate(t, n, previous, t.last)
         try:
-            if self._throttle is not None:
-                self._throttle(n)
+            if self._throttle is not None and (pause := self._throttle(n)) > 0:
+                time.sleep(pause)  # a bandwidth cap: this file's connections all wait
             if t.pos - t.reported >= self._report_size:
                 t.landed(t.reported, t.pos)
                 t.reported = t.pos

@@ -12,7 +12,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -31,7 +31,7 @@ from shardsync.testing import Checkpoint, build_checkpoint
 
 PREFIX = "models/tiny"
 _T = TypeVar("_T")
-Throttle = Callable[[int], Awaitable[None]]
+Throttle = Callable[[int], float]
 
 
 @pytest.fixture(scope="module")
@@ -210,11 +210,12 @@ class _Interrupted(Exception):
 def _interrupt_after(limit: int) -> Throttle:
     seen = 0
 
-    async def throttle(n: int) -> None:
+    def throttle(n: int) -> float:
         nonlocal seen
         seen += n
         if seen > limit:
             raise _Interrupted
+        return 0.0
 
     return throttle
 
@@ -275,12 +276,13 @@ def test_an_object_replaced_mid_download_restarts_on_412(
     new = _same_size_other_bytes(original)
     seen, replaced = 0, False
 
-    async def replace_at_40_percent(n: int) -> None:
+    def replace_at_40_percent(n: int) -> float:
         nonlocal seen, replaced
         seen += n
         if not replaced and seen > len(original) * 0.4:
             replaced = True
             put(s3server, s3bucket, f"{PREFIX}/{first}", new)
+        return 0.0
 
     snapshot, _files = _run(
         _download_with(config, f"s3://{s3bucket}/{PREFIX}/", replace_at_40_percent)

@@ -341,11 +341,12 @@ async def test_a_tier_cut_mid_read_falls_back_to_the_origin(
         first = model.path(model.shards[0]).stat().st_size
         seen = 0
 
-        async def cut_at_40_percent(n: int) -> None:
+        def cut_at_40_percent(n: int) -> float:
             nonlocal seen
             seen += n
             if seen > 0.4 * first and not proxy.down:
                 proxy.cut()
+            return 0.0
 
         bars = Bars()
         async with Engine(config, throttle=cut_at_40_percent) as engine:
