@@ -79,8 +79,9 @@ class MappedFile:
 
     Each window is unmapped as soon as the hash passes its end, so a download's RSS holds one
     window per file, not the file. Unmapping lets other threads run, where ``madvise`` (the
-    page release this replaced) held the GIL: 0.17 s of a 1 GB download in the daemon, with
-    the pump threads waiting. Where the file cannot be mapped the rest is read with ``pread``.
+    page release this replaced) held the GIL: py-spy counted 0.17 s of it in a 1 GB daemon
+    download, with the pump threads waiting. Where the file cannot be mapped the rest is read
+    with ``pread``.
     """
 
     def __init__(self, fd: int, size: int, *, window: int = 16 << 20) -> None:

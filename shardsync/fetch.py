@@ -6,10 +6,10 @@ land at their offsets in the partial file: read by ``shardsync.wire``'s per-file
 (direct connections), or received by aiohttp and ``pwritev``-ed (through a proxy). A hasher
 follows the contiguous prefix on disk, reading it through a mapping, so sha256 (and xxh3-128
 for fast re-checks) is ready moments after the last byte without a second pass over the
-network. The slot's resume
-record says which ranges are on disk so a later run resumes, but only with proof it is the
-same object (strong ETag + ``If-Range`` + a ``Content-Range`` that starts where we asked and
-has the total we expect); anything else restarts the file from zero.
+network. The slot's resume record says which ranges are on disk so a later run resumes, but
+only with proof it is the same object (strong ETag + ``If-Range`` + a ``Content-Range`` that
+starts where we asked and has the total we expect); anything else restarts the file from
+zero.
 
 ``sleep`` is injected so tests run retries without patching.
 """
@@ -686,7 +686,7 @@ class _FileDownload:
                 raise  # unreachable: _raise_first always raises
             finally:
                 await state.drain()  # no thread may still use ``fd`` when it closes
-                _close_wire(state)
+                _close_transfer(state)
                 tally.downloaded += state.downloaded
                 try:
                     await state.in_thread(state.keeper.save)
@@ -1342,7 +1342,7 @@ def _hash_span(digest: Digest, state: _FileState, start: int, end: int) -> int:
     return got
 
 
-def _close_wire(state: _FileState) -> None:
+def _close_transfer(state: _FileState) -> None:
     """Close the file's wire and the hasher's window once no thread uses them."""
     if state.wire is not None:
         state.wire.close()
