@@ -283,6 +283,15 @@ def _next_page(url: str, resp: aiohttp.ClientResponse, label: str) -> str | None
     return target
 
 
+_AheadKey = tuple[str, tuple[tuple[str, str], ...]]
+
+
+def _ahead_key(request: BlobRequest) -> _AheadKey:
+    """A located answer is only for the same URL asked with the same headers: in the
+    daemon, a job must never take what another client's token found."""
+    return request.url, tuple(sorted(request.headers.items()))
+
+
 def _mark_retrieved(future: asyncio.Future[Any]) -> None:
     """Its awaiter may be gone (cancelled by a sibling's error, e.g. several writes hitting
     ENOSPC at once): the error is reported once, by the first, not logged by asyncio again."""
@@ -315,6 +324,7 @@ class Fetcher:
         self._retries: Counter[str] = Counter()
         self._verify_failures = 0
         self._tls: ssl.SSLContext | None = None
+        self._ahead: dict[_AheadKey, asyncio.Task[Located]] = {}
 
     def tls(self) -> ssl.SSLContext:
         """The TLS context of body transfers, made once: loading the CA store costs tens of
@@ -408,6 +418,35 @@ class Fetcher:
             except (aiohttp.ClientError, TimeoutError, ProtocolError) as exc:
                 await self._backoff_or_raise(exc, request.label, backoff, None)
 
+    def locate_ahead(self, request: BlobRequest) -> None:
+        """Start ``locate(request)`` now, for the next ``fetch`` of the same request to take
+        instead of asking then: the first files' redirects and ``HEAD``s overlap what a job
+        still waits for (its index), a round trip or two less before the first body byte.
+        ``forget_ahead`` drops an answer no fetch took."""
+        key = _ahead_key(request)
+        if key not in self._ahead:
+            task = asyncio.get_running_loop().create_task(self.locate(request))
+            task.add_done_callback(_mark_retrieved)
+            self._ahead[key] = task
+
+    def forget_ahead(self, request: BlobRequest | None = None) -> None:
+        """Drop what ``locate_ahead(request)`` started, if no fetch took it (all of it
+        without ``request``: the engine is closing)."""
+        keys = list(self._ahead) if request is None else [_ahead_key(request)]
+        for key in keys:
+            task = self._ahead.pop(key, None)
+            if task is not None:
+                task.cancel()
+
+    async def _locate_first(self, request: BlobRequest) -> Located:
+        """The answer ``locate_ahead`` got for ``request``, else a fresh ``locate``; one
+        that failed is asked again, so its error comes the usual way."""
+        task = self._ahead.pop(_ahead_key(request), None)
+        if task is not None:
+            with contextlib.suppress(Exception):
+                return await task
+        return await self.locate(request)
+
     async def locate(self, request: BlobRequest) -> Located:
         """HEAD the origin URL, following redirects by hand so credentials stay home."""
         backoff = Backoff(self.config.retry)
@@ -480,9 +519,11 @@ class Fetcher:
             shown += n
             on_progress(n)
 
+        first = True
         try:
             while True:
-                located = await self.locate(request)
+                located = await (self._locate_first(request) if first else self.locate(request))
+                first = False
                 try:
                     result = await _FileDownload(self).run(
                         request, located, slot, progress, single_stream, tally

@@ -29,6 +29,7 @@ __all__ = [
     "ManifestEntry",
     "RemoteFile",
     "build_manifest",
+    "likely_shards",
     "parse_hub_revision",
     "parse_hub_tree",
     "parse_index",
@@ -420,6 +421,28 @@ def select_weights(listing: Listing, *, allow_pickle: bool = False) -> RemoteFil
         f"no weights found: expected {SAFETENSORS_INDEX}, {SAFETENSORS_SINGLE} or a "
         "top-level *.safetensors file"
     )
+
+
+def likely_shards(listing: Listing, weights: RemoteFile) -> tuple[RemoteFile, ...]:
+    """The shards an index will most likely name, before it is read: for
+    ``<stem>.<ext>.index.json``, the listing's files beside it called
+    ``<stem>-<n>-of-<m>.<ext>``, in name order (the usual index order). A guess to start work
+    early on (``Job.prepare`` locates the first ones while the index downloads), never a
+    substitute for the index."""
+    if not weights.path.endswith(".index.json"):
+        return ()
+    folder, _, name = weights.path.removesuffix(".index.json").rpartition("/")
+    stem, dot, ext = name.rpartition(".")
+    if not dot:
+        return ()
+    shard = re.compile(re.escape(stem) + r"-\d+-of-\d+\." + re.escape(ext))
+    prefix = f"{folder}/" if folder else ""
+    found = (
+        f
+        for f in listing.files
+        if f.path.startswith(prefix) and shard.fullmatch(f.path[len(prefix) :])
+    )
+    return tuple(sorted(found, key=lambda f: f.path))
 
 
 def _matches(path: str, patterns: Sequence[str]) -> bool:

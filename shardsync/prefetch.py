@@ -28,13 +28,15 @@ from shardsync.manifest import (
     Listing,
     Manifest,
     ManifestEntry,
+    RemoteFile,
     build_manifest,
+    likely_shards,
     parse_index,
     select_weights,
 )
 from shardsync.network import ssl_context
 from shardsync.origins import Origin, parse_source
-from shardsync.origins.base import Progress
+from shardsync.origins.base import Forget, Progress
 from shardsync.records import (
     FileOutcome,
     FileRecord,
@@ -149,6 +151,8 @@ class Engine:
                 await origin.aclose()
             await self.s3.aclose()
         finally:
+            if self._fetcher is not None:
+                self._fetcher.forget_ahead()
             if self._session is not None:
                 await self._session.close()
             self._session = self._fetcher = None
@@ -288,6 +292,7 @@ class Job:
         self._hints: dict[str, FileRecord] = {}
         self._records: dict[str, FileRecord] = {}
         self._outcomes: dict[str, FileOutcome] = {}
+        self._ahead: list[Forget] = []  # shards located while the index downloads
 
     @property
     def manifest(self) -> Manifest:
@@ -312,12 +317,19 @@ class Job:
         """List the origin, get the index, and decide every file to fetch, in order;
         ``select`` decides the files from the listing instead (``include``/``exclude`` unused)."""
         async with await self._lease():
-            return await self._prepare(include, exclude, select)
+            try:
+                return await self._prepare(include, exclude, select)
+            except BaseException:
+                self._forget_ahead()
+                raise
 
     async def download(self) -> tuple[FileOutcome, ...]:
         """Fetch (or reuse) every file; the snapshot is complete when this returns."""
         async with await self._lease():
-            files = await self._download_all()
+            try:
+                files = await self._download_all()
+            finally:
+                self._forget_ahead()
             await asyncio.to_thread(AccessLog(self.cache).record, self.origin.repo, self.commit)
         return files
 
@@ -370,6 +382,7 @@ class Job:
         weights = select_weights(listing, allow_pickle=self.allow_pickle)
         index = None
         if weights.path.endswith(".index.json"):
+            await self._locate_ahead(likely_shards(listing, weights))
             entry = ManifestEntry(
                 path=weights.path,
                 size=weights.size,
@@ -384,6 +397,25 @@ class Job:
             index = parse_index(data, path=entry.path)
         self._manifest = build_manifest(listing, index, weights, include=include, exclude=exclude)
         return self._manifest
+
+    async def _locate_ahead(self, shards: Sequence[RemoteFile]) -> None:
+        """Have the origin find the first ``max_files`` shards not in the cache (on the Hub a
+        resolve, its redirect and the CDN's ``HEAD`` each) while the index downloads: their
+        bodies then start that much sooner. Not with a shared tier, whose point is that a
+        fleet's hosts ask the Hub as little as they can."""
+        if self.tier is not None:
+            return
+        for remote in shards:
+            if len(self._ahead) >= self.max_files:
+                break
+            if remote.sha256 is not None and await self.store.has_blob(remote.sha256, remote.size):
+                continue
+            self._ahead.append(self.origin.locate_ahead(self.fetcher, self.commit or None, remote))
+
+    def _forget_ahead(self) -> None:
+        ahead, self._ahead = self._ahead, []
+        for forget in ahead:
+            forget()
 
     async def _download_all(self) -> tuple[FileOutcome, ...]:
         manifest = self.manifest

@@ -29,7 +29,7 @@ from shardsync.checkpoint_cache import RangeCache
 from shardsync.fetch import Fetcher
 from shardsync.manifest import Listing, ManifestEntry
 from shardsync.origins import LocalOrigin, Slot
-from shardsync.origins.base import Entry, Progress
+from shardsync.origins.base import Entry, Forget, Progress
 from shardsync.slot import VerifiedFile
 from shardsync.training import parse_dcp_metadata
 
@@ -61,6 +61,9 @@ class CountingOrigin:
 
     async def version(self, fetcher: Fetcher, entry: Entry) -> str | None:
         return await self.inner.version(fetcher, entry)
+
+    def locate_ahead(self, fetcher: Fetcher, commit: str | None, entry: Entry) -> Forget:
+        return self.inner.locate_ahead(fetcher, commit, entry)
 
     async def read_range(
         self, fetcher: Fetcher, commit: str | None, entry: Entry, start: int, end: int

@@ -17,6 +17,7 @@ from shardsync.manifest import (
     ManifestEntry,
     RemoteFile,
     build_manifest,
+    likely_shards,
     parse_hub_revision,
     parse_hub_tree,
     parse_index,
@@ -975,3 +976,29 @@ def test_huge_integer_literal_is_a_manifest_error() -> None:
     )
     with pytest.raises(ManifestError, match="usable JSON"):
         parse_index(payload, path="model.safetensors.index.json")
+
+
+def test_likely_shards_are_the_index_s_siblings_named_like_its_shards() -> None:
+    names = [
+        "model.safetensors.index.json",
+        "model-00002-of-00002.safetensors",
+        "model-00001-of-00002.safetensors",
+        "model.safetensors",  # another format's single file
+        "model-00001-of-00002.bin",  # the pickle shards
+        "other-00001-of-00002.safetensors",
+        "sub/model-00001-of-00002.safetensors",  # another folder
+        "model-00001-of-00002.safetensors.bak",
+        "tokenizer.json",
+    ]
+    listing = Listing("a" * 40, tuple(RemoteFile(n, 1, None) for n in names))
+    index = RemoteFile("model.safetensors.index.json", 1, None)
+    assert [f.path for f in likely_shards(listing, index)] == [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+    ]
+    nested = RemoteFile("sub/model.safetensors.index.json", 1, None)
+    assert [f.path for f in likely_shards(listing, nested)] == [
+        "sub/model-00001-of-00002.safetensors"
+    ]
+    single = RemoteFile("model.safetensors", 1, None)
+    assert likely_shards(listing, single) == ()

@@ -28,6 +28,7 @@ from shardsync.errors import (
     RevisionNotFoundError,
     UnsafeNameError,
 )
+from shardsync.manifest import RemoteFile
 from shardsync.prefetch import prefetch
 from shardsync.records import FileOutcome
 from shardsync.store import AsyncStore
@@ -40,6 +41,7 @@ from shardsync.testing import (
     Fault,
     FlipByte,
     IgnoreRange,
+    Latency,
     SlowDrip,
     Stall,
     Status,
@@ -77,6 +79,53 @@ async def test_clean_prefetch_is_byte_identical(
     # several Range requests per shard, all from the CDN host
     ranged = [r for r in hub.log if r.server == "cdn" and r.range]
     assert len(ranged) >= 3 * 4
+
+
+async def test_the_first_shards_are_located_while_the_index_downloads(
+    hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    """Each shard's resolve (and the CDN's HEAD) goes out while the slow index downloads,
+    not after it, and once: the download takes the answer instead of asking again."""
+    hub.faults.add(Latency(0.5, path="*.index.json", server="hub", times=None))
+    result = await prefetch(REPO, fast_config(tmp_path, hub.endpoint))
+    assert_snapshot_matches(result.snapshot_path, checkpoint)
+    log = hub.log
+    index_got = next(
+        i for i, r in enumerate(log) if r.method == "GET" and r.file == checkpoint.index
+    )
+    for shard in checkpoint.shards:
+        resolves = [i for i, r in enumerate(log) if r.method == "HEAD" and r.server == "hub"
+                    and r.file == shard]  # fmt: skip
+        assert len(resolves) == 1, shard
+        assert resolves[0] < index_got, shard  # answered before the index was
+
+
+async def test_a_shard_located_ahead_is_not_handed_to_another_token(
+    hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    """In the daemon one fetcher serves every client: what one token found is never what
+    another token's download uses."""
+    import aiohttp
+
+    from shardsync.fetch import Fetcher
+    from shardsync.origins.hub import HubOrigin
+
+    shard = checkpoint.shards[0]
+    entry = RemoteFile(shard, checkpoint.path(shard).stat().st_size, None)
+    mine = HubOrigin.create(REPO, endpoint=hub.endpoint, token="token-a")
+    theirs = HubOrigin.create(REPO, endpoint=hub.endpoint, token="token-b")
+    async with aiohttp.ClientSession() as session:
+        fetcher = Fetcher(session, fast_config(tmp_path).fetch)
+        forget = mine.locate_ahead(fetcher, None, entry)
+        await fetcher._locate_first(theirs.request_for(None, entry))
+        await fetcher._locate_first(mine.request_for(None, entry))
+        forget()
+    tokens = sorted(
+        r.headers.get("Authorization", "")
+        for r in hub.log
+        if r.method == "HEAD" and r.server == "hub" and r.file == shard
+    )
+    assert tokens == ["Bearer token-a", "Bearer token-b"]  # b asked itself; a took its own
 
 
 async def test_second_run_downloads_no_shard(hub: FakeHub, tmp_path: Path) -> None:
@@ -239,10 +288,11 @@ async def test_hostile_weight_map_refused_before_any_request(
         hub.add_repo("acme/hostile", files)
         with pytest.raises(UnsafeNameError):
             await prefetch("acme/hostile", fast_config(tmp_path, hub.endpoint))
-        assert not any(r.server == "cdn" for r in hub.log)
         assert not any("evil.safetensors" in r.path for r in hub.log)
-        # only the API call and the index: nothing else was asked for
-        assert {r.file for r in hub.log} <= {None, "model.safetensors.index.json"}
+        # the API call, the index, and the listed shard located while the index downloaded
+        # (HEADs only): no body byte of a shard was asked for
+        asked = {(r.file, r.method) for r in hub.log if r.file != "model.safetensors.index.json"}
+        assert asked <= {(None, "GET"), ("model-00001-of-00001.safetensors", "HEAD")}
 
 
 async def test_hf_reads_our_cache_offline(hub: FakeHub, tmp_path: Path) -> None:

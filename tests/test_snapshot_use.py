@@ -262,9 +262,11 @@ async def test_a_running_prefetch_job_leases_its_repo(
     fake_hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path
 ) -> None:
     """The job is parked in a retry wait (a 503, then a sleep we control): a prune while it
-    waits must leave its repo alone; afterwards the lease is gone and the use is logged."""
+    waits must leave its repo alone; afterwards the lease is gone and the use is logged.
+    The 503 is a small file's, asked for only once the index is in (shards are located
+    while it downloads, before the job has anything in the cache)."""
     fake_hub.add_checkpoint("acme/tiny", checkpoint)
-    fake_hub.faults.add(Status(503, path="model-00002*"))
+    fake_hub.faults.add(Status(503, path="*config.json"))
     cache = CacheStore(tmp_path / "cache")
     parked, resume = asyncio.Event(), asyncio.Event()
 

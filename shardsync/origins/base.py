@@ -11,6 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import replace
+from functools import partial
 from typing import ClassVar, Protocol
 
 from shardsync.fetch import BlobRequest, Fetcher
@@ -23,6 +24,8 @@ __all__ = ["Origin", "Progress", "RequestOrigin", "Slot", "bearer_headers"]
 
 Progress = Callable[[int], None]
 Entry = ManifestEntry | RemoteFile
+Forget = Callable[[], None]
+"""Drops what ``Origin.locate_ahead`` started, if no download took it."""
 
 
 class Origin(Protocol):
@@ -68,6 +71,11 @@ class Origin(Protocol):
         the origin's hash when it has one; ``VerifiedFile.etag`` is ``version`` at download
         time (recorded, so later runs can reuse the copy)."""
 
+    def locate_ahead(self, fetcher: Fetcher, commit: str | None, entry: Entry) -> Forget:
+        """Start finding where ``entry`` lives (its redirects and ``HEAD``) now, for its
+        download to take the answer instead of asking then; returns what drops an answer no
+        download took. Nothing to do where there is nothing to find (a local directory)."""
+
     async def aclose(self) -> None:
         """Release what the origin opened (clients, sessions); called once by its engine."""
 
@@ -98,6 +106,11 @@ class RequestOrigin(ABC):
         self, fetcher: Fetcher, commit: str | None, entry: Entry, start: int, end: int
     ) -> bytes:
         return await fetcher.read_range(self.request_for(commit, entry), start, end)
+
+    def locate_ahead(self, fetcher: Fetcher, commit: str | None, entry: Entry) -> Forget:
+        request = self.request_for(commit, entry)
+        fetcher.locate_ahead(request)
+        return partial(fetcher.forget_ahead, request)
 
     async def download(
         self,

@@ -11,7 +11,7 @@ from shardsync.digest import Digest
 from shardsync.errors import ConfigError, EntryNotFoundError, disk_error
 from shardsync.fetch import Fetcher
 from shardsync.manifest import Listing, ManifestEntry, RemoteFile, validate_name
-from shardsync.origins.base import Entry, Progress
+from shardsync.origins.base import Entry, Forget, Progress
 from shardsync.records import RepoRef
 from shardsync.slot import Slot, VerifiedFile
 
@@ -74,6 +74,9 @@ class LocalOrigin:
         st = await asyncio.to_thread(self.source(entry.path).stat)
         return f"{st.st_ino}-{st.st_size}-{st.st_mtime_ns}"
 
+    def locate_ahead(self, fetcher: Fetcher, commit: str | None, entry: Entry) -> Forget:
+        return _nothing  # a path is where it is
+
     async def read_range(
         self, fetcher: Fetcher, commit: str | None, entry: Entry, start: int, end: int
     ) -> bytes:
@@ -123,3 +126,7 @@ class LocalOrigin:
 
     async def aclose(self) -> None:
         return None
+
+
+def _nothing() -> None:
+    return None
