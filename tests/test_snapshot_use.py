@@ -266,7 +266,7 @@ async def test_a_running_prefetch_job_leases_its_repo(
     The 503 is a small file's, asked for only once the index is in (shards are located
     while it downloads, before the job has anything in the cache)."""
     fake_hub.add_checkpoint("acme/tiny", checkpoint)
-    fake_hub.faults.add(Status(503, path="*config.json"))
+    fake_hub.faults.add(Status(503, path="config.json", server="hub"))
     cache = CacheStore(tmp_path / "cache")
     parked, resume = asyncio.Event(), asyncio.Event()
 
