@@ -68,6 +68,7 @@ from shardsync.wire import (
     RangeReader,
     Stream,
     start_writeback,
+    write_all,
 )
 
 __all__ = [
@@ -1393,22 +1394,6 @@ def _close_transfer(state: _FileState) -> None:
         state.pages = None
 
 
-_IOV_MAX = 512  # pieces per pwritev call, well under the kernel's IOV_MAX (1024)
-
-
-def _pwritev_all(fd: int, pieces: list[bytes], offset: int) -> None:
-    """Write ``pieces`` back to back at ``offset``, retrying short writes."""
-    views = [memoryview(p) for p in pieces if p]
-    while views:
-        n = os.pwritev(fd, views[:_IOV_MAX], offset)
-        offset += n
-        while views and n >= len(views[0]):
-            n -= len(views[0])
-            views.pop(0)
-        if views and n:
-            views[0] = views[0][n:]
-
-
 def _resumable(request: BlobRequest, state: _FileState) -> Resumable | None:
     """What the resume record binds the partial to; None without a strong ETag (yet)."""
     if state.etag is None:
@@ -1419,5 +1404,5 @@ def _resumable(request: BlobRequest, state: _FileState) -> Resumable | None:
 def _write_landed(state: _FileState, batch: list[bytes], first: int, stop: int) -> None:
     """Write ``batch`` (bytes ``[first, stop)``) in a worker thread and tell the resume record
     at once."""
-    _pwritev_all(state.fd, batch, first)
+    write_all(state.fd, batch, first)
     state.keeper.landed(first, stop)

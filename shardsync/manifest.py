@@ -431,18 +431,13 @@ def likely_shards(listing: Listing, weights: RemoteFile) -> tuple[RemoteFile, ..
     substitute for the index."""
     if not weights.path.endswith(".index.json"):
         return ()
-    folder, _, name = weights.path.removesuffix(".index.json").rpartition("/")
-    stem, dot, ext = name.rpartition(".")
-    if not dot:
+    stem, dot, ext = weights.path.removesuffix(".index.json").rpartition(".")
+    if not dot or "/" in ext:
         return ()
     shard = re.compile(re.escape(stem) + r"-\d+-of-\d+\." + re.escape(ext))
-    prefix = f"{folder}/" if folder else ""
-    found = (
-        f
-        for f in listing.files
-        if f.path.startswith(prefix) and shard.fullmatch(f.path[len(prefix) :])
+    return tuple(
+        sorted((f for f in listing.files if shard.fullmatch(f.path)), key=lambda f: f.path)
     )
-    return tuple(sorted(found, key=lambda f: f.path))
 
 
 def _matches(path: str, patterns: Sequence[str]) -> bool:

@@ -26,7 +26,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -39,7 +39,7 @@ __all__ = [
     "Pump",
     "RangeReader",
     "Stream",
-    "write_at",
+    "write_all",
 ]
 
 _MAX_HEAD = 64 * 1024
@@ -66,12 +66,21 @@ class BodyTruncated(ConnectionError):
     """The server closed the connection before the body's last byte (retryable)."""
 
 
-def write_at(fd: int, data: memoryview, pos: int) -> None:
-    """``pwrite`` all of ``data`` at ``pos`` (a write cut short by a full disk is followed by
-    one that fails with ENOSPC)."""
-    while data:
-        n = os.pwrite(fd, data, pos)
-        data, pos = data[n:], pos + n
+_IOV_MAX = 512  # pieces per pwritev call, well under the kernel's IOV_MAX (1024)
+
+
+def write_all(fd: int, pieces: Sequence[bytes | memoryview], offset: int) -> None:
+    """Write ``pieces`` back to back at ``offset`` (``pwritev``), retrying short writes: a
+    write cut short by a full disk is followed by one that fails with ENOSPC."""
+    views = [memoryview(p) for p in pieces if p]
+    while views:
+        n = os.pwritev(fd, views[:_IOV_MAX], offset)
+        offset += n
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]
 
 
 _SYNC_FILE_RANGE_WRITE = 2  # start writeback of dirty pages in the range; do not wait
@@ -573,7 +582,7 @@ class Pump:
             return
         try:
             with self._buffer[:n] as received:
-                write_at(self._fd, received, t.pos)
+                write_all(self._fd, [received], t.pos)
         except OSError as exc:
             self._finish(active, selector, t, disk_error(exc, "write the partial file"))
             return

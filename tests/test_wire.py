@@ -36,7 +36,7 @@ from shardsync.wire import (
     _set_lowat,
     _track_rate,
     _Transfer,
-    write_at,
+    write_all,
 )
 
 Answer = Callable[[bytes], bytes]
@@ -239,7 +239,7 @@ def test_the_hash_maps_one_window_at_a_time_and_reads_the_bytes_in_place(
     data = os.urandom(64 * page + 100)
     with path.open("w+b") as f:
         f.truncate(len(data))  # as a slot makes a partial
-        write_at(f.fileno(), memoryview(data), 0)  # as the pump does
+        write_all(f.fileno(), [data], 0)  # as the pump does
         pages = MappedFile(f.fileno(), len(data), window=16 * page)
         digest = Digest()
         assert pages.hash_into(digest, 0, 20 * page + 7) == 20 * page + 7
