@@ -122,13 +122,15 @@ def test_kill_9_then_rerun_refetches_little(
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    deadline = time.monotonic() + 60
-    while hub.bytes_served("*.safetensors") < total * 0.5:
-        assert proc.poll() is None, "prefetch finished before it could be killed"
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    try:
+        deadline = time.monotonic() + 60
+        while hub.bytes_served("*.safetensors") < total * 0.5:
+            assert proc.poll() is None, "prefetch finished before it could be killed"
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
     assert not (cache / "hub" / "models--acme--cli" / "refs" / "main").exists()
     assert_store_verified(cache, checkpoint)
     hub.faults.remove(rule)
