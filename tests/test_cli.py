@@ -222,3 +222,31 @@ def test_local_directory_origin(checkpoint: Checkpoint, tmp_path: Path) -> None:
         ).stdout
     )
     assert {f["source"] for f in again["files"]} == {"cache"}
+
+
+def test_the_command_leaves_what_it_imported_out_of_garbage_collection(tmp_path: Path) -> None:
+    """``shardsync`` (the console script and ``python -m shardsync.cli``) freezes what its
+    imports built: every full collection, and those at exit, would walk it again. ``main``,
+    which tests and embedders call in their own process, does not."""
+    probe = (
+        "import atexit, gc, sys\n"
+        "import shardsync.cli as cli\n"
+        "atexit.register(lambda: print(gc.get_freeze_count()))\n"
+        "sys.argv = ['shardsync', 'ls', '--json', '--cache-dir', sys.argv[1]]\n"
+        "cli.{entry}()\n"
+    )
+    counts = {}
+    for entry in ("run", "main"):
+        out = subprocess.run(
+            [sys.executable, "-c", probe.format(entry=entry), str(tmp_path / "cache")],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        counts[entry] = int(out.stdout.strip().splitlines()[-1])
+    assert counts["run"] > 10_000  # the modules' objects
+    assert counts["main"] == 0
+    from importlib.metadata import entry_points
+
+    (script,) = entry_points(group="console_scripts", name="shardsync")
+    assert script.value == "shardsync.cli:run"
