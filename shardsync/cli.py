@@ -19,23 +19,22 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 from shardsync import errors
-from shardsync.api import result_to_json
 from shardsync.cache import CacheStore
 from shardsync.config import Config, check_endpoint, load_config, parse_duration, parse_size
-from shardsync.inventory import Inventory, inventory_to_json, scan
 from shardsync.origins import parse_source
 from shardsync.prefetch import prefetch
 from shardsync.progress import format_bytes, make_progress
-from shardsync.prune import PruneReport, limits_from_config, prune_cache
 from shardsync.records import PrefetchResult, ProgressSink
-from shardsync.verify import EXIT_PROBLEMS, VerifyReport, verify_cache
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the other commands' modules are imported when they run: not for prefetch
     from shardsync.client import Client
+    from shardsync.inventory import Inventory
+    from shardsync.prune import PruneReport
+    from shardsync.verify import VerifyReport
 
 _T = TypeVar("_T")
 
-__all__ = ["EXIT_CODES", "main", "result_to_json"]
+__all__ = ["EXIT_CODES", "main", "run"]
 
 EXIT_CODES: dict[type[errors.ShardsyncError], int] = {
     errors.ConfigError: 2,
@@ -436,6 +435,8 @@ def _status_lines(
 
 def _report(result: PrefetchResult, *, as_json: bool, quiet: bool, path: bool = True) -> None:
     if as_json:
+        from shardsync.api import result_to_json
+
         print(json.dumps(result_to_json(result), indent=2))
         return
     if not quiet:
@@ -608,6 +609,8 @@ def _existing_cache(args: argparse.Namespace, config: Config) -> CacheStore:
 
 def _prune(args: argparse.Namespace) -> int:
     """Evict least recently used snapshots until the limits hold; exit 8 when they cannot."""
+    from shardsync.prune import limits_from_config, prune_cache
+
     config = _config(args)
     try:
         limits = limits_from_config(
@@ -668,6 +671,8 @@ def _prune_lines(report: PruneReport) -> list[str]:
 
 def _verify(args: argparse.Namespace) -> int:
     """Re-hash blobs; exit 13 when anything was corrupt or missing (it is quarantined)."""
+    from shardsync.verify import EXIT_PROBLEMS, verify_cache
+
     config = _config(args)
     report = verify_cache(_existing_cache(args, config), args.repo, full=args.full)
     if args.json:
@@ -696,6 +701,8 @@ def _verify_lines(report: VerifyReport) -> list[str]:
 
 
 def _ls(args: argparse.Namespace) -> int:
+    from shardsync.inventory import inventory_to_json, scan
+
     config = _config(args)
     inventory = scan(_existing_cache(args, config), pin=config.prune.pin)
     if args.json:
