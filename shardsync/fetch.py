@@ -128,6 +128,11 @@ class BlobRequest:
     fetcher finds the bytes by a HEAD of ``url``, following redirects. ``validator`` is the
     header that ties each Range request to the ETag first seen: ``If-Range`` (a changed
     object answers 200) or ``If-Match`` (it answers 412; for stores without ``If-Range``).
+
+    ``direct``: a small file whose hash is known (a config, an index). It is fetched whole
+    with one GET of ``url``, redirects followed by hand, on the shared connections: no HEAD
+    first, no Range, no resume. The hash, not an ETag, says the bytes are the ones asked for.
+    A relocation or restart asks the usual way.
     """
 
     url: str
@@ -139,6 +144,7 @@ class BlobRequest:
     locator: Locator | None = None
     validator: Validator = "If-Range"
     verify_attempts: int | None = None  # full downloads after a mismatch (None: the config's)
+    direct: bool = False
 
 
 def is_retryable_exception(exc: BaseException) -> bool:
@@ -425,7 +431,7 @@ class Fetcher:
         still waits for (its index), a round trip or two less before the first body byte.
         ``forget_ahead`` drops an answer no fetch took."""
         key = _ahead_key(request)
-        if key not in self._ahead:
+        if key not in self._ahead and not request.direct:  # a direct fetch asks nothing first
             task = asyncio.get_running_loop().create_task(self.locate(request))
             task.add_done_callback(_mark_retrieved)
             self._ahead[key] = task
@@ -446,6 +452,10 @@ class Fetcher:
         if task is not None:
             with contextlib.suppress(Exception):
                 return await task
+        if request.direct:
+            return Located(
+                request.url, request.headers, request.size, etag=None, linked_etag=None, commit=None
+            )
         return await self.locate(request)
 
     async def locate(self, request: BlobRequest) -> Located:
@@ -510,7 +520,7 @@ class Fetcher:
         partial is kept on error so the next run can resume.
         """
         verify_failures = 0
-        single_stream = False
+        single_stream = request.direct
         setbacks = Backoff(self.config.retry)  # restarts and relocations, bounded too
         shown = 0
         tally = _Tally()
@@ -710,7 +720,7 @@ class _FileDownload:
         state.pages = MappedFile(fd, size)
         try:
             try:
-                if self._wire_serves(located.url):
+                if not request.direct and self._wire_serves(located.url):
                     state.wire = self._open_wire(located.url, fd)
                 async with asyncio.TaskGroup() as tg:
                     hasher = tg.create_task(self._hash(state, request))

@@ -219,3 +219,9 @@ async def range_server(
         yield f"http://127.0.0.1:{runner.addresses[0][1]}/ckpt/"
     finally:
         await runner.cleanup()
+
+
+async def until(predicate: Callable[[], bool]) -> None:
+    """Wait for a state change that has no event to await (pytest's timeout bounds it)."""
+    while not predicate():  # noqa: ASYNC110 - polling internal state in a test
+        await asyncio.sleep(0.01)

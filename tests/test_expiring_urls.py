@@ -17,16 +17,17 @@ REPO = "acme/expiring"
 async def test_urls_that_expire_mid_download_are_resolved_again_and_counted_once(
     tmp_path: Path,
 ) -> None:
-    # Shards of about 150 KiB: five 32 KiB ranges, asked one after the other on one connection
-    # per file, so each range after the first finds the URL it was given expired (whatever the
-    # exact shard sizes; with several connections per file, how many expire is up to timing).
-    checkpoint = build_checkpoint(tmp_path / "ckpt", total_bytes=450 << 10, n_shards=3)
+    # Shards of about 1.2 MiB (above SMALL_FILE, which is one GET): five 256 KiB ranges, asked
+    # one after the other on one connection per file, so each range after the first finds the
+    # URL it was given expired (whatever the exact shard sizes; with several connections per
+    # file, how many expire is up to timing).
+    checkpoint = build_checkpoint(tmp_path / "ckpt", total_bytes=3600 << 10, n_shards=3)
     async with FakeHub(url_lifetime=0.15) as hub:
         hub.add_checkpoint(REPO, checkpoint)
-        hub.faults.add(Bandwidth(200_000, server="cdn"))  # each shard outlives its URL
+        hub.faults.add(Bandwidth(1_600_000, server="cdn"))  # each shard outlives its URL
         bars = Bars()
         config = fast_config(
-            tmp_path / "c", hub.endpoint, chunk_size=32 * 1024, connections_per_file=1
+            tmp_path / "c", hub.endpoint, chunk_size=256 * 1024, connections_per_file=1
         )
         result = await prefetch(REPO, config, progress=bars)
         served = hub.bytes_served()

@@ -419,3 +419,22 @@ async def test_small_files_do_not_wait_behind_the_shards(
     small = [p for p in finished.order if p not in shards]
     assert small and all(finished.order.index(p) < first_shard for p in small), finished.order
     assert_snapshot_matches(result.snapshot_path, checkpoint)
+
+
+async def test_a_small_file_is_one_get_that_follows_its_redirect(tmp_path: Path) -> None:
+    """A file of at most ``SMALL_FILE`` with a known hash costs one GET per hop: no HEAD
+    before it (the index's was a round trip before every shard's first byte), no Range, the
+    CDN's redirect followed by the GET itself, and still verified against the listing."""
+    tiny = build_checkpoint(tmp_path / "ckpt", total_bytes=1 << 20, n_shards=2, seed=5)
+    async with FakeHub() as hub:
+        hub.add_checkpoint(REPO, tiny)
+        result = await prefetch(REPO, fast_config(tmp_path / "cache", hub.endpoint))
+        log = hub.log
+    assert_snapshot_matches(result.snapshot_path, tiny)
+    assert {f.verified for f in result.files} == {"sha256", "git-sha1"}
+    for path in tiny.files:
+        asked = [(r.server, r.method, r.range) for r in log if r.file == path]
+        if path.endswith(".safetensors"):  # in LFS: the Hub redirects to the CDN
+            assert asked == [("hub", "GET", None), ("cdn", "GET", None)], path
+        else:
+            assert asked == [("hub", "GET", None)], path

@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import assert_snapshot_matches, fast_config, tmpfs
+from helpers import assert_snapshot_matches, fast_config, tmpfs, until
 
 from shardsync import errors
 from shardsync.api import (
@@ -52,12 +52,6 @@ from shardsync.testing import Bandwidth, Checkpoint, FakeHub, Status, build_chec
 
 REPO = "acme/tiny"
 INDEX = "model.safetensors.index.json"
-
-
-async def _until(predicate: Callable[[], bool]) -> None:
-    """Wait for a state change that has no event to await (pytest's timeout bounds it)."""
-    while not predicate():  # noqa: ASYNC110 - polling internal state in a test
-        await asyncio.sleep(0.01)
 
 
 def _same_bytes(a: Path, b: Path) -> bool:
@@ -321,7 +315,7 @@ async def test_small_files_take_no_slot(
             return {e.outcome.path for e in job.events.past() if isinstance(e, Verified)}
 
         async with asyncio.timeout(30):  # all of them while the slot is held
-            await _until(lambda: verified() >= small)
+            await until(lambda: verified() >= small)
         started = {e.path for e in job.events.past() if isinstance(e, FileStarted)}
         assert not started & set(checkpoint.shards)
         await hold.__aexit__(None, None, None)
@@ -340,7 +334,7 @@ async def test_files_of_the_highest_priority_job_go_first(
         await hold.__aenter__()  # every file waits until both jobs are queued
         low, _ = await scheduler.submit(JobRequest("acme/low", priority=0))
         high, _ = await scheduler.submit(JobRequest("acme/high", priority=5))
-        await _until(lambda: scheduler.gate.waiting == 2)
+        await until(lambda: scheduler.gate.waiting == 2)
         await hold.__aexit__(None, None, None)
         await _outcome(low)
         await _outcome(high)
@@ -444,8 +438,10 @@ async def test_stopping_refuses_jobs_and_interrupts_running_ones(
 
 
 async def test_journaled_jobs_resume_from_their_partial_files(
-    fake_hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path
+    fake_hub: FakeHub, tmp_path: Path
 ) -> None:
+    # shards above SMALL_FILE: smaller ones are one GET each, never resumed
+    checkpoint = build_checkpoint(tmp_path / "ckpt", total_bytes=3600 << 10, n_shards=3)
     fake_hub.add_checkpoint(REPO, checkpoint)
     rule = fake_hub.faults.add(Bandwidth(300_000, times=None))
     config: Config = fast_config(

@@ -14,6 +14,7 @@ from huggingface_hub.utils import validate_repo_id
 from shardsync.errors import ConfigError, ManifestError
 from shardsync.fetch import BlobRequest, Fetcher
 from shardsync.manifest import (
+    SMALL_FILE,
     Listing,
     RemoteFile,
     parse_hub_revision,
@@ -99,6 +100,7 @@ class HubOrigin(RequestOrigin):
         url = huggingface_hub.hf_hub_url(
             self.repo_id, entry.path, revision=commit, endpoint=self.endpoint
         )
+        known = entry.sha256 is not None or entry.blob_id is not None
         return BlobRequest(
             url=url,
             headers=self.auth_headers,
@@ -106,6 +108,9 @@ class HubOrigin(RequestOrigin):
             size=entry.size,
             sha256=entry.sha256,
             git_blob_id=None if entry.sha256 else entry.blob_id,
+            # a config or an index: one GET, not a HEAD and a GET (the index's HEAD was a
+            # round trip before every shard's first byte)
+            direct=known and entry.size is not None and entry.size <= SMALL_FILE,
         )
 
     async def version(self, fetcher: Fetcher, entry: Entry) -> str | None:
