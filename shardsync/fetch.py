@@ -26,7 +26,7 @@ import ssl
 import threading
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -737,15 +737,20 @@ class _FileDownload:
                 _raise_first(group)
                 raise  # unreachable: _raise_first always raises
             finally:
-                await state.drain()  # no thread may still use ``fd`` when it closes
-                _close_transfer(state)
-                tally.downloaded += state.downloaded
-                try:
-                    await state.in_thread(state.keeper.save)
-                finally:
-                    os.close(fd)
-                    if record is not None:
-                        record.close()
+
+                async def wind_up() -> None:
+                    await state.drain()  # no thread may still use ``fd`` when it closes
+                    _close_transfer(state)
+                    tally.downloaded += state.downloaded
+                    try:
+                        await state.in_thread(state.keeper.save)
+                    finally:
+                        await state.drain()  # the save, even if it was cancelled
+                        os.close(fd)
+                        if record is not None:
+                            record.close()
+
+                await _to_the_end(wind_up())
             if request.sha256 is not None:
                 verified = "sha256" if digest == request.sha256 else None
             elif request.git_blob_id is not None:
@@ -1392,6 +1397,26 @@ def _hash_span(digest: Digest, state: _FileState, start: int, end: int) -> int:
         start_writeback(state.fd, state.written_back, got)
         state.written_back = got
     return got
+
+
+async def _to_the_end(cleanup: Coroutine[Any, Any, None]) -> None:
+    """Run ``cleanup`` to its end even when the caller is cancelled meanwhile, then raise the
+    cancellation. A cleanup stopped halfway (a second cancel during a first one's cleanup, as
+    a task group's abort and its parent's can give) left the file's pump thread, its sockets
+    and the partial's descriptor open for the life of the process."""
+    task = asyncio.ensure_future(cleanup)
+    cancelled = False
+    while True:
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.done():
+                raise
+            cancelled = True
+            continue
+        if cancelled:
+            raise asyncio.CancelledError
+        return
 
 
 def _close_transfer(state: _FileState) -> None:

@@ -17,6 +17,7 @@ from helpers import (
     assert_snapshot_matches,
     assert_store_verified,
     fast_config,
+    until,
 )
 
 from shardsync.digest import Digest
@@ -438,3 +439,46 @@ async def test_a_small_file_is_one_get_that_follows_its_redirect(tmp_path: Path)
             assert asked == [("hub", "GET", None), ("cdn", "GET", None)], path
         else:
             assert asked == [("hub", "GET", None)], path
+
+
+async def test_cancels_during_a_downloads_cleanup_leave_no_thread_or_descriptor(
+    hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    """A cancel that lands while a cancelled download still waits for its threads (a task
+    group's abort, then a stray second one) does not stop that cleanup halfway: no pump
+    thread still runs and no descriptor of the partial stays open."""
+    import threading
+
+    import aiohttp
+
+    from shardsync.cache import CacheStore
+    from shardsync.fetch import Fetcher
+    from shardsync.origins.hub import HubOrigin
+
+    def open_in_cache() -> list[str]:
+        fds = Path("/proc/self/fd")
+        targets = [os.readlink(fds / fd) for fd in os.listdir(fds) if (fds / fd).exists()]
+        return [t for t in targets if t.startswith(str(tmp_path))]
+
+    def pumps() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == "shardsync-pump"]
+
+    assert pumps() == []
+    shard = checkpoint.shards[0]
+    entry = RemoteFile(shard, checkpoint.path(shard).stat().st_size, None)
+    origin = HubOrigin.create(REPO, endpoint=hub.endpoint, token=None)
+    store = AsyncStore(CacheStore(tmp_path / "cache"))
+    hub.faults.add(Latency(0.5, server="cdn"))  # each answer's head: threads wait that long
+    async with aiohttp.ClientSession() as session:
+        fetcher = Fetcher(session, fast_config(tmp_path).fetch)
+        async with await store.slot("blob") as slot:
+            task = asyncio.create_task(fetcher.fetch(origin.request_for(None, entry), slot))
+            await until(lambda: any(r.server == "cdn" and r.method == "HEAD" for r in hub.log))
+            await asyncio.sleep(0.2)  # the first range requests wait for their answers
+            while not task.done():  # again and again: some land during the cleanup
+                task.cancel()
+                await asyncio.sleep(0.002)
+            with pytest.raises(asyncio.CancelledError):
+                await task
+    assert pumps() == []
+    assert open_in_cache() == []
