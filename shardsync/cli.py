@@ -761,7 +761,7 @@ def run() -> NoReturn:
 
     What the imports built lives until the process ends, so the collector is told to skip it
     (``gc.freeze``): each full collection, and the ones the interpreter runs as it exits,
-    would walk some 46,000 objects. That took 40-60 ms off the end of every ``prefetch``
+    would walk some 46,000 objects. That took 40-90 ms off the end of every ``prefetch``
     (`bench/README.md`). Not in ``main``, which tests and embedders call in their own process.
     """
     gc.freeze()

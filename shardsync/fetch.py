@@ -745,7 +745,6 @@ class _FileDownload:
                     try:
                         await state.in_thread(state.keeper.save)
                     finally:
-                        await state.drain()  # the save, even if it was cancelled
                         os.close(fd)
                         if record is not None:
                             record.close()
