@@ -225,7 +225,7 @@ class _Wire:
         self.reader.close()
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # one per transfer, compared and hashed by identity
 class _FileState:
     """Mutable per-file transfer state shared by its connections."""
 
@@ -244,6 +244,7 @@ class _FileState:
     wire: _Wire | None = None  # worker threads writing bodies to ``fd``
     connections: int = 0  # running
     wanted: int = 0  # what the ramp asks for: a connection beyond it takes no next range
+    handed: int = 0  # connections a finished file handed on to this one, not yet taken
     drained: asyncio.Event = field(default_factory=asyncio.Event)  # every range is taken
     written_back: int = 0  # bytes [0, this) have been sent to the disk (``start_writeback``)
     keeper: RecordKeeper = field(init=False)  # the resume record, told first (on the thread)
@@ -332,6 +333,7 @@ class Fetcher:
         self._verify_failures = 0
         self._tls: ssl.SSLContext | None = None
         self._ahead: dict[_AheadKey, asyncio.Task[Located]] = {}
+        self._climbing: set[_FileState] = set()  # transfers whose ramp still has ranges to give
 
     def tls(self) -> ssl.SSLContext:
         """The TLS context of body transfers, made once: loading the CA store costs tens of
@@ -424,6 +426,14 @@ class Fetcher:
                 await self._backoff_or_raise(later, request.label, backoff, later.after)
             except (aiohttp.ClientError, TimeoutError, ProtocolError) as exc:
                 await self._backoff_or_raise(exc, request.label, backoff, None)
+
+    def _hand_on(self, count: int) -> None:
+        """A transfer ended holding ``count`` connections: the host was carrying them a moment
+        ago, so the transfers still climbing take them at once, shared out, instead of each
+        climbing step by step while the last file ends alone on a few connections."""
+        takers = list(self._climbing)
+        for state in takers:
+            state.handed += -(-count // len(takers))
 
     def locate_ahead(self, request: BlobRequest) -> None:
         """Start ``locate(request)`` now, for the next ``fetch`` of the same request to take
@@ -828,20 +838,30 @@ class _FileDownload:
 
             open_up_to(min(state.wanted, max(queue.qsize(), 1)))
             if pump is not None and ramp.count < most and queue.qsize() > state.connections:
-                then, received = self._clock(), pump.received
-                while not queue.empty():
-                    with contextlib.suppress(TimeoutError):  # every interval, or as it drains
-                        async with asyncio.timeout(_RAMP_EVERY):
-                            await state.drained.wait()
-                    if queue.empty():
-                        break
-                    now = self._clock()
-                    rate = (pump.received - received) / max(now - then, 1e-3)
-                    then, received = now, pump.received
-                    state.wanted = ramp.observe(rate)
-                    open_up_to(min(state.wanted, state.connections + queue.qsize()))
+                climbing = self._fetcher._climbing
+                climbing.add(state)
+                try:
+                    then, received = self._clock(), pump.received
+                    while not queue.empty():
+                        with contextlib.suppress(TimeoutError):  # every interval, or as it drains
+                            async with asyncio.timeout(_RAMP_EVERY):
+                                await state.drained.wait()
+                        if queue.empty():
+                            break
+                        now = self._clock()
+                        rate = (pump.received - received) / max(now - then, 1e-3)
+                        then, received = now, pump.received
+                        if state.handed:
+                            state.wanted, state.handed = ramp.grant(state.handed), 0
+                        else:
+                            state.wanted = ramp.observe(rate)
+                        open_up_to(min(state.wanted, state.connections + queue.qsize()))
+                finally:
+                    climbing.discard(state)
         if state.done.total() != state.size:
             raise ProtocolError(f"{request.label}: transfer ended with bytes missing")
+        if pump is not None:
+            self._fetcher._hand_on(state.wanted)
 
     def _chunk(self, missing: Sequence[tuple[int, int]], connections: int) -> int:
         """``chunk_size`` or less, so that every connection gets as many ranges as the others:

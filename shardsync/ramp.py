@@ -39,6 +39,13 @@ class ConnectionRamp:
         self._rates: list[float] = []
         self._before: tuple[int, float] | None = None  # (count, rate) before the step on trial
 
+    def grant(self, extra: int) -> int:
+        """Take ``extra`` connections that another transfer let go of as it ended: not on
+        trial (the host was carrying them), measured afresh from here."""
+        self.count = min(self.most, self.count + extra)
+        self._before, self._rates, self._skip = None, [], 1
+        return self.count
+
     def observe(self, rate: float) -> int:
         """The connection count to hold next, given the bytes/s of the interval just ended."""
         if self.count >= self.most and self._before is None:

@@ -133,3 +133,61 @@ async def test_a_file_does_not_climb_when_more_connections_bring_nothing(tmp_pat
 
     seen = await download(tmp_path, os.urandom(32 << 20), shared_cap)
     assert max(n for _, n in seen) < 16
+
+
+def test_connections_handed_on_are_taken_at_once_and_not_undone() -> None:
+    rates = {4: 100e6, 6: 100e6, 9: 100e6, 10: 100e6, 15: 100e6}  # no step pays
+    ramp = ConnectionRamp(16)
+    assert [ramp.observe(100e6) for _ in range(3)] == [4, 4, 6]  # a step on trial
+    assert ramp.grant(4) == 10  # on top of the trial: the host carried them a moment ago
+    counts = climb(ramp, rates)
+    assert min(counts) == 10 and counts[-1] in (10, 15)  # its own steps are undone, not it
+    assert ConnectionRamp(16).grant(40) == 16
+
+
+async def test_a_finished_file_hands_its_connections_to_one_still_climbing(
+    tmp_path: Path,
+) -> None:
+    """Two files through one fetcher. The big one's link is shared (more connections bring
+    nothing, so its own ramp stays at 4 or 6); once the small one ends, the big one takes
+    the small one's connections at once instead of ending alone on a few."""
+    import aiohttp
+
+    from shardsync.cache import CacheStore
+    from shardsync.fetch import BlobRequest, Fetcher
+    from shardsync.store import AsyncStore
+
+    link = asyncio.Lock()
+
+    async def shared_cap(n: int) -> None:
+        async with link:
+            await asyncio.sleep(n / 24e6)
+
+    async def free(n: int) -> None:
+        await asyncio.sleep(0)
+
+    big, small = os.urandom(40 << 20), os.urandom(8 << 20)
+    seen_big: list[tuple[float, int]] = []
+    seen_small: list[tuple[float, int]] = []
+    store = AsyncStore(CacheStore(tmp_path / "cache"))
+    config = fast_config(tmp_path, connections_per_file=16, chunk_size=1 << 20)
+    async with (
+        range_server(big, paced(big, shared_cap, seen_big)) as big_url,
+        range_server(small, paced(small, free, seen_small)) as small_url,
+        aiohttp.ClientSession() as session,
+    ):
+        fetcher = Fetcher(session, config.fetch)
+
+        async def fetch(url: str, size: int, key: str) -> bytes:
+            request = BlobRequest(url + "model.safetensors", {}, key, size=size)
+            async with await store.slot(key) as slot:
+                verified = await fetcher.fetch(request, slot)
+                return verified.path.read_bytes()
+
+        got_big, got_small = await asyncio.gather(
+            fetch(big_url, len(big), "big"), fetch(small_url, len(small), "small")
+        )
+    assert got_big == big and got_small == small
+    small_done = seen_small[-1][0]
+    assert max(n for t, n in seen_big if t < small_done) <= 6
+    assert max(n for t, n in seen_big if t > small_done) >= 8
