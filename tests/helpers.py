@@ -6,7 +6,9 @@ import asyncio
 import contextlib
 import hashlib
 import os
+import signal
 import subprocess
+import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from dataclasses import replace
@@ -225,3 +227,19 @@ async def until(predicate: Callable[[], bool]) -> None:
     """Wait for a state change that has no event to await (pytest's timeout bounds it)."""
     while not predicate():  # noqa: ASYNC110 - polling internal state in a test
         await asyncio.sleep(0.01)
+
+
+def kill_when(
+    proc: subprocess.Popen[str] | subprocess.Popen[bytes], ready: Callable[[], bool]
+) -> None:
+    """``kill -9`` ``proc`` once ``ready()`` holds (it must still run then; a minute at most),
+    and reap it whatever happens: a child left running fails a later test."""
+    try:
+        deadline = time.monotonic() + 60
+        while not ready():
+            assert proc.poll() is None, "the process finished before it could be killed"
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()

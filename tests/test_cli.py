@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import assert_snapshot_matches, assert_store_verified, serving, tmpfs
+from helpers import assert_snapshot_matches, assert_store_verified, kill_when, serving, tmpfs
 from nginx import access_log, serve_directory
 
 from shardsync.testing import Bandwidth, Checkpoint, FakeHub, build_checkpoint
@@ -122,15 +120,7 @@ def test_kill_9_then_rerun_refetches_little(
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    try:
-        deadline = time.monotonic() + 60
-        while hub.bytes_served("*.safetensors") < total * 0.5:
-            assert proc.poll() is None, "prefetch finished before it could be killed"
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+    kill_when(proc, lambda: hub.bytes_served("*.safetensors") >= total * 0.5)
     assert not (cache / "hub" / "models--acme--cli" / "refs" / "main").exists()
     assert_store_verified(cache, checkpoint)
     hub.faults.remove(rule)

@@ -9,16 +9,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from helpers import fast_config, serving
+from helpers import fast_config, kill_when, serving
 
 from shardsync.testing import Bandwidth, Checkpoint, FakeHub, build_checkpoint
 
@@ -95,15 +93,7 @@ def test_ls_and_prune_count_an_interrupted_download_once(
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    try:
-        deadline = time.monotonic() + 60
-        while _partial_blocks(cache) < 2 << 20:
-            assert proc.poll() is None, "prefetch finished before it could be killed"
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+    kill_when(proc, lambda: _partial_blocks(cache) >= 2 << 20)
     assert list((cache / "tmp").iterdir()), "the killed download left its private names"
 
     listing = json.loads(_run(tmp_path, "ls", "--json", "--cache-dir", str(cache)).stdout)
