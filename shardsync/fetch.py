@@ -730,7 +730,10 @@ class _FileDownload:
         state.pages = MappedFile(fd, size)
         try:
             try:
-                if not request.direct and self._wire_serves(located.url):
+                # one whole-file GET (a direct request, a restart in one stream) takes the
+                # aiohttp path: no worker threads to start for it
+                whole_only = single_stream and resumed == 0
+                if not whole_only and self._wire_serves(located.url):
                     state.wire = self._open_wire(located.url, fd)
                 async with asyncio.TaskGroup() as tg:
                     hasher = tg.create_task(self._hash(state, request))
