@@ -40,9 +40,11 @@ delivered wrong bytes; a missed target is a result, reported as FAIL, not an err
 from __future__ import annotations
 
 import argparse
+import compileall
 import contextlib
 import dataclasses
 import hashlib
+import importlib.util
 import json
 import os
 import platform
@@ -605,6 +607,16 @@ def shardsync_invocation(
     argv += ["prefetch", REPO_ID, "--endpoint", endpoint, "--cache-dir", str(work / "cache")]
     argv += ["--quiet", "--no-daemon"]
     return Invocation(argv, clean_env(work, endpoint), _last_line)
+
+
+def compile_shardsync() -> None:
+    """Byte-compile shardsync's modules before any clock starts, as ``pip install`` does. An
+    editable checkout has no bytecode until a run writes it, and with
+    ``PYTHONDONTWRITEBYTECODE`` set (as on this VM) no run ever does: every ``shardsync`` child
+    then compiled all its modules again, 0.35-0.38 s to import against 0.25 s."""
+    spec = importlib.util.find_spec("shardsync")
+    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+        compileall.compile_dir(folder, quiet=1)
 
 
 def hf_invocation(endpoint: str, work: Path, origin: Origin, config: Path | None) -> Invocation:
@@ -1196,6 +1208,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     check_directories(settings)
     origin = ensure_origin(settings)
     log(f"checkpoint: {len(origin.files)} files, {origin.total_size / 1e6:.0f} MB")
+    compile_shardsync()
     try:
         runs = run_all(origin, settings, tools)
     finally:
