@@ -101,6 +101,32 @@ async def test_the_first_shards_are_located_while_the_index_downloads(
         assert resolves[0] < index_got, shard  # answered before the index was
 
 
+@pytest.mark.parametrize("revision", [None, "main", "refs/pr/1", "v1.0 beta", "a" * 40])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "model-00001-of-00002.safetensors",
+        "sub dir/file (1).json",
+        "ünï/cøde.bin",
+        "a b+c=d&e;f@g.bin",
+    ],
+)
+def test_a_resolve_url_is_the_one_huggingface_hub_builds(path: str, revision: str | None) -> None:
+    """The resolve URL is built by hand (``hf_hub_url``'s module costs 7 ms to import before
+    the first request): it must stay what huggingface_hub itself asks for."""
+    import huggingface_hub
+
+    from shardsync.origins.hub import HubOrigin
+
+    for endpoint in ("http://127.0.0.1:8080", "https://hub.example.com/mirror"):
+        origin = HubOrigin.create("org/model-x", endpoint=endpoint, token="t")
+        mine = origin.request_for(revision, RemoteFile(path, 10, None)).url
+        theirs = huggingface_hub.hf_hub_url(
+            "org/model-x", path, revision=revision, endpoint=endpoint
+        )
+        assert mine == theirs
+
+
 async def test_a_shard_located_ahead_is_not_handed_to_another_token(
     hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path
 ) -> None:
