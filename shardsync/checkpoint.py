@@ -24,7 +24,7 @@ from shardsync.api import result_from_json, result_to_json
 from shardsync.cache import CacheStore
 from shardsync.checkpoint_cache import KeptFile, RangeCache, pread_exact
 from shardsync.config import Config, load_config
-from shardsync.errors import DaemonError, EntryNotFoundError
+from shardsync.errors import DaemonError, EntryNotFoundError, first_error
 from shardsync.fetch import Fetcher, Sleep
 from shardsync.manifest import Listing, Manifest, ManifestEntry, RemoteFile
 from shardsync.origins import Origin
@@ -562,9 +562,12 @@ class _Pipeline:
         await self.reader._with_source(self._produce)
 
     async def _produce(self, source: _Source) -> None:
-        async with asyncio.TaskGroup() as tg:
-            for path, ranges in self.per_file.items():
-                tg.create_task(self._file(source, path, ranges))
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for path, ranges in self.per_file.items():
+                    tg.create_task(self._file(source, path, ranges))
+        except BaseExceptionGroup as group:  # the one clear error, not the task group's
+            raise first_error(group) from None
 
     async def _file(self, source: _Source, path: str, ranges: list[tuple[int, int, _Item]]) -> None:
         f = await source.file(path)
