@@ -32,9 +32,11 @@ from shardsync.testing import (
     Bandwidth,
     ChangeEtag,
     Checkpoint,
+    ChunkedBody,
     CutBody,
     FakeHub,
     FlipByte,
+    IgnoreIfRange,
     IgnoreRange,
     Latency,
     NoEtag,
@@ -718,6 +720,56 @@ async def test_no_etag_takes_the_validator_away(
     # an If-Range with the old strong ETag no longer matches anything: the full body
     stale = await fetch(session, url, headers={"Range": "bytes=0-9", "If-Range": old})
     assert stale.status == 200
+
+
+async def test_no_etag_on_partial_answers_only_keeps_if_range_working(
+    hub: FakeHub, session: aiohttp.ClientSession
+) -> None:
+    url = await cdn_url(hub, session, "weights.safetensors")
+    etag = (await fetch(session, url, method="HEAD")).headers["ETag"]
+    hub.faults.add(NoEtag(partial_only=True))
+    part = await fetch(session, url, headers={"Range": "bytes=0-9", "If-Range": etag})
+    assert part.status == 206 and "ETag" not in part.headers
+    assert part.body == WEIGHTS[:10]
+    whole = await fetch(session, url)
+    assert whole.status == 200 and whole.headers["ETag"] == etag
+    stale = await fetch(session, url, headers={"Range": "bytes=0-9", "If-Range": '"old"'})
+    assert stale.status == 200 and stale.body == WEIGHTS
+
+
+async def test_ignore_if_range_answers_206_of_what_the_url_holds_now(
+    hub: FakeHub, session: aiohttp.ClientSession
+) -> None:
+    url = await cdn_url(hub, session, "weights.safetensors")
+    hub.faults.add(ReplaceObject(b"n" * len(WEIGHTS), path="weights.safetensors"))
+    hub.faults.add(IgnoreIfRange())
+    reply = await fetch(session, url, headers={"Range": "bytes=0-9", "If-Range": '"stale"'})
+    assert reply.status == 206 and reply.body == b"n" * 10
+
+
+async def test_if_match_answers_412_once_the_object_changed(
+    hub: FakeHub, session: aiohttp.ClientSession
+) -> None:
+    url = await cdn_url(hub, session, "weights.safetensors")
+    etag = (await fetch(session, url, method="HEAD")).headers["ETag"]
+    same = await fetch(session, url, headers={"Range": "bytes=0-9", "If-Match": etag})
+    assert same.status == 206 and same.body == WEIGHTS[:10]
+    hub.faults.add(ReplaceObject(b"n" * len(WEIGHTS), path="weights.safetensors"))
+    changed = await fetch(session, url, headers={"Range": "bytes=0-9", "If-Match": etag})
+    assert changed.status == 412
+
+
+async def test_chunked_body_has_no_length_and_the_same_bytes(
+    hub: FakeHub, session: aiohttp.ClientSession
+) -> None:
+    url = await cdn_url(hub, session, "weights.safetensors")
+    rule = hub.faults.add(ChunkedBody(piece=1000))
+    head = await fetch(session, url, method="HEAD")
+    assert head.headers["Content-Length"] == str(len(WEIGHTS))
+    part = await fetch(session, url, headers={"Range": "bytes=5-4004"})
+    assert part.status == 206 and part.body == WEIGHTS[5:4005]
+    assert part.headers["Transfer-Encoding"] == "chunked" and "Content-Length" not in part.headers
+    assert rule.fired == 1  # the HEAD has no body to chunk
 
 
 async def test_flip_byte_in_a_small_file_served_by_the_hub(

@@ -348,6 +348,14 @@ def _parse_range(value: str, size: int) -> _Span | Literal["unsatisfiable"] | No
     return _Span(start, size if last is None else min(last + 1, size))
 
 
+def _if_match_matches(if_match: str, etag: str | None) -> bool:
+    """``If-Match``: ``*`` or one of the listed strong ETags is the object's (RFC 9110 13.1.1)."""
+    if etag is None:
+        return False
+    listed = [tag.strip() for tag in if_match.split(",")]
+    return "*" in listed or etag in listed
+
+
 def _if_range_matches(if_range: str | None, etag: str) -> bool:
     """Strong comparison; a weak ETag or a date never matches (we send no Last-Modified)."""
     return if_range is None or (not if_range.startswith("W/") and if_range.strip() == etag)
@@ -730,7 +738,7 @@ class FakeHub:
             return await self._send_body(
                 request, exchange, blob, effects, headers=headers, etag=file.etag, ranged=True
             )
-        etag = effects.etag(file.etag)
+        etag = effects.sent_etag(effects.etag(file.etag), status=302)
         if etag is not None:
             headers["ETag"] = etag
         if effects.replacement is not None:
@@ -842,10 +850,12 @@ class FakeHub:
         """Answer with `blob` (or the part a ``Range`` selects), applying body faults."""
         out = CIMultiDict(headers)
         span, status = _Span(0, blob.size), 200
-        if etag is not None:
-            etag = effects.etag(etag)
-            if etag is not None:
-                out["ETag"] = etag
+        etag = effects.etag(etag) if etag is not None else None
+        # what a conditional request is compared with: the ETag a full answer carries
+        validator = effects.sent_etag(etag, status=200) if etag is not None else None
+        if_match = request.headers.get("If-Match")
+        if ranged and if_match is not None and not _if_match_matches(if_match, validator):
+            return _error(412, "PreconditionFailed: the object changed")
         if ranged:
             out["Accept-Ranges"] = "bytes"
             range_header = request.headers.get("Range")
@@ -853,7 +863,7 @@ class FakeHub:
             if (
                 range_header is not None
                 and not effects.ignore_range
-                and _if_range_matches(if_range, etag or "")
+                and (effects.ignore_if_range or _if_range_matches(if_range, validator or ""))
             ):
                 parsed = _parse_range(range_header, blob.size)
                 if parsed == _UNSATISFIABLE:
@@ -864,8 +874,14 @@ class FakeHub:
                     first = span.start + effects.content_range_shift
                     last = span.stop - 1 + effects.content_range_shift
                     out["Content-Range"] = f"bytes {first}-{last}/{blob.size}"
+        sent_etag = effects.sent_etag(etag, status=status) if etag is not None else None
+        if sent_etag is not None:
+            out["ETag"] = sent_etag
         response = web.StreamResponse(status=status, headers=out)
-        response.content_length = span.stop - span.start
+        if effects.chunked is not None and request.method == "GET":
+            response.enable_chunked_encoding()
+        else:
+            response.content_length = span.stop - span.start
         await response.prepare(request)
         exchange.status = status
         if request.method == "HEAD":
@@ -954,6 +970,8 @@ async def _write_body(
     pacer = effects.pacer()
     end = length if cut is None else cut
     chunk = pacer.chunk if pacer is not None else _CHUNK_SIZE
+    if effects.chunked is not None:
+        chunk = min(chunk, effects.chunked)
     sent = 0
     try:
         while sent < end:

@@ -47,12 +47,14 @@ from typing import ClassVar, Literal
 __all__ = [
     "Bandwidth",
     "ChangeEtag",
+    "ChunkedBody",
     "CutBody",
     "Effects",
     "Fault",
     "FaultPlan",
     "FaultRequest",
     "FlipByte",
+    "IgnoreIfRange",
     "IgnoreRange",
     "Latency",
     "NoEtag",
@@ -262,6 +264,38 @@ class IgnoreRange(_Fault):
 
 
 @dataclass(frozen=True, slots=True)
+class IgnoreIfRange(_Fault):
+    """Answer a Range request with 206 of the object the URL holds now, whatever its
+    ``If-Range`` names (as some caches and object stores do): a client that resumes or
+    splits a file must then check each 206's ETag itself."""
+
+    times: int | None = field(default=None, kw_only=True)
+    server: Server = field(default="any", kw_only=True)
+
+    scope: ClassVar[_Scope] = _Scope.RANGE
+    role: ClassVar[_Role] = _Role.AMBIENT
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkedBody(_Fault):
+    """Send the body with ``Transfer-Encoding: chunked`` and no ``Content-Length`` (in
+    pieces of `piece` bytes), as servers of generated content and some proxies do: the
+    client cannot know the body's length before its end and reads it on its general path.
+    HEAD answers keep their ``Content-Length``."""
+
+    piece: int = 64 * 1024
+    times: int | None = field(default=None, kw_only=True)
+    server: Server = field(default="any", kw_only=True)
+
+    role: ClassVar[_Role] = _Role.AMBIENT
+
+    def __post_init__(self) -> None:
+        _Fault.__post_init__(self)
+        if self.piece < 1:
+            raise ValueError(f"a chunk must hold >= 1 byte, not {self.piece}")
+
+
+@dataclass(frozen=True, slots=True)
 class WrongContentRange(_Fault):
     """Answer 206 with the right bytes but a ``Content-Range`` shifted by `shift` bytes."""
 
@@ -334,6 +368,9 @@ class NoEtag(_Fault):
     and only the ``Content-Range`` total can tell that the object changed size."""
 
     weak: bool = False
+    partial_only: bool = False
+    """Strip it from 206 answers only (a CDN that drops it from partial content): the
+    client still resumes with ``If-Range``, but cannot check a 206's ETag."""
     times: int | None = field(default=None, kw_only=True)
     server: Server = field(default="any", kw_only=True)
 
@@ -355,6 +392,8 @@ Fault = (
     | ShiftedRange
     | ReplaceObject
     | NoEtag
+    | IgnoreIfRange
+    | ChunkedBody
 )
 
 
@@ -423,6 +462,9 @@ class Effects:
     replacement: ReplaceObject | None = None
     """The object now at this URL (`ReplaceObject`), or None for the original."""
     no_etag: NoEtag | None = None
+    ignore_if_range: bool = False
+    chunked: int | None = None
+    """Send the body chunked, in pieces of this many bytes (`ChunkedBody`)."""
 
     def cut_after(self, length: int) -> int | None:
         """Bytes of a `length`-byte body to send before closing, or None to send it all."""
@@ -432,17 +474,20 @@ class Effects:
         """Body offset of the byte to invert, or None."""
         return self.flip.resolve(length) if self.flip is not None and length > 0 else None
 
-    def etag(self, etag: str) -> str | None:
-        """The ETag to report for an object whose true ETag is `etag` (quoted); None: send none.
-
-        A replaced object has its own ETag, whatever `etag` says.
-        """
+    def etag(self, etag: str) -> str:
+        """The ETag of an object whose true ETag is `etag` (quoted), as the faults make it:
+        a replaced object has its own, whatever `etag` says."""
         if self.replacement is not None:
             etag = self.replacement.etag
         if self.change_etag:
             bare = etag.strip('"')
             etag = f'"{bare}-changed"'
-        if self.no_etag is not None:
+        return etag
+
+    def sent_etag(self, etag: str, *, status: int) -> str | None:
+        """The ``ETag`` header a `status` answer carries for `etag` (`etag`'s result); None:
+        none at all."""
+        if self.no_etag is not None and (status == 206 or not self.no_etag.partial_only):
             return f"W/{etag}" if self.no_etag.weak else None
         return etag
 
@@ -545,6 +590,8 @@ class FaultPlan:
         shift = range_shift = 0
         replacement: ReplaceObject | None = None
         no_etag: NoEtag | None = None
+        ignore_if_range = False
+        chunked: int | None = None
         for fault in faults:
             match fault:
                 case Latency(seconds=seconds):
@@ -573,6 +620,10 @@ class FaultPlan:
                     replacement = fault
                 case NoEtag():
                     no_etag = fault
+                case IgnoreIfRange():
+                    ignore_if_range = True
+                case ChunkedBody(piece=piece):
+                    chunked = piece
         return Effects(
             latency=latency,
             status=status,
@@ -587,4 +638,6 @@ class FaultPlan:
             range_shift=range_shift,
             replacement=replacement,
             no_etag=no_etag,
+            ignore_if_range=ignore_if_range,
+            chunked=chunked,
         )

@@ -1,0 +1,212 @@
+"""A byte-for-byte HTTP relay on loopback: a forward proxy, or a gateway in front of one
+server, that passes every answer on as the server framed it.
+
+A real proxy such as squid repairs what it relays (it re-frames bodies and drops conflicting
+lengths), so a lying server behind it never tries the client's own checks. This relay does
+not: put it between a client and a hostile server and the client's proxied body path (for
+shardsync, aiohttp's) meets the same lies as its direct one. It can also edit each answer's
+head (``edit_head``: strip an ``ETag`` from 206 answers, say) and records every exchange.
+
+One request per connection (every answer goes on with ``Connection: close``), plain HTTP
+only (no ``CONNECT``), request bodies framed by ``Content-Length``::
+
+    async with Relay() as proxy:                      # HTTP_PROXY=proxy.url
+        ...
+    async with Relay(upstream="http://127.0.0.1:9000") as gateway:   # an S3 endpoint
+        ...
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from urllib.parse import urlsplit
+
+__all__ = ["HeadEdit", "Relay", "Relayed", "relay_in_thread", "without_fields"]
+
+_MAX_HEAD = 64 * 1024
+_PIECE = 256 * 1024
+_HOP_BY_HOP = frozenset(
+    {"connection", "keep-alive", "proxy-connection", "proxy-authorization", "te", "upgrade"}
+)
+
+Fields = list[tuple[str, str]]
+HeadEdit = Callable[[str, int, Fields], Fields]
+"""Told the request's method, the answer's status and its header fields (in order, as sent),
+returns the fields to send on instead."""
+
+
+@dataclass(frozen=True, slots=True)
+class Relayed:
+    """One exchange the relay carried: the request's method and absolute URL, the status
+    the server answered (0: none came) and the request's header fields as received."""
+
+    method: str
+    url: str
+    status: int
+    request_fields: tuple[tuple[str, str], ...]
+
+
+class Relay:
+    """See the module docstring. ``upstream``: the server every request goes to (a
+    gateway); without it the relay is a forward proxy taking absolute-form requests."""
+
+    def __init__(self, *, upstream: str | None = None, edit_head: HeadEdit | None = None) -> None:
+        if upstream is not None:
+            parts = urlsplit(upstream)
+            if parts.scheme != "http" or not parts.hostname:
+                raise ValueError(f"the relay speaks plain http only, not {upstream!r}")
+        self._upstream = upstream
+        self._edit = edit_head
+        self._server: asyncio.Server | None = None
+        self._lock = threading.Lock()
+        self._log: list[Relayed] = []
+        self._serving: set[asyncio.Task[None]] = set()
+        self.url = ""
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        port = self._server.sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            for task in list(self._serving):  # exchanges in flight end now
+                task.cancel()
+            await asyncio.gather(*self._serving, return_exceptions=True)
+            await self._server.wait_closed()
+            self._server = None
+
+    async def __aenter__(self) -> Relay:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    @property
+    def log(self) -> tuple[Relayed, ...]:
+        """Every exchange so far, oldest first (thread-safe)."""
+        with self._lock:
+            return tuple(self._log)
+
+    def statuses(self, method: str = "GET") -> list[int]:
+        """The statuses of the `method` requests relayed so far."""
+        return [r.status for r in self.log if r.method == method]
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._serving.add(task)
+        task.add_done_callback(self._serving.discard)
+        try:
+            await self._relay_one(reader, writer)
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
+            pass  # either side hung up: what it got is what it gets
+        except asyncio.CancelledError:
+            pass  # the relay is closing
+        finally:
+            writer.close()
+
+    async def _relay_one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        line, fields = _split_head(head)
+        method, target, _version = line.split(" ", 2)
+        url = self._upstream.rstrip("/") + target if self._upstream is not None else target
+        parts = urlsplit(url)
+        if parts.scheme != "http" or not parts.hostname:
+            writer.write(b"HTTP/1.1 501 Not Implemented\r\nContent-Length: 0\r\n\r\n")
+            return
+        length = int(_field(fields, "content-length") or 0)
+        body = await reader.readexactly(length) if length else b""
+        path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        sent = [(n, v) for n, v in fields if n.lower() not in _HOP_BY_HOP]
+        up_reader, up_writer = await asyncio.open_connection(parts.hostname, parts.port or 80)
+        status = 0
+        try:
+            out = [
+                f"{method} {path} HTTP/1.1",
+                *(f"{n}: {v}" for n, v in sent),
+                "Connection: close",
+            ]
+            up_writer.write(("\r\n".join(out) + "\r\n\r\n").encode("latin-1"))
+            up_writer.write(body)
+            await up_writer.drain()
+            while True:  # interim 1xx answers go on as they are
+                answer = await up_reader.readuntil(b"\r\n\r\n")
+                status_line, answer_fields = _split_head(answer)
+                status = int(status_line.split(" ", 2)[1])
+                if status >= 200:
+                    break
+                writer.write(answer)
+            if self._edit is not None:
+                answer_fields = self._edit(method, status, answer_fields)
+            kept = [(n, v) for n, v in answer_fields if n.lower() != "connection"]
+            lines = [status_line, *(f"{n}: {v}" for n, v in kept), "Connection: close"]
+            writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
+            while piece := await up_reader.read(_PIECE):
+                writer.write(piece)
+                await writer.drain()
+            await writer.drain()
+        finally:
+            with self._lock:
+                self._log.append(Relayed(method, url, status, tuple(fields)))
+            up_writer.close()
+
+
+def _split_head(head: bytes) -> tuple[str, Fields]:
+    if len(head) > _MAX_HEAD:
+        raise ConnectionError("a head too large to relay")
+    first, *rest = head[:-4].decode("latin-1").split("\r\n")
+    fields = []
+    for text in rest:
+        name, _, value = text.partition(":")
+        fields.append((name, value.strip()))
+    return first, fields
+
+
+def _field(fields: Sequence[tuple[str, str]], name: str) -> str | None:
+    for n, v in fields:
+        if n.lower() == name:
+            return v
+    return None
+
+
+def without_fields(*names: str, status: int | None = None) -> HeadEdit:
+    """A ``HeadEdit`` dropping the named fields (from `status` answers only, if given)."""
+    lowered = {n.lower() for n in names}
+
+    def edit(method: str, answered: int, fields: Fields) -> Fields:
+        if status is not None and answered != status:
+            return fields
+        return [(n, v) for n, v in fields if n.lower() not in lowered]
+
+    return edit
+
+
+@contextlib.contextmanager
+def relay_in_thread(relay: Relay) -> Iterator[Relay]:
+    """Run `relay` on its own event loop in a daemon thread, for synchronous callers."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="relay", daemon=True)
+    thread.start()
+    try:
+        asyncio.run_coroutine_threadsafe(relay.start(), loop).result()
+        try:
+            yield relay
+        finally:
+            asyncio.run_coroutine_threadsafe(relay.close(), loop).result()
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        loop.close()
