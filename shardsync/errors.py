@@ -28,12 +28,15 @@ without parsing messages::
 
 Errors of the layers below (aiohttp, OSError, json) are mapped at the module
 boundary with ``raise ... from exc`` so a user never sees a traceback from deep
-inside a library for a condition we anticipated.
+inside a library for a condition we anticipated. Text that came from the network (an
+error body, a library's message) goes into a message only through ``redact``: no signed
+URL, signature or token in it reaches an output (promise 12).
 """
 
 from __future__ import annotations
 
 import errno
+import re
 
 __all__ = [
     "AuthError",
@@ -60,6 +63,7 @@ __all__ = [
     "UnsafeNameError",
     "disk_error",
     "first_error",
+    "redact",
 ]
 
 
@@ -181,3 +185,36 @@ def disk_error(exc: OSError, action: str, *, then: str | None = None) -> CacheEr
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return DiskFullError(f"no space left on device while trying to {action}; {then or KEPT}")
     return CacheError(f"cannot {action}: {exc.strerror or exc}" + (f"; {then}" if then else ""))
+
+
+_URL = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://[^\s\"'<>`]+")
+_QUERY = re.compile(r"\?[^\s\"'<>`?]*=[^\s\"'<>`]*")
+_CREDENTIAL = re.compile(
+    r"(?i)\b(x-amz-[a-z0-9-]+|signature|credential|awsaccesskeyid|key-pair-id|policy|"
+    r"token|access_token|sig)=[^&\s\"'<>`,;]*"
+)
+_BEARER = re.compile(r"(?i)\b(bearer)\s+[A-Za-z0-9._~+/=-]+")
+_REDACTED = "[redacted]"
+
+
+def redact(text: str) -> str:
+    """Text that a server or a library wrote, made fit for a message (promise 12).
+
+    A server may quote the request it refused in its error body (some stores and proxies
+    do), and a library may name the URL it failed on: a signed URL's query, a
+    ``Signature=``/``X-Amz-Credential=`` value or a bearer token in that text is a
+    credential. URLs keep their scheme, host, port and path (no userinfo, query or
+    fragment); a bare query string (``/key?X-Amz-...``) and every credential parameter
+    lose their values. Applied before any truncation, so no prefix of a secret is kept.
+    """
+
+    def bare_url(match: re.Match[str]) -> str:
+        scheme, _, rest = match[0].partition("://")
+        rest = re.split(r"[?#]", rest, maxsplit=1)[0]
+        netloc, slash, path = rest.partition("/")
+        return f"{scheme}://{netloc.rpartition('@')[2]}{slash}{path}"
+
+    text = _URL.sub(bare_url, text)
+    text = _QUERY.sub("?" + _REDACTED, text)
+    text = _CREDENTIAL.sub(lambda m: f"{m[1]}={_REDACTED}", text)
+    return _BEARER.sub(lambda m: f"{m[1]} {_REDACTED}", text)

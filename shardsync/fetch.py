@@ -48,6 +48,7 @@ from shardsync.errors import (
     StalledError,
     TransferError,
     disk_error,
+    redact,
 )
 from shardsync.network import NetworkConfig, ssl_context
 from shardsync.ramp import ConnectionRamp
@@ -245,6 +246,7 @@ class _FileState:
     connections: int = 0  # running
     wanted: int = 0  # what the ramp asks for: a connection beyond it takes no next range
     handed: int = 0  # connections a finished file handed on to this one, not yet taken
+    unframed: bool = False  # the server sent a body without a length: aiohttp reads them all
     drained: asyncio.Event = field(default_factory=asyncio.Event)  # every range is taken
     written_back: int = 0  # bytes [0, this) have been sent to the disk (``start_writeback``)
     keeper: RecordKeeper = field(init=False)  # the resume record, told first (on the thread)
@@ -332,6 +334,7 @@ class Fetcher:
         self._retries: Counter[str] = Counter()
         self._verify_failures = 0
         self._tls: ssl.SSLContext | None = None
+        self._timeout = self.default_timeout(self.config)
         self._ahead: dict[_AheadKey, asyncio.Task[Located]] = {}
         self._climbing: set[_FileState] = set()  # transfers whose ramp still has ranges to give
 
@@ -613,7 +616,8 @@ class Fetcher:
                     url,
                     headers=self._headers(url, hdrs),
                     allow_redirects=False,
-                    timeout=self._metadata_timeout() if metadata else None,
+                    # always explicit: None would mean no timeout at all, not the session's
+                    timeout=self._metadata_timeout() if metadata else self._timeout,
                     **self._proxy(url),
                 ) as resp:
                     if resp.status not in _REDIRECTS:
@@ -670,6 +674,8 @@ class Fetcher:
                     "proxy URL, http://USER:PASS@HOST:PORT"
                 ) from None
             exc = _RetryLater(f"proxy answered HTTP {exc.status}", after=None, status=exc.status)
+        elif isinstance(exc, aiohttp.ClientResponseError):  # an answer aiohttp cannot parse
+            exc = _malformed(exc, label)
         retryable = isinstance(exc, (_RetryLater, StalledError, ProtocolError)) or (
             is_retryable_exception(exc)
         )
@@ -948,7 +954,7 @@ class _FileDownload:
             headers["Range"] = format_range(start, end - 1)
             if state.etag is not None:
                 headers[request.validator] = state.etag
-            if state.wire is not None:
+            if state.wire is not None and not state.unframed:
                 received = await self._get_range_wire(
                     request, located.url, headers, state, start, end, on_progress
                 )
@@ -980,12 +986,13 @@ class _FileDownload:
     ) -> int | None:
         """``_get_range`` with the body read by the file's pump and written to the file.
 
-        A worker thread sends the request, reads the head, checks it and hands a good 206
-        to the pump itself: a body never waits in socket buffers for the event loop's turn
-        (a ``kill -9`` would lose what waits there). None: an answer only the aiohttp path
-        reads (a redirect, a body without a length); it asks again. Every other answer
-        means what it means there. Bytes count as on disk the moment their ``pwrite``
-        returns (they are in the page cache), reported every ``write_size``.
+        A worker thread sends the request, reads the head, checks it as the aiohttp path
+        does (``_check_range_answer``) and hands an answer that passes to the pump itself: a
+        body never waits in socket buffers for the event loop's turn (a ``kill -9`` would
+        lose what waits there). None: an answer only the aiohttp path reads (a redirect, a
+        body without a length); it asks again. Every other answer means what it means there.
+        Bytes count as on disk the moment their ``pwrite`` returns (they are in the page
+        cache), reported every ``write_size``.
         """
         cfg = self.config
         loop = asyncio.get_running_loop()
@@ -1008,7 +1015,7 @@ class _FileDownload:
         def begin() -> _Begun:
             stream = wire.reader.open(url, self._fetcher._headers(url, headers))
             head = stream.head
-            if head.status != 206 or not stream.framed:
+            if head.status not in (200, 206, 416) or not stream.framed:
                 return _Begun(stream, None)
             try:
                 _check_range_answer(head.status, head.get, request.label, state, start, end)
@@ -1031,18 +1038,16 @@ class _FileDownload:
                 if begun.body is not None:
                     return await self._await_body(state, wire.pump, stream, begun.body)
                 head = stream.head
-                if head.status in _REDIRECTS or (head.status in (200, 206) and not stream.framed):
+                if head.status in (200, 206, 416):
+                    state.unframed = True  # a body without a length: the aiohttp path reads
+                    return None  # it, and the file's later ones (no request twice)
+                if head.status in _REDIRECTS:
                     return None
-                if head.status not in (200, 206, 416):
-                    reading = state.start_in_thread(
-                        stream.read_small, _ERROR_BODY, executor=wire.threads
-                    )
-                    body = await asyncio.shield(reading)
-                    raise _status_error(
-                        head.status, head.get, body, request.label, relocatable=True
-                    )
-                _check_range_answer(head.status, head.get, request.label, state, start, end)
-                raise AssertionError("unreachable: a 200 or 416 to a Range request restarts")
+                reading = state.start_in_thread(
+                    stream.read_small, _ERROR_BODY, executor=wire.threads
+                )
+                body = await asyncio.shield(reading)
+                raise _status_error(head.status, head.get, body, request.label, relocatable=True)
             finally:
                 stream.close()
         finally:
@@ -1072,11 +1077,19 @@ class _FileDownload:
         Received pieces are written as they are (``pwritev``, no copies) while the next
         batch is read: at most one write per connection is in flight, and a range counts as
         done only once its write returned.
+
+        A body without ``Content-Length`` (chunked, or ended by the close) is the server's
+        own only up to its last intact chunk: a chunk whose size lies hands on the next
+        chunk's header as data before the parser notices. So its bytes count as done (for
+        the hasher and the resume record) only up to a chunk's end or the body's clean end;
+        the rest is written but asked for again.
         """
         cfg = self.config
+        framed = resp.content_length is not None  # aiohttp's parser holds it to that length
         pieces: list[bytes] = []
         pending = 0
-        written = queued = start  # on disk before ``written``; being written before ``queued``
+        queued = start  # being written before ``queued``
+        trusted = claimed = written = start  # framing checked; counted as done; on disk
         writing: asyncio.Future[None] | None = None
         watchdog = _Watchdog(self._clock, cfg)
 
@@ -1089,46 +1102,63 @@ class _FileDownload:
                 await asyncio.shield(future)
             except OSError as exc:
                 raise disk_error(exc, "write the partial file") from exc
-            written = queued
+            written = claimed
 
         def landed(first: int, stop: int) -> Callable[[asyncio.Future[None]], None]:
             """Count a batch as done the moment its write returns, not when the next batch
             is ready: the resume record may claim it from then on."""
 
             def mark(future: asyncio.Future[None]) -> None:
-                if future.cancelled() or future.exception() is not None:
+                if future.cancelled() or future.exception() is not None or first == stop:
                     return
                 state.on_disk(first, stop)
 
             return mark
 
         async def flush() -> None:
-            nonlocal pieces, pending, queued, writing
+            nonlocal pieces, pending, queued, writing, claimed
             await settle()
-            if not pieces:
+            if not pieces and trusted == claimed:
                 return
             batch, pieces, pending = pieces, [], 0
             size = sum(len(p) for p in batch)
-            writing = state.start_in_thread(_write_landed, state, batch, queued, queued + size)
-            writing.add_done_callback(landed(queued, queued + size))
+            writing = state.start_in_thread(_write_landed, state, batch, queued, (claimed, trusted))
+            writing.add_done_callback(landed(claimed, trusted))
             queued += size
+            claimed = trusted
 
         try:
             while queued + pending < end:
-                piece = await resp.content.read(min(cfg.read_size, end - queued - pending))
+                want = end - queued - pending
+                async with asyncio.timeout(cfg.read_timeout):  # see ``_chunk_ends``
+                    if framed:
+                        piece = await resp.content.read(min(cfg.read_size, want))
+                        chunk_ended = False
+                    else:
+                        piece, chunk_ended = await resp.content.readchunk()
+                piece = piece[:want]
                 if not piece:
+                    trusted = queued + pending  # a chunk's end, or the body's clean end
+                    if chunk_ended:
+                        continue
                     break
                 if self._throttle is not None and (pause := self._throttle(len(piece))) > 0:
                     await asyncio.sleep(pause)
                 pieces.append(piece)
                 n = len(piece)
                 pending += n
+                if framed or chunk_ended:
+                    trusted = queued + pending
                 state.downloaded += n
                 self._fetcher._bytes += n
                 on_progress(n)
                 if pending >= cfg.write_size:
                     await flush()
                 watchdog.count(n)
+            if trusted < queued + pending and await _chunk_ends(
+                resp, _ERROR_BODY, cfg.read_timeout
+            ):
+                trusted = queued + pending
         finally:
             await flush()
             await settle()
@@ -1309,6 +1339,24 @@ def _check_range_answer(
             state.etag = etag
 
 
+async def _chunk_ends(resp: aiohttp.ClientResponse, limit: int, read_timeout: float) -> bool:
+    """Whether a chunk or the body ends within the next ``limit`` bytes (read and dropped):
+    the parser's proof that the bytes before were the body's, not a lying chunk size's.
+
+    Every body read on the aiohttp path has a timeout of our own: when aiohttp's parser
+    fails on a chunk in mid-body (aiohttp 3.14), the reader is never woken, by the error or
+    by the session's read timeout, and would wait for ever."""
+    left = limit
+    while True:
+        async with asyncio.timeout(read_timeout):
+            piece, ended = await resp.content.readchunk()
+        if ended or not piece:
+            return True
+        left -= len(piece)
+        if left < 0:
+            return False
+
+
 def _check_encoding(header: Header, label: str) -> None:
     encoding = (header("Content-Encoding") or "identity").lower()
     if encoding not in ("identity", ""):
@@ -1316,14 +1364,26 @@ def _check_encoding(header: Header, label: str) -> None:
 
 
 def _error_message(body: bytes) -> str:
+    """The server's own words about an error (a JSON ``error``, or short plain text), at
+    most 300 characters. Redacted first (``errors.redact``): a server may quote the request
+    it refused, and that is the signed URL, query, signature and session token all."""
+
     with contextlib.suppress(ValueError, UnicodeDecodeError):
         parsed = json.loads(body)
         if isinstance(parsed, dict) and isinstance(parsed.get("error"), str):
-            return str(parsed["error"])[:300]
+            return redact(str(parsed["error"]))[:300]
     text = body.decode("utf-8", "replace").strip()
     if text and not text.lstrip().startswith("<"):
-        return text[:300]
+        return redact(text)[:300]
     return ""
+
+
+def _malformed(exc: aiohttp.ClientResponseError, label: str) -> ProtocolError:
+    """aiohttp's parser refused an answer (two lengths, a length beside chunked, a chunk
+    whose size lies): the server broke HTTP, as when the pump refuses one. Its message
+    quotes the offending bytes and names the URL, query and all: keep the first line."""
+    first_line = exc.message.split("\n", 1)[0].rstrip(":")[:200]
+    return ProtocolError(f"{label}: malformed answer: {first_line}")
 
 
 def _cause(exc: BaseException) -> str:
@@ -1340,7 +1400,9 @@ def _cause(exc: BaseException) -> str:
 
 def _describe(exc: BaseException) -> str:
     """The error in a user's words: aiohttp's own text for a refused connection shows its
-    connection key (``ssl:default``, even for plain http); say what failed instead."""
+    connection key (``ssl:default``, even for plain http); say what failed instead. Any
+    other text is redacted (``errors.redact``): a library may name the signed URL it failed
+    on (``InvalidURL`` is the whole URL), and this text goes into messages and logs."""
     if isinstance(exc, aiohttp.ClientConnectorError) and not isinstance(
         exc, aiohttp.ClientConnectorCertificateError | aiohttp.ClientSSLError
     ):
@@ -1348,7 +1410,8 @@ def _describe(exc: BaseException) -> str:
         code = exc.os_error.errno
         reason = os.strerror(code) if code and code > 0 else (exc.strerror or str(exc.os_error))
         return f"cannot connect to {what}{exc.host}:{exc.port}: {reason}"
-    return str(exc)
+
+    return redact(str(exc))
 
 
 def _covered_until(done: RangeSet, start: int) -> int:
@@ -1458,8 +1521,11 @@ def _resumable(request: BlobRequest, state: _FileState) -> Resumable | None:
     return Resumable(request.url, state.etag, state.size, request.sha256)
 
 
-def _write_landed(state: _FileState, batch: list[bytes], first: int, stop: int) -> None:
-    """Write ``batch`` (bytes ``[first, stop)``) in a worker thread and tell the resume record
-    at once."""
+def _write_landed(
+    state: _FileState, batch: list[bytes], first: int, claim: tuple[int, int]
+) -> None:
+    """Write ``batch`` at ``first`` in a worker thread and tell the resume record at once
+    that bytes ``claim`` (written by now, by this batch or the ones before it) are done."""
     write_all(state.fd, batch, first)
-    state.keeper.landed(first, stop)
+    if claim[1] > claim[0]:
+        state.keeper.landed(*claim)

@@ -10,9 +10,10 @@ plain copy. The hasher then reads those pages in place (``digest.MappedFile``).
 ``recv_into``, ``pwrite`` and ``sha256`` release the GIL, so the files' transfers and hashes
 run on separate cores.
 
-Only the happy path lives here: a plain HTTP/1.1 response whose body length is known. The
-fetcher decides what every other answer means (the same code as for aiohttp's), and sends
-requests through a proxy down the aiohttp path.
+Only the happy path lives here: a plain HTTP/1.1 response whose body length is known, and
+only one length (a second, or one beside ``Transfer-Encoding``, is refused). The fetcher
+decides what every other answer means (the same code as for aiohttp's), and sends requests
+through a proxy down the aiohttp path.
 """
 
 from __future__ import annotations
@@ -202,10 +203,10 @@ class RangeReader:
         try:
             sock.sendall(request)
             head, rest = _read_head(sock)
+            return Stream(self, key, sock, head, rest)
         except BaseException:
             sock.close()
             raise
-        return Stream(self, key, sock, head, rest)
 
 
 def _read_head(sock: socket.socket) -> tuple[Head, bytes]:
@@ -261,13 +262,17 @@ class Stream:
         self._pumping = False  # a pump owns the socket: ``close`` waits for it to let go
         self._close_asked = False
         length = head.get("content-length")
+        if length is not None and ("," in length or head.get("transfer-encoding") is not None):
+            # two lengths, or a length beside Transfer-Encoding (RFC 9112 6.3: the encoding
+            # wins, and such an answer is the classic smuggling vector): never trusted
+            raise ProtocolError(f"conflicting body framing: Content-Length {length[:40]!r}")
         self.length = int(length) if length is not None and length.isdigit() else None
         self._left = self.length
 
     @property
     def framed(self) -> bool:
         """The body ends by its Content-Length: the only framing read here."""
-        return self.length is not None and self.head.get("transfer-encoding") is None
+        return self.length is not None
 
     def readinto(self, view: memoryview) -> int:
         """Up to ``len(view)`` body bytes into ``view``; 0 at the end of the body."""

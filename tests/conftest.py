@@ -8,9 +8,12 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from bodypaths import body_path
 from s3server import S3Server, S3ServerUnavailable, run_seaweedfs
 
 from shardsync.testing import Checkpoint, FakeHub, build_checkpoint
+
+__all__ = ["body_path"]  # a fixture every test module may take
 
 # huggingface_hub reads its environment once, at import: settle it before any test imports it.
 # No test may reach huggingface.co or send a developer's own token anywhere.

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from bodypaths import BodyPath
 from helpers import assert_snapshot_matches, assert_store_verified, fast_config
 from nginx import serve_directory
 
@@ -37,10 +38,12 @@ from shardsync.testing import (
     CutBody,
     FakeHub,
     FlipByte,
+    IgnoreIfRange,
     IgnoreRange,
     NoEtag,
     ReplaceObject,
     ShiftedRange,
+    Stall,
     build_checkpoint,
 )
 
@@ -57,9 +60,11 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
 
 
 @pytest.fixture
-async def hub(checkpoint: Checkpoint) -> AsyncIterator[FakeHub]:
+async def hub(checkpoint: Checkpoint, body_path: BodyPath) -> AsyncIterator[FakeHub]:
+    """The checkpoint on a fake Hub that answers the way the test's body path needs."""
     async with FakeHub() as hub:
         hub.add_checkpoint(REPO, checkpoint)
+        body_path.arm(hub)
         yield hub
 
 
@@ -97,9 +102,13 @@ def expected_verification(kind: str, rel: str) -> str:
     return "sha256" if rel.endswith(".safetensors") else "git-sha1"
 
 
-async def run(hub: FakeHub, kind: str, cache: Path, **fetch: object) -> PrefetchResult:
+async def run(
+    hub: FakeHub, kind: str, cache: Path, path: BodyPath, **fetch: object
+) -> PrefetchResult:
     config = fast_config(cache, hub.endpoint if kind == "hub" else None, **fetch)
-    return await prefetch(source(hub, kind), config)
+    result = await prefetch(source(hub, kind), path.configure(config))
+    path.check()
+    return result
 
 
 # --------------------------------------------------------------------------- one run, lying server
@@ -108,10 +117,10 @@ async def run(hub: FakeHub, kind: str, cache: Path, **fetch: object) -> Prefetch
 @pytest.mark.parametrize("kind", HTTP_KINDS)
 @pytest.mark.parametrize("shift", [-4096, 4096, -(300 << 10)], ids=["early", "late", "far-early"])
 async def test_a_206_of_another_range_is_never_written_at_the_asked_offset(
-    hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path, kind: str, shift: int
+    hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path, body_path: BodyPath, kind: str, shift: int
 ) -> None:
     rule = hub.faults.add(ShiftedRange(shift, times=4, path="*.safetensors"))
-    result = await run(hub, kind, tmp_path)
+    result = await run(hub, kind, tmp_path, body_path)
     assert rule.exhausted
     assert_matches_origin(result, checkpoint)
     assert_store_verified(tmp_path, checkpoint)
@@ -120,12 +129,26 @@ async def test_a_206_of_another_range_is_never_written_at_the_asked_offset(
 
 @pytest.mark.parametrize("kind", HTTP_KINDS)
 async def test_a_full_200_to_a_range_request_is_never_written_at_the_range_offset(
-    hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path, kind: str
+    hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path, body_path: BodyPath, kind: str
 ) -> None:
     """A server may ignore Range and send the whole file with 200: legal, and its first byte
     is byte 0 of the file, whatever range was asked for."""
     rule = hub.faults.add(IgnoreRange(times=3, path="*.safetensors"))
-    result = await run(hub, kind, tmp_path)
+    result = await run(hub, kind, tmp_path, body_path)
+    assert rule.exhausted
+    assert_matches_origin(result, checkpoint)
+    assert_store_verified(tmp_path, checkpoint)
+
+
+async def test_a_stalled_answer_ends_by_the_read_timeout_on_every_body_path(
+    hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path, body_path: BodyPath
+) -> None:
+    """A server that sends the head and then nothing for 30 s: the read timeout (0.5 s here)
+    gives up on it on every body path and a retry finishes the file, long before the server
+    would close. An aiohttp request given ``timeout=None`` has no timeout at all."""
+    rule = hub.faults.add(Stall(30, times=2, path="*.safetensors"))
+    async with asyncio.timeout(20):
+        result = await run(hub, "url", tmp_path, body_path, read_timeout=0.5)
     assert rule.exhausted
     assert_matches_origin(result, checkpoint)
     assert_store_verified(tmp_path, checkpoint)
@@ -133,12 +156,12 @@ async def test_a_full_200_to_a_range_request_is_never_written_at_the_range_offse
 
 @pytest.mark.parametrize("rel", ["config.json", "model.safetensors.index.json"])
 async def test_a_flipped_byte_in_a_small_hub_file_is_refused_by_its_git_blob_id(
-    hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path, rel: str
+    hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path, body_path: BodyPath, rel: str
 ) -> None:
     """Small files come from the Hub itself (no CDN, no sha256 in the listing): their git blob
     id is the only proof, and it must be checked."""
     rule = hub.faults.add(FlipByte(server="hub", path=rel))
-    result = await run(hub, "hub", tmp_path)
+    result = await run(hub, "hub", tmp_path, body_path)
     assert rule.exhausted
     assert published(result, rel) == checkpoint.path(rel).read_bytes()
     assert_matches_origin(result, checkpoint)
@@ -148,11 +171,11 @@ async def test_a_flipped_byte_in_a_small_hub_file_is_refused_by_its_git_blob_id(
 
 
 async def test_a_small_hub_file_flipped_every_time_is_never_published(
-    hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path
+    hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path, body_path: BodyPath
 ) -> None:
     hub.faults.add(FlipByte(server="hub", path="config.json", times=None))
     with pytest.raises(ShardsyncError, match=r"config\.json"):
-        await run(hub, "hub", tmp_path)
+        await run(hub, "hub", tmp_path, body_path)
     assert_store_verified(tmp_path, checkpoint)
 
 
@@ -160,7 +183,7 @@ async def test_a_small_hub_file_flipped_every_time_is_never_published(
 
 
 async def test_an_object_replaced_mid_download_is_never_published_mixed(
-    hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path
+    hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path, body_path: BodyPath
 ) -> None:
     """The first range is the old object's, the next ones the new object's (new ETag): only a
     whole object may be published, which takes ``If-Range`` or a check of each 206's ETag."""
@@ -168,28 +191,79 @@ async def test_an_object_replaced_mid_download_is_never_published_mixed(
     old = checkpoint.path(shard).read_bytes()
     new = other_object(old)
     hub.faults.add(ReplaceObject(new, path=shard, after=1))
-    result = await run(hub, "url", tmp_path)
+    result = await run(hub, "url", tmp_path, body_path)
     got = published(result, shard)
     assert got in (old, new), "a file mixed from two objects was published"
     assert got == new  # the old object can no longer be finished: its other ranges are gone
     assert_store_verified(tmp_path, checkpoint, new)
 
 
+def old_answers(path: BodyPath) -> int:
+    """How many answers of the old object land one range of it, on one connection: a
+    chunked answer to the pump's first request is asked for again on the aiohttp path."""
+    return 2 if path.chunked else 1
+
+
+def conditional_answers(hub: FakeHub, rel: str, status: int) -> list[str]:
+    """The ``If-Range`` values of the Range requests for `rel` answered with `status`."""
+    return [
+        r.headers["If-Range"]
+        for r in hub.log
+        if r.file == rel and r.range is not None and "If-Range" in r.headers and r.status == status
+    ]
+
+
+async def test_a_store_ignoring_if_range_is_caught_by_each_206s_etag(
+    hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path, body_path: BodyPath
+) -> None:
+    """A cache or store that answers every Range with a 206 of what it holds now, whatever
+    ``If-Range`` names (SeaweedFS does): only the ETag each 206 carries tells the new
+    object's bytes from the old one's."""
+    shard = checkpoint.shards[1]
+    old = checkpoint.path(shard).read_bytes()
+    new = other_object(old)
+    hub.faults.add(IgnoreIfRange(path=shard))
+    replaced = hub.faults.add(ReplaceObject(new, path=shard, after=old_answers(body_path)))
+    result = await run(hub, "url", tmp_path, body_path, connections_per_file=1)
+    assert published(result, shard) == new
+    assert_store_verified(tmp_path, checkpoint, new)
+    assert isinstance(replaced.fault, ReplaceObject)
+    stale = [tag for tag in conditional_answers(hub, shard, 206) if tag != replaced.fault.etag]
+    assert stale, "no 206 of the new object answered an If-Range naming the old one"
+
+
+async def test_a_cdn_stripping_etags_from_206s_is_caught_by_if_range(
+    hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path, body_path: BodyPath
+) -> None:
+    """A CDN that drops the ETag from partial answers: a 206 of the new object looks like
+    one of the old, and only ``If-Range`` (the store answers 200 with the new object) keeps
+    the two apart."""
+    shard = checkpoint.shards[1]
+    old = checkpoint.path(shard).read_bytes()
+    new = other_object(old)
+    hub.faults.add(NoEtag(partial_only=True, path=shard))
+    hub.faults.add(ReplaceObject(new, path=shard, after=old_answers(body_path)))
+    result = await run(hub, "url", tmp_path, body_path, connections_per_file=1)
+    assert published(result, shard) == new
+    assert_store_verified(tmp_path, checkpoint, new)
+    assert conditional_answers(hub, shard, 200), "no If-Range was answered with the new object"
+
+
 async def test_a_hub_object_replaced_mid_download_is_refused_by_its_sha256(
-    hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path
+    hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path, body_path: BodyPath
 ) -> None:
     """On the Hub the listing names the sha256: new bytes at the same URL are never published."""
     shard = checkpoint.shards[1]
     new = other_object(checkpoint.path(shard).read_bytes())
     hub.faults.add(ReplaceObject(new, path=shard, after=1))
     with pytest.raises(ShardsyncError, match=re.escape(shard)):
-        await run(hub, "hub", tmp_path)
+        await run(hub, "hub", tmp_path, body_path)
     assert_store_verified(tmp_path, checkpoint)
 
 
 @pytest.mark.parametrize("grow", [4096, -4096], ids=["larger", "smaller"])
 async def test_an_object_without_etag_changing_size_mid_download_is_never_published_mixed(
-    hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path, grow: int
+    hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path, body_path: BodyPath, grow: int
 ) -> None:
     """Without a strong ETag there is no ``If-Range``: the ``Content-Range`` total is what
     tells that the object changed. Failing is fine; publishing a mix is not."""
@@ -200,7 +274,7 @@ async def test_an_object_without_etag_changing_size_mid_download_is_never_publis
     hub.faults.add(NoEtag(path=shard))
     hub.faults.add(ReplaceObject(new, path=shard, after=1))
     try:
-        result = await run(hub, "url", tmp_path)
+        result = await run(hub, "url", tmp_path, body_path)
     except ShardsyncError:
         pass
     else:
@@ -218,7 +292,7 @@ def partial_of(cache: Path, rel: str) -> Path:
     return record.with_suffix(".part")
 
 
-async def leave_a_partial(hub: FakeHub, kind: str, cache: Path, shard: str) -> None:
+async def leave_a_partial(hub: FakeHub, kind: str, cache: Path, path: BodyPath, shard: str) -> None:
     """A run that fails on `shard` after some of its bytes are on disk with a resume record:
     every answer for it is cut after 20 000 bytes (too little progress to earn new attempts)."""
     rule = hub.faults.add(CutBody(at=20_000, times=None, path=shard))
@@ -226,7 +300,7 @@ async def leave_a_partial(hub: FakeHub, kind: str, cache: Path, shard: str) -> N
 
     async def fail() -> None:
         with pytest.raises(ShardsyncError, match=re.escape(shard)):
-            await run(hub, kind, cache, retry=retry)
+            await run(hub, kind, cache, path, retry=retry)
         # What the failed run leaves going (a shielded resume-record write) ends by itself.
         this = asyncio.current_task()
         while others := [t for t in asyncio.all_tasks() if t is not this]:
@@ -241,19 +315,19 @@ async def leave_a_partial(hub: FakeHub, kind: str, cache: Path, shard: str) -> N
 
 @pytest.mark.parametrize("kind", HTTP_KINDS)
 async def test_a_partial_of_an_object_replaced_between_runs_is_not_resumed(
-    hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path, kind: str
+    hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path, body_path: BodyPath, kind: str
 ) -> None:
     shard = checkpoint.shards[1]
     old = checkpoint.path(shard).read_bytes()
     new = other_object(old)
-    await leave_a_partial(hub, kind, tmp_path, shard)
+    await leave_a_partial(hub, kind, tmp_path, body_path, shard)
     if kind == "hub":  # a new commit on main (content at a commit never changes on the Hub)
         files: dict[str, bytes | Path] = {rel: checkpoint.path(rel) for rel in checkpoint.files}
         files[shard] = new
         hub.add_repo(REPO, files)
     else:  # the same URL serves another object, under another ETag
         hub.faults.add(ReplaceObject(new, path=shard))
-    result = await run(hub, kind, tmp_path)
+    result = await run(hub, kind, tmp_path, body_path)
     assert_matches_origin(result, checkpoint, {shard: new})
     (outcome,) = [f for f in result.files if f.path == shard]
     assert outcome.resumed == 0
@@ -262,13 +336,13 @@ async def test_a_partial_of_an_object_replaced_between_runs_is_not_resumed(
 
 @pytest.mark.parametrize("kind", HTTP_KINDS)
 async def test_a_partial_of_the_same_object_is_resumed_byte_exact(
-    hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path, kind: str
+    hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path, body_path: BodyPath, kind: str
 ) -> None:
     """The counterpart: with proof it is the same object, the partial is used, and the result
     is still the origin's file."""
     shard = checkpoint.shards[1]
-    await leave_a_partial(hub, kind, tmp_path, shard)
-    result = await run(hub, kind, tmp_path)
+    await leave_a_partial(hub, kind, tmp_path, body_path, shard)
+    result = await run(hub, kind, tmp_path, body_path)
     (outcome,) = [f for f in result.files if f.path == shard]
     assert outcome.resumed > 0
     assert_matches_origin(result, checkpoint)
@@ -277,27 +351,27 @@ async def test_a_partial_of_the_same_object_is_resumed_byte_exact(
 
 @pytest.mark.parametrize("kind", HTTP_KINDS)
 async def test_a_partial_shorter_than_its_record_is_not_trusted(
-    hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path, kind: str
+    hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path, body_path: BodyPath, kind: str
 ) -> None:
     """The record says which ranges are on disk; a file cut shorter since (a filesystem that
     lost its tail, someone's ``truncate``) holds fewer: those bytes must not be believed."""
     shard = checkpoint.shards[1]
-    await leave_a_partial(hub, kind, tmp_path, shard)
+    await leave_a_partial(hub, kind, tmp_path, body_path, shard)
     part = partial_of(tmp_path, shard)
     assert part.stat().st_nlink == 1  # the partial alone, no published blob's second name
     os.truncate(part, 10)
-    result = await run(hub, kind, tmp_path)
+    result = await run(hub, kind, tmp_path, body_path)
     assert_matches_origin(result, checkpoint)
     assert_store_verified(tmp_path, checkpoint)
 
 
 @pytest.mark.parametrize("kind", HTTP_KINDS)
 async def test_a_complete_snapshot_of_an_object_replaced_since_is_not_reused(
-    hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path, kind: str
+    hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path, body_path: BodyPath, kind: str
 ) -> None:
     shard = checkpoint.shards[0]
     new = other_object(checkpoint.path(shard).read_bytes())
-    first = await run(hub, kind, tmp_path)
+    first = await run(hub, kind, tmp_path, body_path)
     assert_matches_origin(first, checkpoint)
     if kind == "hub":
         files: dict[str, bytes | Path] = {rel: checkpoint.path(rel) for rel in checkpoint.files}
@@ -305,7 +379,7 @@ async def test_a_complete_snapshot_of_an_object_replaced_since_is_not_reused(
         hub.add_repo(REPO, files)
     else:
         hub.faults.add(ReplaceObject(new, path=shard))
-    second = await run(hub, kind, tmp_path)
+    second = await run(hub, kind, tmp_path, body_path)
     assert_matches_origin(second, checkpoint, {shard: new})
     assert second.snapshot_path != first.snapshot_path
     assert published(first, shard) == checkpoint.path(shard).read_bytes()  # never modified
