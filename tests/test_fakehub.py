@@ -759,6 +759,14 @@ async def test_if_match_answers_412_once_the_object_changed(
     assert changed.status == 412
 
 
+def test_latency_for_bodies_only_spares_heads_and_redirects() -> None:
+    plan = FaultPlan()
+    rule = plan.add(Latency(5, bodies_only=True, times=1))
+    assert plan.take(FaultRequest("cdn", "f", has_body=False, has_range=False)).latency == 0
+    assert plan.take(FaultRequest("cdn", "f", has_body=True, has_range=True)).latency == 5
+    assert rule.exhausted
+
+
 async def test_chunked_body_has_no_length_and_the_same_bytes(
     hub: FakeHub, session: aiohttp.ClientSession
 ) -> None:

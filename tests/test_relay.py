@@ -79,3 +79,25 @@ async def test_only_plain_http_is_relayed() -> None:
     async with Relay() as relay:
         answer = await exchange(relay, b"GET https://127.0.0.1:1/ HTTP/1.1\r\nHost: h\r\n\r\n")
     assert answer.startswith(b"HTTP/1.1 501")
+
+
+async def test_a_body_behind_expect_100_continue_reaches_the_server(
+    origin: tuple[str, list[bytes]],
+) -> None:
+    """botocore sends ``Expect: 100-continue`` and waits before a PUT's body: the relay
+    answers the 100 itself, then carries the body."""
+    base, seen = origin
+    async with Relay(upstream=base) as gateway:
+        host, port = gateway.url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(
+            b"PUT /k HTTP/1.1\r\nHost: h\r\nContent-Length: 4\r\nExpect: 100-continue\r\n\r\n"
+        )
+        assert await reader.readuntil(b"\r\n\r\n") == b"HTTP/1.1 100 Continue\r\n\r\n"
+        writer.write(b"data")
+        answer = await reader.read()
+        writer.close()
+        await writer.wait_closed()
+    assert answer.startswith(b"HTTP/1.1 206")
+    (request,) = seen
+    assert b"Expect" not in request

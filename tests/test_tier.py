@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from bodypaths import BodyPath
 from daemons import api, daemon_in_loop, short_tmp
 from helpers import Bars, assert_snapshot_matches, assert_store_verified, fast_config, serving
 from s3server import S3Server
@@ -201,7 +202,10 @@ async def test_a_corrupt_tier_object_is_caught_replaced_and_never_published(
     hub: FakeHub,
     aws_env: None,
     tmp_path: Path,
+    body_path: BodyPath,
 ) -> None:
+    """On each body path (``chunked``: the Hub's answers; the store always sends a length)."""
+    body_path.arm(hub)
     seed_tier(s3server, s3bucket, model)
     victim = model.path(model.shards[1]).read_bytes()
     bad = {
@@ -212,8 +216,9 @@ async def test_a_corrupt_tier_object_is_caught_replaced_and_never_published(
         .ljust(len(victim), b"\0"),
     }[how]
     s3(s3server).put_object(Bucket=s3bucket, Key=blob_key(PREFIX, sha(victim)), Body=bad)
-    config = host(tmp_path / "h", hub, s3server, s3bucket)
+    config = body_path.configure(host(tmp_path / "h", hub, s3server, s3bucket))
     result = await prefetch(REPO, config)
+    body_path.check()
     assert_snapshot_matches(result.snapshot_path, model)
     assert_store_verified(config.cache_dir, model)  # the corrupt bytes were never published
     assert result.tier is not None and result.tier.corrupt_objects == 1

@@ -158,9 +158,11 @@ class Bandwidth(_Fault):
 
 @dataclass(frozen=True, slots=True)
 class Latency(_Fault):
-    """Wait `seconds` before the first byte (the status line) of each matching response."""
+    """Wait `seconds` before the first byte (the status line) of each matching response;
+    with `bodies_only`, only of responses carrying a body (not a HEAD or a redirect)."""
 
     seconds: float
+    bodies_only: bool = False
     times: int | None = field(default=None, kw_only=True)
 
     scope: ClassVar[_Scope] = _Scope.ANY
@@ -170,6 +172,9 @@ class Latency(_Fault):
         _Fault.__post_init__(self)
         if self.seconds < 0:
             raise ValueError(f"latency must be >= 0 s, not {self.seconds}")
+
+    def matches(self, request: FaultRequest) -> bool:
+        return _Fault.matches(self, request) and (request.has_body or not self.bodies_only)
 
 
 @dataclass(frozen=True, slots=True)

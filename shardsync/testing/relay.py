@@ -8,7 +8,8 @@ shardsync, aiohttp's) meets the same lies as its direct one. It can also edit ea
 head (``edit_head``: strip an ``ETag`` from 206 answers, say) and records every exchange.
 
 One request per connection (every answer goes on with ``Connection: close``), plain HTTP
-only (no ``CONNECT``), request bodies framed by ``Content-Length``::
+only (no ``CONNECT``), request bodies framed by ``Content-Length`` (``Expect: 100-continue``
+is answered by the relay itself)::
 
     async with Relay() as proxy:                      # HTTP_PROXY=proxy.url
         ...
@@ -128,6 +129,9 @@ class Relay:
             writer.write(b"HTTP/1.1 501 Not Implemented\r\nContent-Length: 0\r\n\r\n")
             return
         length = int(_field(fields, "content-length") or 0)
+        if (_field(fields, "expect") or "").lower() == "100-continue":
+            writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # the body, then, comes to us
+            fields = [(n, v) for n, v in fields if n.lower() != "expect"]
         body = await reader.readexactly(length) if length else b""
         path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         sent = [(n, v) for n, v in fields if n.lower() not in _HOP_BY_HOP]

@@ -37,9 +37,11 @@ from shardsync.testing import (
     Checkpoint,
     CutBody,
     FakeHub,
+    Fault,
     FlipByte,
     IgnoreIfRange,
     IgnoreRange,
+    Latency,
     NoEtag,
     ReplaceObject,
     ShiftedRange,
@@ -140,13 +142,22 @@ async def test_a_full_200_to_a_range_request_is_never_written_at_the_range_offse
     assert_store_verified(tmp_path, checkpoint)
 
 
-async def test_a_stalled_answer_ends_by_the_read_timeout_on_every_body_path(
-    hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path, body_path: BodyPath
+@pytest.mark.parametrize(
+    "silence",
+    [
+        Stall(30, times=2, path="*.safetensors"),
+        Latency(30, bodies_only=True, times=2, path="*.safetensors"),
+    ],
+    ids=["after-the-head", "before-the-head"],
+)
+async def test_a_silent_server_is_given_up_on_by_the_read_timeout_on_every_body_path(
+    hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path, body_path: BodyPath, silence: Fault
 ) -> None:
-    """A server that sends the head and then nothing for 30 s: the read timeout (0.5 s here)
-    gives up on it on every body path and a retry finishes the file, long before the server
-    would close. An aiohttp request given ``timeout=None`` has no timeout at all."""
-    rule = hub.faults.add(Stall(30, times=2, path="*.safetensors"))
+    """A server that says nothing for 30 s, after the head or before it: the read timeout
+    (0.5 s here) gives up on it on every body path and a retry finishes the file, long
+    before the server would speak. An aiohttp request given ``timeout=None`` has no timeout
+    at all."""
+    rule = hub.faults.add(silence)
     async with asyncio.timeout(20):
         result = await run(hub, "url", tmp_path, body_path, read_timeout=0.5)
     assert rule.exhausted
