@@ -11,15 +11,20 @@ import subprocess
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 
 from shardsync.config import Config, DaemonConfig
-from shardsync.records import FetchConfig, FileOutcome
+from shardsync.fetch import Fetcher
+from shardsync.manifest import Listing, ManifestEntry
+from shardsync.origins import LocalOrigin, Slot
+from shardsync.origins.base import Entry, Forget, Progress
+from shardsync.records import FetchConfig, FileOutcome, RepoRef
 from shardsync.retry import RetryPolicy
+from shardsync.slot import VerifiedFile
 from shardsync.testing import Checkpoint, FakeHub, serve_in_thread
 
 if TYPE_CHECKING:
@@ -243,3 +248,47 @@ def kill_when(
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
+
+
+@dataclass
+class WrappedOrigin:
+    """A local directory as an origin for range reads (``DCPReader(origin=...)``), to
+    subclass: ``read_range`` is the hook a test overrides to count, hold back or replace
+    what is read; everything else asks ``inner``."""
+
+    inner: LocalOrigin
+
+    @property
+    def repo(self) -> RepoRef:
+        return self.inner.repo
+
+    @property
+    def default_revision(self) -> str:
+        return self.inner.default_revision
+
+    @property
+    def caller_only(self) -> bool:
+        return True
+
+    async def list_files(self, fetcher: Fetcher, revision: str, *, hidden: bool = False) -> Listing:
+        return await self.inner.list_files(fetcher, revision, hidden=hidden)
+
+    async def version(self, fetcher: Fetcher, entry: Entry) -> str | None:
+        return await self.inner.version(fetcher, entry)
+
+    def locate_ahead(self, fetcher: Fetcher, commit: str | None, entry: Entry) -> Forget:
+        return self.inner.locate_ahead(fetcher, commit, entry)
+
+    async def read_range(
+        self, fetcher: Fetcher, commit: str | None, entry: Entry, start: int, end: int
+    ) -> bytes:
+        return await self.inner.read_range(fetcher, commit, entry, start, end)
+
+    async def download(
+        self, fetcher: Fetcher, commit: str | None, entry: ManifestEntry, slot: Slot,
+        progress: Progress,
+    ) -> VerifiedFile:  # fmt: skip
+        raise AssertionError("the reader never downloads whole files")
+
+    async def aclose(self) -> None:
+        return None

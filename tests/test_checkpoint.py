@@ -20,50 +20,26 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from helpers import fast_config
+from helpers import WrappedOrigin, fast_config
 from test_training import WORLD, dcp_expected, load_equal, runs  # noqa: F401 - fixture
 
 from shardsync.cache import CacheStore, RepoRef
 from shardsync.checkpoint import DCPReader, prefetch_checkpoint
 from shardsync.checkpoint_cache import RangeCache
 from shardsync.fetch import Fetcher
-from shardsync.manifest import Listing, ManifestEntry
-from shardsync.origins import LocalOrigin, Slot
-from shardsync.origins.base import Entry, Forget, Progress
-from shardsync.slot import VerifiedFile
+from shardsync.origins import LocalOrigin
+from shardsync.origins.base import Entry
 from shardsync.training import parse_dcp_metadata
 
 
 @dataclass
-class CountingOrigin:
+class CountingOrigin(WrappedOrigin):
     """A local directory that counts the bytes it serves by range (and can hold reads of
     one file back until a gate opens)."""
 
-    inner: LocalOrigin
     served: dict[str, int] = field(default_factory=dict)
     gate: threading.Event | None = None
     gated: str | None = None
-
-    @property
-    def repo(self) -> RepoRef:
-        return self.inner.repo
-
-    @property
-    def default_revision(self) -> str:
-        return self.inner.default_revision
-
-    @property
-    def caller_only(self) -> bool:
-        return True
-
-    async def list_files(self, fetcher: Fetcher, revision: str, *, hidden: bool = False) -> Listing:
-        return await self.inner.list_files(fetcher, revision, hidden=hidden)
-
-    async def version(self, fetcher: Fetcher, entry: Entry) -> str | None:
-        return await self.inner.version(fetcher, entry)
-
-    def locate_ahead(self, fetcher: Fetcher, commit: str | None, entry: Entry) -> Forget:
-        return self.inner.locate_ahead(fetcher, commit, entry)
 
     async def read_range(
         self, fetcher: Fetcher, commit: str | None, entry: Entry, start: int, end: int
@@ -74,15 +50,6 @@ class CountingOrigin:
         data = await self.inner.read_range(fetcher, commit, entry, start, end)
         self.served[entry.path] = self.served.get(entry.path, 0) + len(data)
         return data
-
-    async def download(
-        self, fetcher: Fetcher, commit: str | None, entry: ManifestEntry, slot: Slot,
-        progress: Progress,
-    ) -> VerifiedFile:  # fmt: skip
-        raise AssertionError("the reader never downloads whole files")
-
-    async def aclose(self) -> None:
-        return None
 
 
 def _load(reader: Any, template: dict[str, Any], planner: Any = None) -> dict[str, Any]:

@@ -29,8 +29,8 @@ from shardsync.errors import AuthError, ConfigError, UnsafeNameError
 from shardsync.network import network_from_env
 from shardsync.prefetch import Engine, prefetch
 from shardsync.records import FileOutcome
-from shardsync.testing import Checkpoint, build_checkpoint
-from shardsync.testing.relay import Relay, relay_in_thread, without_fields
+from shardsync.testing import Checkpoint, build_checkpoint, serve_in_thread
+from shardsync.testing.relay import Relay, without_fields
 
 PREFIX = "models/tiny"
 _T = TypeVar("_T")
@@ -298,13 +298,13 @@ def test_an_object_replaced_mid_download_restarts_on_412(
     strip = without_fields("ETag", status=206)
     with contextlib.ExitStack() as stack:
         gateway = stack.enter_context(
-            relay_in_thread(Relay(upstream=s3server.endpoint, edit_head=strip))
+            serve_in_thread(Relay(upstream=s3server.endpoint, edit_head=strip))
         )
         config = s3_config(tmp_path / "cache", replace(s3server, endpoint=gateway.url))
         config = replace(config, max_files=1)
         config = replace(config, fetch=replace(config.fetch, connections_per_file=1))
         if via == "proxy":
-            proxy = stack.enter_context(relay_in_thread(Relay()))
+            proxy = stack.enter_context(serve_in_thread(Relay()))
             config = replace(config, network=network_from_env({"http_proxy": proxy.url}))
         snapshot, _files = _run(
             _download_with(config, f"s3://{s3bucket}/{PREFIX}/", replace_at_40_percent)

@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Final, Literal, Protocol
+from typing import Any, Final, Literal, Protocol, TypeVar
 from urllib.parse import quote, unquote, urlencode
 
 from aiohttp import web
@@ -990,15 +990,29 @@ async def _write_body(
         _drop_connection(request)
 
 
+class Serving(Protocol):
+    """A loopback server of the testing package (`FakeHub`, `Relay`)."""
+
+    async def start(self) -> None:
+        """Begin serving on loopback."""
+
+    async def close(self) -> None:
+        """Stop serving and let go of every connection."""
+
+
+_S = TypeVar("_S", bound=Serving)
+
+
 @contextmanager
-def serve_in_thread(hub: FakeHub) -> Iterator[FakeHub]:
-    """Run `hub` on its own event loop in a daemon thread, for synchronous callers.
+def serve_in_thread(hub: _S) -> Iterator[_S]:
+    """Run `hub` (a `FakeHub`, or any `Serving`, such as a `Relay`) on its own event loop in a
+    daemon thread, for synchronous callers.
 
     Meant for sync tests (huggingface_hub's blocking API), subprocess tests and benchmarks.
-    `add_repo`, `faults` and `log` stay usable from the calling thread.
+    A hub's `add_repo`, `faults` and `log` stay usable from the calling thread.
     """
     loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, name="fakehub", daemon=True)
+    thread = threading.Thread(target=loop.run_forever, name="serving", daemon=True)
     thread.start()
     try:
         asyncio.run_coroutine_threadsafe(hub.start(), loop).result()

@@ -11,23 +11,25 @@ One request per connection (every answer goes on with ``Connection: close``), pl
 only (no ``CONNECT``), request bodies framed by ``Content-Length`` (``Expect: 100-continue``
 is answered by the relay itself)::
 
-    async with Relay() as proxy:                      # HTTP_PROXY=proxy.url
-        ...
-    async with Relay(upstream="http://127.0.0.1:9000") as gateway:   # an S3 endpoint
-        ...
+    async with Relay() as proxy:  # a forward proxy
+        config = replace(config, network=network_from_env({"http_proxy": proxy.url}))
+        await prefetch(source, config)
+        assert proxy.statuses("GET")
+    strip = without_fields("ETag", status=206)  # a gateway that drops 206s' ETags
+    with serve_in_thread(Relay(upstream=s3_endpoint, edit_head=strip)) as gateway:
+        run_s3_job(endpoint=gateway.url)
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from urllib.parse import urlsplit
 
-__all__ = ["HeadEdit", "Relay", "Relayed", "relay_in_thread", "without_fields"]
+__all__ = ["HeadEdit", "Relay", "Relayed", "without_fields"]
 
 _MAX_HEAD = 64 * 1024
 _PIECE = 256 * 1024
@@ -196,21 +198,3 @@ def without_fields(*names: str, status: int | None = None) -> HeadEdit:
         return [(n, v) for n, v in fields if n.lower() not in lowered]
 
     return edit
-
-
-@contextlib.contextmanager
-def relay_in_thread(relay: Relay) -> Iterator[Relay]:
-    """Run `relay` on its own event loop in a daemon thread, for synchronous callers."""
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, name="relay", daemon=True)
-    thread.start()
-    try:
-        asyncio.run_coroutine_threadsafe(relay.start(), loop).result()
-        try:
-            yield relay
-        finally:
-            asyncio.run_coroutine_threadsafe(relay.close(), loop).result()
-    finally:
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join()
-        loop.close()

@@ -39,7 +39,7 @@ from typing import Any
 import pytest
 import torch
 from aiohttp import ClientSession, web
-from helpers import fast_config
+from helpers import WrappedOrigin, fast_config
 from multidict import CIMultiDict
 from s3server import S3Server
 from yarl import URL
@@ -48,11 +48,8 @@ from shardsync.checkpoint import DCPReader
 from shardsync.config import Config, S3Config
 from shardsync.errors import ShardsyncError
 from shardsync.fetch import Fetcher
-from shardsync.manifest import Listing, ManifestEntry
-from shardsync.origins import LocalOrigin, Slot
-from shardsync.origins.base import Entry, Forget, Progress
-from shardsync.records import RepoRef
-from shardsync.slot import VerifiedFile
+from shardsync.origins import LocalOrigin
+from shardsync.origins.base import Entry
 from shardsync.training import parse_dcp_metadata
 
 STEP = "step-1"
@@ -163,37 +160,15 @@ def assert_exactly(
 
 
 @dataclass
-class ReplacingOrigin:
+class ReplacingOrigin(WrappedOrigin):
     """A local directory whose file ``path`` is replaced (``replace``: a rename, as a trainer
     publishing a new save does) right after its first range was read and before the next:
     its reads go one at a time, the first one's answer waits for the replacement."""
 
-    inner: LocalOrigin
     path: str
     replace: Callable[[], None]
     reads: list[tuple[int, int]] = field(default_factory=list)
     _one_at_a_time: asyncio.Lock | None = field(default=None, init=False, repr=False)
-
-    @property
-    def repo(self) -> RepoRef:
-        return self.inner.repo
-
-    @property
-    def default_revision(self) -> str:
-        return self.inner.default_revision
-
-    @property
-    def caller_only(self) -> bool:
-        return True
-
-    async def list_files(self, fetcher: Fetcher, revision: str, *, hidden: bool = False) -> Listing:
-        return await self.inner.list_files(fetcher, revision, hidden=hidden)
-
-    async def version(self, fetcher: Fetcher, entry: Entry) -> str | None:
-        return await self.inner.version(fetcher, entry)
-
-    def locate_ahead(self, fetcher: Fetcher, commit: str | None, entry: Entry) -> Forget:
-        return self.inner.locate_ahead(fetcher, commit, entry)
 
     async def read_range(
         self, fetcher: Fetcher, commit: str | None, entry: Entry, start: int, end: int
@@ -208,15 +183,6 @@ class ReplacingOrigin:
             if len(self.reads) == 1:
                 await asyncio.to_thread(self.replace)
             return data
-
-    async def download(
-        self, fetcher: Fetcher, commit: str | None, entry: ManifestEntry, slot: Slot,
-        progress: Progress,
-    ) -> VerifiedFile:  # fmt: skip
-        raise AssertionError("the reader never downloads whole files")
-
-    async def aclose(self) -> None:
-        return None
 
 
 def test_a_local_file_replaced_between_two_range_reads_is_never_loaded_as_a_mix(
