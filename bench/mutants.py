@@ -342,6 +342,28 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_daemon.py::test_peer_credentials_decide_who_may_connect_without_root",),
         "the daemon's peer-credential check lets every uid in",
     ),
+    Mutant(
+        "store-checksum-ignored",
+        "shardsync/fetch.py",
+        (
+            (
+                "store = located.checksum if request.sha256 is None else None",
+                "store = None",
+            ),
+        ),
+        (
+            "tests/test_s3_origin.py::test_a_flipped_byte_in_a_crc_checked_object_is_never_"
+            "published",
+        ),
+        "an S3 object's CRC (or other checksum the store keeps) is never checked: tofu",
+    ),
+    Mutant(
+        "composite-parts-uncounted",
+        "shardsync/digest.py",
+        (("if self._over or len(self._digests) != checksum.parts:", "if False:"),),
+        ("tests/test_checksums.py::test_composite_checksums_are_checked_part_by_part",),
+        "a composite checksum matches bytes that run past (or stop short of) its parts",
+    ),
 )
 
 

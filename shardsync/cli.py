@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import tempfile
+from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -440,11 +441,14 @@ def _report(result: PrefetchResult, *, as_json: bool, quiet: bool, path: bool = 
         print(json.dumps(result_to_json(result), indent=2))
         return
     if not quiet:
-        tofu = sum(1 for f in result.files if f.verified == "tofu")
-        note = f", {tofu} trusted on first use (origin publishes no sha256)" if tofu else ""
+        kinds = Counter(f.verified for f in result.files)
+        tofu = kinds.pop("tofu", 0)
+        note = f", {tofu} trusted on first use (the origin keeps no checksum)" if tofu else ""
+        by = ", ".join(f"{n} by {kind}" for kind, n in sorted(kinds.items()))
         rate = result.bytes_downloaded / max(result.elapsed, 1e-9)
         print(
-            f"{len(result.files)} files, {format_bytes(result.total_size)} verified; "
+            f"{len(result.files)} files, {format_bytes(result.total_size)} verified"
+            f"{f' ({by})' if by else ''}; "
             f"downloaded {format_bytes(result.bytes_downloaded)} in {result.elapsed:.1f}s "
             f"({format_bytes(rate)}/s){note}",
             file=sys.stderr,

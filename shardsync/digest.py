@@ -1,18 +1,22 @@
-"""The hashes a cache checks a file by (sha256, xxh3-128, git's blob id), fed in order from
-a file object, a file's pages in place (``MappedFile``) or a file descriptor's range: the one
-hashing loop. A download feeds its contiguous prefix as it grows; ``verify`` and local copies
-read a whole file."""
+"""The hashes a cache checks a file by (sha256, xxh3-128, git's blob id, an object store's
+checksum), fed in order from a file object, a file's pages in place (``MappedFile``) or a file
+descriptor's range: the one hashing loop. A download feeds its contiguous prefix as it grows;
+``verify`` and local copies read a whole file."""
 
 from __future__ import annotations
 
 import hashlib
 import mmap
 import os
+import zlib
+from collections.abc import Callable
 from typing import IO
 
 import xxhash
 
-__all__ = ["Digest", "MappedFile"]
+from shardsync.checksums import DIGEST_SIZE, StoreChecksum
+
+__all__ = ["Digest", "MappedFile", "StoreHasher"]
 
 CHUNK = 8 << 20
 
@@ -20,20 +24,27 @@ CHUNK = 8 << 20
 class Digest:
     """Hashes of the bytes read so far; ``nbytes`` stays right when a read fails midway."""
 
-    __slots__ = ("_git", "_sha256", "_xxh3", "nbytes")
+    __slots__ = ("_git", "_sha256", "_xxh3", "nbytes", "store")
 
-    def __init__(self, *, sha256: bool = True, git_size: int | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        sha256: bool = True,
+        git_size: int | None = None,
+        store: StoreChecksum | None = None,
+    ) -> None:
         self._xxh3 = xxhash.xxh3_128()
         self._sha256 = hashlib.sha256() if sha256 else None
         self._git = None
         if git_size is not None:  # git hashes a header naming the size first
             self._git = hashlib.sha1(b"blob %d\0" % git_size, usedforsecurity=False)
+        self.store = StoreHasher(store) if store is not None else None
         self.nbytes = 0
 
     def update(self, data: bytes | memoryview) -> None:
         """The next bytes of the file, in order."""
         self._xxh3.update(data)
-        for h in (self._sha256, self._git):
+        for h in (self._sha256, self._git, self.store):
             if h is not None:
                 h.update(data)
         self.nbytes += len(data)
@@ -71,6 +82,84 @@ class Digest:
     @property
     def git_sha1(self) -> str | None:
         return None if self._git is None else self._git.hexdigest()
+
+
+class StoreHasher:
+    """Checks bytes, fed in order, against an object store's checksum: of the whole object,
+    or part by part for a composite one (each part's digest, then the digest of those)."""
+
+    __slots__ = ("_checksum", "_digests", "_left", "_over", "_sizes", "_state")
+
+    def __init__(self, checksum: StoreChecksum) -> None:
+        if not checksum.checkable:
+            raise ValueError("a composite checksum is checked with its parts' sizes")
+        self._checksum = checksum
+        self._sizes = iter(checksum.part_sizes)
+        self._left = next(self._sizes, 0)  # bytes left in the part being hashed
+        self._over = False  # more bytes than the parts hold
+        self._digests: list[bytes] = []
+        self._state = _Running(checksum)
+
+    def update(self, data: bytes | memoryview) -> None:
+        if not self._checksum.composite:
+            self._state.update(data)
+            return
+        view = memoryview(data)
+        while len(view):
+            if self._left == 0:
+                self._over = True
+                return
+            take = min(self._left, len(view))
+            self._state.update(view[:take])
+            view, self._left = view[take:], self._left - take
+            if self._left == 0:
+                self._digests.append(self._state.digest())
+                self._state = _Running(self._checksum)
+                self._left = next(self._sizes, 0)
+
+    def matches(self) -> bool:
+        """Whether the bytes fed so far are the whole object the checksum names."""
+        checksum = self._checksum
+        if not checksum.composite:
+            return self._state.digest() == checksum.digest
+        if self._over or len(self._digests) != checksum.parts:
+            return False
+        whole = _Running(checksum)
+        whole.update(b"".join(self._digests))
+        return whole.digest() == checksum.digest
+
+
+class _Running:
+    """One running digest of ``checksum``'s algorithm: hashlib's, zlib's CRC32, or awscrt's
+    CRC32C and CRC64NVME (botocore's own choice; imported only when an object needs it)."""
+
+    __slots__ = ("_crc", "_hash", "_size", "_value")
+
+    def __init__(self, checksum: StoreChecksum) -> None:
+        algorithm = checksum.algorithm
+        self._size = DIGEST_SIZE[algorithm]
+        self._hash = None
+        self._crc: Callable[[bytes | memoryview, int], int] | None = None
+        self._value = 0
+        if algorithm in ("sha256", "sha1"):
+            self._hash = hashlib.new(algorithm, usedforsecurity=False)
+        elif algorithm == "crc32":
+            self._crc = zlib.crc32
+        else:
+            from awscrt import checksums
+
+            self._crc = checksums.crc32c if algorithm == "crc32c" else checksums.crc64nvme
+
+    def update(self, data: bytes | memoryview) -> None:
+        if self._hash is not None:
+            self._hash.update(data)
+        elif self._crc is not None:
+            self._value = self._crc(data, self._value)
+
+    def digest(self) -> bytes:
+        if self._hash is not None:
+            return self._hash.digest()
+        return self._value.to_bytes(self._size, "big")
 
 
 class MappedFile:

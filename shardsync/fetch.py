@@ -35,6 +35,7 @@ from urllib.parse import urljoin, urlsplit, urlunsplit
 
 import aiohttp
 
+from shardsync.checksums import StoreChecksum
 from shardsync.digest import Digest, MappedFile
 from shardsync.errors import (
     AuthError,
@@ -61,7 +62,7 @@ from shardsync.ranges import (
     split_ranges,
     split_tail,
 )
-from shardsync.records import FetchConfig, FetchStatistics
+from shardsync.records import FetchConfig, FetchStatistics, Verification
 from shardsync.retry import Backoff, classify_status, parse_retry_after
 from shardsync.slot import RecordKeeper, Resumable, Slot, VerifiedFile
 from shardsync.wire import (
@@ -115,6 +116,7 @@ class Located:
     etag: str | None  # the data URL's own ETag, as sent (quoted)
     linked_etag: str | None  # X-Linked-Etag / ETag of the origin answer, unquoted
     commit: str | None  # X-Repo-Commit
+    checksum: StoreChecksum | None = None  # what the store keeps for exactly this ETag
 
 
 Locator = Callable[[], Awaitable[Located]]
@@ -732,7 +734,7 @@ class _FileDownload:
             record, done, self.config.sidecar_bytes, partial(_resumable, request, state)
         )
         on_progress(resumed)
-        verified: Literal["sha256", "git-sha1", "tofu"] | None = None
+        verified: Verification | None = None
         state.pages = MappedFile(fd, size)
         try:
             try:
@@ -741,8 +743,13 @@ class _FileDownload:
                 whole_only = single_stream and resumed == 0
                 if not whole_only and self._wire_serves(located.url):
                     state.wire = self._open_wire(located.url, fd)
+                # the store's own checksum where the origin names no hash: of exactly the
+                # object whose ETag each Range request is bound to
+                store = located.checksum if request.sha256 is None else None
+                if request.git_blob_id is not None or (store and not store.checkable):
+                    store = None
                 async with asyncio.TaskGroup() as tg:
-                    hasher = tg.create_task(self._hash(state, request))
+                    hasher = tg.create_task(self._hash(state, request, store))
                     if record is not None:
                         tg.create_task(self._keep_record(state))
                     try:
@@ -752,6 +759,7 @@ class _FileDownload:
                         state.closed.set()
                 hashes = hasher.result()
                 digest, xxh, git_sha1 = hashes.sha256, hashes.xxh3_128, hashes.git_sha1
+                store_ok = hashes.store is not None and hashes.store.matches()
             except BaseExceptionGroup as group:
                 _raise_first(group)
                 raise  # unreachable: _raise_first always raises
@@ -773,6 +781,8 @@ class _FileDownload:
                 verified = "sha256" if digest == request.sha256 else None
             elif request.git_blob_id is not None:
                 verified = "git-sha1" if git_sha1 == request.git_blob_id else None
+            elif store is not None:
+                verified = store.algorithm if store_ok else None
             else:
                 verified = "tofu"
         finally:
@@ -1290,7 +1300,7 @@ def _status_error(
     if code == "GatedRepo":
         return AuthError(detail)
     if status == 407:
-        return AuthError(f"{detail} (the proxy wants credentials: http://USER:PASS@HOST:PORT)")
+        return AuthError(f"{detail}: {_PROXY_AUTH}")
     verdict = classify_status(status)
     if verdict == "retry":
         after = parse_retry_after(header("Retry-After"), now=time.time())

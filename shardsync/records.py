@@ -16,7 +16,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Literal, Protocol, get_args
 
 from shardsync import strict_json
 from shardsync.errors import CacheError, ConfigError, UnsafeNameError
@@ -92,7 +92,10 @@ class RepoRef:
         return f"{self.kind}--{slug}-{digest}" if slug else f"{self.kind}--{digest}"
 
 
-Verification = Literal["sha256", "git-sha1", "tofu"]
+Verification = Literal["sha256", "git-sha1", "sha1", "crc64nvme", "crc32c", "crc32", "tofu"]
+"""What a file's bytes were checked against: the origin's SHA-256 (the Hub's LFS one, an S3
+object's), a small Hub file's git blob id, an object store's other checksum (``checksums``),
+or nothing (``tofu``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,8 +103,9 @@ class FileRecord:
     """One verified file of a snapshot.
 
     ``verified`` says what the bytes were checked against: the Hub's LFS sha256, the git
-    blob id of a small Hub file, or nothing (``"tofu"``: the origin gave no hash, so the one
-    we computed is trusted on first use and every later read is checked against it).
+    blob id of a small Hub file, an object store's checksum, or nothing (``"tofu"``: the
+    origin gave no hash, so the one we computed is trusted on first use and every later read
+    is checked against it).
     """
 
     path: str
@@ -183,11 +187,7 @@ _RECORD_KEYS = frozenset({"format", "repo", "revision", "commit", "completed_at"
 _REPO_KEYS = frozenset({"kind", "name"})
 _FILE_KEYS = frozenset({"path", "size", "sha256", "xxh3_128", "etag", "verified", "origin_etag"})
 _KINDS: dict[str, OriginKind] = {"hub": "hub", "url": "url", "local": "local", "s3": "s3"}
-_VERIFICATIONS: dict[str, Verification] = {
-    "sha256": "sha256",
-    "git-sha1": "git-sha1",
-    "tofu": "tofu",
-}
+_VERIFICATIONS: dict[str, Verification] = {v: v for v in get_args(Verification)}
 
 
 def _record_from_obj(value: object) -> SnapshotRecord:
@@ -275,7 +275,7 @@ class FileOutcome:
     path: str
     size: int
     sha256: str
-    verified: Literal["sha256", "git-sha1", "tofu"]
+    verified: Verification
     source: Source
     downloaded: int  # bytes received over the network for it in this run
     resumed: int  # bytes reused from an earlier partial

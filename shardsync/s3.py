@@ -15,15 +15,18 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import builtins
 import contextlib
 import os
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import quote
 
+from shardsync.checksums import StoreChecksum, from_s3_answer
 from shardsync.config import S3Config
 from shardsync.errors import (
     AuthError,
@@ -108,13 +111,15 @@ def parse_s3_url(url: str) -> S3Location:
 @dataclass(frozen=True, slots=True)
 class ObjectInfo:
     """One object as the store describes it. ``sha256`` is set only when the store keeps a
-    SHA-256 of the whole object (not a multipart composite, which hashes the parts)."""
+    SHA-256 of the whole object (not a multipart composite, which hashes the parts);
+    ``checksum`` is the strongest checksum it keeps, of either kind."""
 
     key: str
     size: int
     etag: str  # as served, quoted
     sha256: str | None = None
     sha256_listed: bool = False  # the listing says a SHA-256 checksum exists (HEAD for it)
+    checksum: StoreChecksum | None = None
 
 
 class S3Client:
@@ -234,7 +239,7 @@ class S3Client:
         return found
 
     async def head(self, bucket: str, key: str, *, checksum: bool = True) -> ObjectInfo:
-        """Size, ETag and (asked with ``ChecksumMode=ENABLED``) the whole-object SHA-256."""
+        """Size, ETag and (asked with ``ChecksumMode=ENABLED``) the checksum the store keeps."""
 
         async def run(client: _Client) -> dict[str, Any]:
             kwargs: dict[str, Any] = {"Bucket": bucket, "Key": key}
@@ -248,7 +253,55 @@ class S3Client:
             size=int(answer["ContentLength"]),
             etag=str(answer.get("ETag", "")),
             sha256=_whole_object_sha256(answer),
+            checksum=from_s3_answer(answer) if checksum else None,
         )
+
+    async def part_sizes(self, bucket: str, key: str, *, parts: int, etag: str) -> tuple[int, ...]:
+        """The sizes of a multipart object's parts, in order, for checking a composite
+        checksum. ``GetObjectAttributes`` where the store (and the policy) allows it; else a
+        ``HEAD`` of the first and the last part, which tells uniform parts (what every
+        uploader writes) apart from anything else. ``etag`` pins the object: a replaced one
+        answers 412. Raises ``ShardsyncError`` when the sizes cannot be learned."""
+        where = f"s3://{bucket}/{key}"
+
+        async def attributes(client: _Client) -> tuple[int, ...]:
+            sizes: builtins.list[int] = []
+            marker = 0
+            while True:
+                answer = await client.get_object_attributes(
+                    Bucket=bucket,
+                    Key=key,
+                    ObjectAttributes=["ObjectParts", "ETag"],
+                    MaxParts=1000,
+                    PartNumberMarker=marker,
+                )
+                if _unquoted(str(answer.get("ETag", ""))) != _unquoted(etag):
+                    raise PreconditionFailed(f"{where}: the object changed")
+                listed = answer.get("ObjectParts") or {}
+                for part in listed.get("Parts") or ():
+                    sizes.append(int(part["Size"]))
+                if not listed.get("IsTruncated") or len(sizes) >= parts:
+                    return tuple(sizes)
+                marker = int(listed["NextPartNumberMarker"])
+
+        try:
+            sizes = await self._call("get attributes", where, attributes)
+        except PreconditionFailed:
+            raise
+        except ShardsyncError:  # not implemented, not allowed, or failing: ask the parts
+            sizes = ()
+        if len(sizes) == parts:
+            return sizes
+
+        async def part(client: _Client, number: int) -> int:
+            answer = await client.head_object(
+                Bucket=bucket, Key=key, PartNumber=number, IfMatch=etag
+            )
+            return int(answer["ContentLength"])
+
+        first = await self._call("head part", where, partial(part, number=1))
+        last = await self._call("head part", where, partial(part, number=parts))
+        return (first,) * (parts - 1) + (last,)
 
     async def presign_get(self, bucket: str, key: str) -> str:
         """A GET URL that carries its own signature (valid for an hour)."""
@@ -364,6 +417,10 @@ class S3Client:
             await client.delete_object(Bucket=bucket, Key=key)
 
         await self._call("delete", f"s3://{bucket}/{key}", run)
+
+
+def _unquoted(etag: str) -> str:
+    return etag.removeprefix("W/").strip('"')
 
 
 def _with_userinfo(url: str, proxy: Proxy) -> str:

@@ -34,6 +34,7 @@ from shardsync.cache import BlobLock, CacheStore
 from shardsync.errors import CacheError, disk_error
 from shardsync.layout import CacheLayout, temp_name
 from shardsync.ranges import RangeSet
+from shardsync.records import Verification
 from shardsync.removal import CacheRemoval
 
 __all__ = [
@@ -53,8 +54,6 @@ _RECORD_VERSION = 3
 _MAX_RECORD = 1 << 20
 _SUFFIXES = (".part", ".json")
 _FLAGS = os.O_RDWR | os.O_CLOEXEC
-
-Verification = Literal["sha256", "git-sha1", "tofu"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -86,6 +86,7 @@ class GateFault:
     code: int = 0
     echo: Literal["", "text", "json"] = ""
     stall_s: float = 5.0  # the gate lets go sooner when it closes
+    key: str = ""  # only GETs whose path ends with this (all when empty)
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +127,9 @@ class FaultGate:
     fault: GateFault = field(default_factory=GateFault)
     seen: list[Seen] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)  # the gate's own failures (a test bug)
+    # query keys the gate answers 501 NotImplemented, as a store lacking that call does
+    # (``attributes``: GetObjectAttributes)
+    refuse: frozenset[str] = frozenset()
     _runner: web.AppRunner | None = None
     _session: aiohttp.ClientSession | None = None
     _closing: asyncio.Event = field(default_factory=asyncio.Event)
@@ -204,7 +208,8 @@ class FaultGate:
         token = dict(params).get(_TOKEN_PARAM) or headers.get(_TOKEN_HEADER)
         verified: bool | None = None
         object_get = request.method == "GET" and any(k == "X-Amz-Signature" for k, _ in params)
-        fault = self.fault if object_get else GateFault()
+        path = target.partition("?")[0]
+        fault = self.fault if object_get and path.endswith(self.fault.key) else GateFault()
 
         def record(kind: FaultKind, status: int) -> None:
             self.seen.append(
@@ -219,6 +224,9 @@ class FaultGate:
                 )
             )
 
+        if any(k in self.refuse for k, _ in params):
+            record("status", 501)
+            return _s3_error(501, "NotImplemented", target)
         if token is not None and self.identity is not None:
             verified = token == self.identity.token and _verify(
                 request.method, target, headers, self.identity

@@ -20,12 +20,13 @@ from typing import Any, TypeVar
 
 import pytest
 from daemons import daemon_in_loop, short_tmp
+from faultgate import FaultGate, GateFault
 from helpers import assert_snapshot_matches, assert_store_verified, fast_config
 from s3server import S3Server
 
 from shardsync.client import Client
 from shardsync.config import Config, S3Config
-from shardsync.errors import AuthError, ConfigError, UnsafeNameError
+from shardsync.errors import AuthError, ConfigError, IntegrityError, UnsafeNameError
 from shardsync.network import network_from_env
 from shardsync.prefetch import Engine, prefetch
 from shardsync.records import FileOutcome
@@ -41,6 +42,12 @@ Throttle = Callable[[int], float]
 def s3_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
     """Three shards of ~1 MiB each: several Range requests per shard with `fast_config`."""
     return build_checkpoint(tmp_path_factory.mktemp("s3ck"), total_bytes=3 << 20, n_shards=3)
+
+
+@pytest.fixture(scope="module")
+def s3_multipart_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
+    """Two shards of 11 MiB: three parts each at S3's smallest part size (5 MiB)."""
+    return build_checkpoint(tmp_path_factory.mktemp("s3mp"), total_bytes=22 << 20, n_shards=2)
 
 
 def s3_config(cache_dir: Path, server: S3Server) -> Config:
@@ -109,6 +116,152 @@ def test_store_checksums_verify_every_shard(
     assert_snapshot_matches(result.snapshot_path, s3_checkpoint)
     verified = {f.path: f.verified for f in result.files}
     assert {verified[s] for s in s3_checkpoint.shards} == {"sha256"}
+
+
+_PART = 5 << 20  # S3's (and SeaweedFS's) smallest part but the last
+
+
+def put_as_uploaders_do(
+    server: S3Server, bucket: str, key: str, data: bytes, algorithm: str, *, multipart: bool
+) -> None:
+    """What an uploader with default checksums writes: one PutObject carrying the checksum
+    (a whole-object one), or a multipart upload whose parts each carry theirs (the store
+    then keeps a composite of them, or for CRC64NVME a whole-object one)."""
+    client = _sync_client(server)
+    if not multipart or len(data) <= _PART:
+        client.put_object(Bucket=bucket, Key=key, Body=data, ChecksumAlgorithm=algorithm)
+        return
+    upload = client.create_multipart_upload(Bucket=bucket, Key=key, ChecksumAlgorithm=algorithm)
+    size = _PART
+    done = []
+    for number, at in enumerate(range(0, len(data), size), start=1):
+        answer = client.upload_part(
+            Bucket=bucket,
+            Key=key,
+            UploadId=upload["UploadId"],
+            PartNumber=number,
+            Body=data[at : at + size],
+            ChecksumAlgorithm=algorithm,
+        )
+        field = f"Checksum{algorithm}"
+        done.append({"PartNumber": number, "ETag": answer["ETag"], field: answer[field]})
+    client.complete_multipart_upload(
+        Bucket=bucket, Key=key, UploadId=upload["UploadId"], MultipartUpload={"Parts": done}
+    )
+
+
+def upload_with(
+    server: S3Server, bucket: str, checkpoint: Checkpoint, algorithm: str, *, multipart: bool
+) -> None:
+    for rel in checkpoint.files:
+        data = checkpoint.path(rel).read_bytes()
+        put_as_uploaders_do(server, bucket, f"{PREFIX}/{rel}", data, algorithm, multipart=multipart)
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "multipart"),
+    [
+        ("CRC32", False),
+        ("CRC32", True),  # boto3's default for every file above 8 MiB: a composite CRC32
+        ("CRC32C", True),
+        ("CRC64NVME", False),  # S3's own default
+        ("CRC64NVME", True),
+        ("SHA1", True),
+        ("SHA256", True),  # a composite: the whole object's SHA-256 is not known
+    ],
+)
+def test_each_checksum_a_store_keeps_verifies_the_files(
+    s3server: S3Server,
+    s3bucket: str,
+    s3_checkpoint: Checkpoint,
+    s3_multipart_checkpoint: Checkpoint,
+    aws_env: None,
+    tmp_path: Path,
+    algorithm: str,
+    multipart: bool,
+) -> None:
+    checkpoint = s3_multipart_checkpoint if multipart else s3_checkpoint
+    upload_with(s3server, s3bucket, checkpoint, algorithm, multipart=multipart)
+    config = s3_config(tmp_path / "cache", s3server)
+    result = _run(prefetch(f"s3://{s3bucket}/{PREFIX}/", config))
+    assert_snapshot_matches(result.snapshot_path, checkpoint)
+    assert_store_verified(config.cache_dir, checkpoint)
+    assert {f.verified for f in result.files} == {algorithm.lower()}
+
+
+@pytest.mark.parametrize("via", ["direct", "proxy"])
+@pytest.mark.parametrize("multipart", [False, True])
+async def test_a_flipped_byte_in_a_crc_checked_object_is_never_published(
+    s3server: S3Server,
+    s3bucket: str,
+    s3_checkpoint: Checkpoint,
+    s3_multipart_checkpoint: Checkpoint,
+    aws_env: None,
+    tmp_path: Path,
+    via: str,
+    multipart: bool,
+) -> None:
+    """Objects as boto3 uploads them by default (CRC32), one byte flipped between the store
+    and shardsync in every answer for one shard: that shard fails with an integrity error
+    on each body path, and no blob that differs from the store's bytes is ever published."""
+    checkpoint = s3_multipart_checkpoint if multipart else s3_checkpoint
+    upload_with(s3server, s3bucket, checkpoint, "CRC32", multipart=multipart)
+    shard = checkpoint.shards[1]
+    async with contextlib.AsyncExitStack() as stack:
+        gate = await stack.enter_async_context(FaultGate(s3server.endpoint))
+        gate.fault = GateFault("flip", key=f"/{PREFIX}/{shard}")
+        config = s3_config(tmp_path / "cache", replace(s3server, endpoint=gate.endpoint))
+        if via == "proxy":
+            proxy = await stack.enter_async_context(Relay())
+            config = replace(config, network=network_from_env({"http_proxy": proxy.url}))
+        with pytest.raises(IntegrityError):
+            await prefetch(f"s3://{s3bucket}/{PREFIX}/", config)
+        if via == "proxy":
+            assert proxy.statuses("GET")
+    assert gate.fired
+    assert_store_verified(config.cache_dir, checkpoint)
+    assert not list((config.cache_dir / "other").glob("*/snapshots/*/" + shard))
+
+
+async def test_composite_parts_are_learned_without_get_object_attributes(
+    s3server: S3Server,
+    s3bucket: str,
+    s3_multipart_checkpoint: Checkpoint,
+    aws_env: None,
+    tmp_path: Path,
+) -> None:
+    """A store (or a policy) that refuses ``GetObjectAttributes``: the parts' sizes come from
+    a ``HEAD`` of the first and the last part, and the composite still checks every byte."""
+    checkpoint = s3_multipart_checkpoint
+    upload_with(s3server, s3bucket, checkpoint, "CRC32C", multipart=True)
+    async with FaultGate(s3server.endpoint, refuse=frozenset({"attributes"})) as gate:
+        config = s3_config(tmp_path / "cache", replace(s3server, endpoint=gate.endpoint))
+        result = await prefetch(f"s3://{s3bucket}/{PREFIX}/", config)
+    assert gate.fired  # the store's refusal was met
+    assert any("partNumber=3" in seen.target for seen in gate.seen if seen.method == "HEAD")
+    assert_snapshot_matches(result.snapshot_path, checkpoint)
+    assert {f.verified for f in result.files} == {"crc32c"}
+
+
+async def test_each_object_costs_one_head_and_no_more_round_trips(
+    s3server: S3Server,
+    s3bucket: str,
+    s3_multipart_checkpoint: Checkpoint,
+    aws_env: None,
+    tmp_path: Path,
+) -> None:
+    """The fixed cost of an S3 source: one listing, one ``HEAD`` per object (its size, ETag
+    and checksum, taken by its download too), one ``GetObjectAttributes`` per composite."""
+    checkpoint = s3_multipart_checkpoint
+    upload_with(s3server, s3bucket, checkpoint, "CRC32", multipart=True)
+    async with FaultGate(s3server.endpoint) as gate:
+        config = s3_config(tmp_path / "cache", replace(s3server, endpoint=gate.endpoint))
+        result = await prefetch(f"s3://{s3bucket}/{PREFIX}/", config)
+    assert_snapshot_matches(result.snapshot_path, checkpoint)
+    heads = [seen.target.partition("?")[0] for seen in gate.seen if seen.method == "HEAD"]
+    assert sorted(heads) == sorted(f"/{s3bucket}/{PREFIX}/{rel}" for rel in checkpoint.files)
+    attributes = [seen for seen in gate.seen if "attributes" in seen.target]
+    assert len(attributes) == len(checkpoint.shards)
 
 
 def test_load_from_s3_gives_the_exact_tensors(

@@ -13,6 +13,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "shardsync"
 
 PURE = [
     "shardsync.api",
+    "shardsync.checksums",
     "shardsync.config",
     "shardsync.devicemap",
     "shardsync.errors",

@@ -3,13 +3,16 @@
 Listing and metadata go through ``shardsync.s3``; the bytes go through the fetcher on a
 presigned GET, so several Range requests per file, a resume bound to the object's ETag
 (``If-Match``: a replaced object answers 412 and the file restarts) and streaming hashes
-work as for every origin. A file is verified against the SHA-256 the store keeps for it
-when there is one (``ChecksumMode=ENABLED``), else trusted on first use (``tofu``).
+work as for every origin. A file is verified against the checksum the store keeps for it
+(``ChecksumMode=ENABLED``): its whole-object SHA-256 names it before it downloads; any other
+(CRC64NVME, CRC32C, CRC32, SHA-1, whole or composite) is read by the same ``HEAD`` that
+pins the ETag, so it belongs to the bytes fetched. ``tofu`` only when the store keeps none.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 from shardsync.config import S3Config
@@ -26,6 +29,7 @@ _MAX_KEYS = 100_000
 _HEAD_ALL_UP_TO = 256  # objects under a prefix whose checksums are asked one by one ...
 _HEAD_LARGE_FROM = 1 << 20  # ... beyond that, only for objects this large
 _HEADS_AT_ONCE = 16
+_HEAD_FRESH_S = 60.0  # a listing's HEAD answer stands in for a locate's this long
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -36,6 +40,12 @@ class S3Origin(RequestOrigin):
     client: S3Client = field(repr=False)
     owns_client: bool = field(default=False, repr=False)
     default_revision: str = "main"
+    # what the listing's HEADs answered, by key, and when: the first locate of each object
+    # soon after takes it instead of asking again (its ETag and checksum came in one answer;
+    # a replaced object then answers 412, and the next locate asks afresh)
+    _heads: dict[str, tuple[float, ObjectInfo]] = field(
+        default_factory=dict, repr=False, compare=False
+    )
 
     @classmethod
     def from_url(
@@ -77,6 +87,7 @@ class S3Origin(RequestOrigin):
                 async with limit:
                     head = await self.client.head(self.location.bucket, obj.key)
                 sha256 = head.sha256 if head.size == obj.size else None
+                self._heads[obj.key] = (time.monotonic(), head)
             return RemoteFile(path=path, size=obj.size, sha256=sha256)
 
         async with asyncio.TaskGroup() as tg:
@@ -87,10 +98,26 @@ class S3Origin(RequestOrigin):
         key = self.location.key_for(validate_name(entry.path))
 
         async def locate() -> Located:
-            head = await self.client.head(self.location.bucket, key, checksum=False)
-            url = await self.client.presign_get(self.location.bucket, key)
+            bucket = self.location.bucket
+            listed, head = self._heads.pop(key, (0.0, None))
+            fresh = time.monotonic() - listed < _HEAD_FRESH_S
+            if head is None or not fresh or head.size != entry.size:
+                head = await self.client.head(bucket, key, checksum=entry.sha256 is None)
+            checksum = head.checksum
+            if checksum is not None and checksum.composite:
+                sizes = await self.client.part_sizes(
+                    bucket, key, parts=checksum.parts, etag=head.etag
+                )
+                checksum = checksum.with_part_sizes(sizes, head.size)
+            url = await self.client.presign_get(bucket, key)
             return Located(
-                url=url, headers={}, size=head.size, etag=head.etag, linked_etag=None, commit=None
+                url=url,
+                headers={},
+                size=head.size,
+                etag=head.etag,
+                linked_etag=None,
+                commit=None,
+                checksum=checksum,
             )
 
         return BlobRequest(
