@@ -636,16 +636,29 @@ class Fetcher:
         merged = _with_defaults({})
         merged.update(self.network.extra_headers(url))
         merged.update(headers)
+        auth = self._proxy_auth(url)
+        if auth is not None and urlsplit(url).scheme == "http":
+            # a plain-http request goes to the proxy itself, so its credentials go in it;
+            # aiohttp sends ``proxy_headers`` on a CONNECT only (a 407 here, before)
+            merged["Proxy-Authorization"] = auth
         return merged
 
     def _proxy(self, url: str) -> dict[str, Any]:
+        """Where the request goes through, and for a ``CONNECT`` (https) its credentials:
+        inside the tunnel they would reach the origin."""
         proxy = self.network.proxy_for(url)
         if proxy is None:
             return {}
-        if proxy.username is None:
+        auth = self._proxy_auth(url)
+        if auth is None or urlsplit(url).scheme == "http":
             return {"proxy": proxy.url}
-        auth = aiohttp.encode_basic_auth(proxy.username, proxy.password or "")
         return {"proxy": proxy.url, "proxy_headers": {"Proxy-Authorization": auth}}
+
+    def _proxy_auth(self, url: str) -> str | None:
+        proxy = self.network.proxy_for(url)
+        if proxy is None or proxy.username is None:
+            return None
+        return aiohttp.encode_basic_auth(proxy.username, proxy.password or "")
 
     def _metadata_timeout(self) -> aiohttp.ClientTimeout:
         cfg = self.config
@@ -671,10 +684,7 @@ class Fetcher:
         cause = _cause(exc)
         if isinstance(exc, aiohttp.ClientHttpProxyError):  # the proxy refused a CONNECT
             if exc.status == 407:
-                raise AuthError(
-                    f"{label}: the proxy wants credentials (HTTP 407): give them in the "
-                    "proxy URL, http://USER:PASS@HOST:PORT"
-                ) from None
+                raise AuthError(f"{label}: {_PROXY_AUTH}") from None
             exc = _RetryLater(f"proxy answered HTTP {exc.status}", after=None, status=exc.status)
         elif isinstance(exc, aiohttp.ClientResponseError):  # an answer aiohttp cannot parse
             exc = _malformed(exc, label)
@@ -1176,10 +1186,12 @@ class _FileDownload:
 
     # ------------------------------------------------------------------ hashing
 
-    async def _hash(self, state: _FileState, request: BlobRequest) -> Digest:
+    async def _hash(
+        self, state: _FileState, request: BlobRequest, store: StoreChecksum | None
+    ) -> Digest:
         """Follow the contiguous prefix on disk: the digest is ready right after the last byte."""
         git_size = state.size if request.git_blob_id is not None else None
-        digest = Digest(git_size=git_size)
+        digest = Digest(git_size=git_size, store=store)
         hashed = 0
         while hashed < state.size:
             frontier = state.done.contiguous_prefix()
@@ -1207,6 +1219,12 @@ class _FileDownload:
                     await state.closed.wait()
             if not state.closing:
                 await state.in_thread(state.keeper.save)
+
+
+_PROXY_AUTH = (
+    "the proxy wants credentials, or refused the ones given (HTTP 407); they go in the proxy "
+    "URL, http://USER:PASS@HOST:PORT"
+)
 
 
 class _RetryLater(TransferError):

@@ -8,6 +8,7 @@ a Dragonfly test.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import ssl
 import subprocess
@@ -29,6 +30,7 @@ from shardsync.errors import AuthError, ConfigError, IntegrityError, TransferErr
 from shardsync.network import NetworkConfig, NoProxy, Proxy, network_from_env
 from shardsync.prefetch import prefetch
 from shardsync.testing import Checkpoint, FakeHub, FlipByte
+from shardsync.testing.relay import Relay
 
 REPO = "acme/net"
 
@@ -173,6 +175,23 @@ async def test_hub_and_cdn_requests_go_through_the_proxy(
     urls = [url for _m, url, _s in squid.log_since(mark)]
     assert any(u.startswith(hub.endpoint + "/api/models/") for u in urls)
     assert any(u.startswith(hub.cdn_endpoint) for u in urls)  # the CDN host too
+
+
+async def test_proxy_credentials_go_with_every_plain_http_request(
+    hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    """``http://USER:PASS@proxy``: each request to an ``http://`` target (the Hub, its CDN)
+    carries ``Proxy-Authorization``, as a proxy that wants it (squid with basic auth) needs."""
+    async with Relay() as proxy:
+        address = proxy.url.removeprefix("http://")
+        env = {"http_proxy": f"http://alice:s%40cret@{address}"}
+        config = through(fast_config(tmp_path / "c", hub.endpoint), env)
+        result = await prefetch(REPO, config)
+    assert_snapshot_matches(result.snapshot_path, checkpoint)
+    expected = "Basic " + base64.b64encode(b"alice:s@cret").decode()
+    sent = [dict((n.lower(), v) for n, v in r.request_fields) for r in proxy.log]
+    assert any(r.url.startswith(hub.cdn_endpoint) for r in proxy.log)
+    assert sent and all(fields.get("proxy-authorization") == expected for fields in sent)
 
 
 @pytest.mark.parametrize("no_proxy", ["127.0.0.2", "127.0.0.0/8", "*"])
