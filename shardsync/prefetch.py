@@ -148,11 +148,13 @@ class Engine:
         origins, self._origins = self._origins, {}
         tier, self.tier = self.tier, None
         try:
-            if tier is not None:
-                await tier.__aexit__(*exc_info)  # waits for the uploads the fleet is owed
-            for origin in origins.values():
-                await origin.aclose()
-            await self.s3.aclose()
+            try:
+                if tier is not None:
+                    await tier.__aexit__(*exc_info)  # waits for the uploads the fleet is owed
+            finally:
+                for origin in origins.values():
+                    await origin.aclose()
+                await self.s3.aclose()
         finally:
             if self._fetcher is not None:
                 self._fetcher.forget_ahead()

@@ -141,6 +141,7 @@ class Tier:
         self._read_only = False  # writes refused: read what others upload, claim nothing
         self._down_until = 0.0  # after a transport error, the tier is skipped until then
         self._tasks: asyncio.TaskGroup | None = None
+        self._spawned: set[asyncio.Task[None]] = set()
         self._host = f"{socket.gethostname()}:{os.getpid()}"
 
     async def __aenter__(self) -> Tier:
@@ -149,9 +150,16 @@ class Tier:
         return self
 
     async def __aexit__(self, *exc_info: Any) -> None:
+        """Waits for the uploads the fleet is owed, unless the work around the tier failed:
+        then they are given up (the origin still has every byte) and that failure goes on
+        as it was raised, not inside the uploads' exception group."""
         tasks, self._tasks = self._tasks, None
-        if tasks is not None:
-            await tasks.__aexit__(*exc_info)
+        if tasks is None:
+            return
+        if exc_info and exc_info[0] is not None:
+            for task in self._spawned:
+                task.cancel()
+        await tasks.__aexit__(None, None, None)
 
     def statistics(self) -> TierStatistics:
         n = self._n
@@ -487,7 +495,10 @@ class Tier:
             except ShardsyncError as exc:  # a background task never fails the jobs
                 self._failed("write", exc)
 
-        return self._tasks.create_task(guarded())
+        task = self._tasks.create_task(guarded())
+        self._spawned.add(task)
+        task.add_done_callback(self._spawned.discard)
+        return task
 
     async def _quietly(self, doing: str, op: Awaitable[Any]) -> Any:
         """Run one tier request; a failure is counted and warned about, never raised."""

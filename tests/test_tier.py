@@ -25,7 +25,14 @@ from typing import Any
 import pytest
 from bodypaths import BodyPath
 from daemons import api, daemon_in_loop, short_tmp
-from helpers import Bars, assert_snapshot_matches, assert_store_verified, fast_config, serving
+from helpers import (
+    Bars,
+    assert_snapshot_matches,
+    assert_store_verified,
+    fast_config,
+    serving,
+    tmpfs,
+)
 from s3server import S3Server
 
 from shardsync.client import Client
@@ -588,3 +595,34 @@ async def test_a_garbage_claim_never_breaks_a_host(
     assert_snapshot_matches(result.snapshot_path, model)
     assert result.tier is not None and result.tier.claims_taken_over == 1
     assert tier_objects(s3server, s3bucket) == expected_tier(model)
+
+
+def test_a_full_disk_with_a_tier_is_the_same_one_error_line(
+    s3server: S3Server, s3bucket: str, aws_env: None, tmp_path: Path
+) -> None:
+    """The cache's disk fills while the tier is on: exit 8 and one ``no space left`` line, as
+    without a tier; no traceback, no unclosed session, nothing unverified published."""
+    big = build_checkpoint(tmp_path / "big", total_bytes=40 << 20, n_shards=4, seed=5)
+    conf = tmp_path / "shardsync.toml"
+    conf.write_text(
+        f'[s3]\nendpoint = "{s3server.endpoint}"\nregion = "{s3server.region}"\n'
+        f'addressing = "path"\n[tier]\nurl = "s3://{s3bucket}/{PREFIX}"\n'
+        "[retry]\nbase_delay = 0.01\nmax_delay = 0.1\n"
+    )
+    with serving({REPO: big}) as fake, tmpfs(tmp_path / "small", "size=10m") as cache:
+        out = subprocess.run(
+            [
+                *(sys.executable, "-m", "shardsync.cli", "prefetch", REPO),
+                *("--config", str(conf), "--endpoint", fake.endpoint, "--cache-dir", str(cache)),
+                *("--no-daemon", "--quiet"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "PYTHONWARNINGS": "always"},
+        )
+        assert out.returncode == 8, out.stderr
+        assert "Traceback" not in out.stderr and "Unclosed" not in out.stderr, out.stderr
+        last = out.stderr.strip().splitlines()[-1]
+        assert last.startswith("shardsync: error: no space left on device"), out.stderr
+        assert_store_verified(cache, big)
