@@ -63,6 +63,9 @@ def _exit_code(exc: errors.ShardsyncError) -> int:
     return 1
 
 
+_SOURCE_HELP = "ORG/NAME on the Hub, an http(s) base URL, s3://BUCKET/PREFIX/, or a directory"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shardsync",
@@ -72,7 +75,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("prefetch", help="download a checkpoint into the cache")
-    p.add_argument("source", help="ORG/NAME on the Hub, an http(s) base URL, or a directory")
+    p.add_argument("source", help=_SOURCE_HELP)
     p.add_argument("--config", type=Path, default=argparse.SUPPRESS, help="TOML config file")
     p.add_argument("--revision", help="branch, tag, commit or refs/pr/N (default: main)")
     p.add_argument("--endpoint", help="Hub endpoint (default: $HF_ENDPOINT or huggingface.co)")
@@ -97,7 +100,7 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     ld = sub.add_parser("load", help="stream a checkpoint onto devices and report timings")
-    ld.add_argument("source", help="ORG/NAME on the Hub, an http(s) base URL, or a directory")
+    ld.add_argument("source", help=_SOURCE_HELP)
     ld.add_argument("--config", type=Path, default=argparse.SUPPRESS, help="TOML config file")
     ld.add_argument("--revision")
     ld.add_argument("--endpoint")

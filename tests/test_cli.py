@@ -240,3 +240,15 @@ def test_the_command_leaves_what_it_imported_out_of_garbage_collection(tmp_path:
 
     (script,) = entry_points(group="console_scripts", name="shardsync")
     assert script.value == "shardsync.cli:run"
+
+
+@pytest.mark.parametrize("command", ["prefetch", "load"])
+def test_help_names_every_kind_of_source(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from shardsync.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main([command, "--help"])
+    assert done.value.code == 0
+    shown = capsys.readouterr().out
+    for kind in ("ORG/NAME", "http(s)", "s3://", "directory"):
+        assert kind in shown
