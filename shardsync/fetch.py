@@ -148,6 +148,7 @@ class BlobRequest:
     validator: Validator = "If-Range"
     verify_attempts: int | None = None  # full downloads after a mismatch (None: the config's)
     direct: bool = False
+    connections: int | None = None  # most connections (an origin's own cap; None: the config's)
 
 
 def is_retryable_exception(exc: BaseException) -> bool:
@@ -840,7 +841,11 @@ class _FileDownload:
         the pump they start at a few and follow ``ConnectionRamp`` (more only while more
         bring more bytes per second); the aiohttp path opens them all at once."""
         missing = state.done.missing(state.size)
-        most = 1 if state.single_stream else self.config.connections_per_file
+        most = self.config.connections_per_file
+        if state.single_stream:
+            most = 1
+        elif request.connections is not None:
+            most = max(1, min(most, request.connections))
         chunk = state.size if state.single_stream else self._chunk(missing, most)
         pieces = [
             (start + first, start + stop)

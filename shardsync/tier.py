@@ -277,6 +277,7 @@ class Tier:
             locator=locate,
             validator="If-Match",
             verify_attempts=1,  # one mismatch means a corrupt object, not a flaky link
+            connections=client.config.connections_per_file,
         )
         try:  # a failed fetch takes its bytes back off the progress it reported
             fetched = await slot_fetch(request, progress)

@@ -32,6 +32,7 @@ import re
 import socket
 import struct
 import time
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -130,6 +131,9 @@ class FaultGate:
     # query keys the gate answers 501 NotImplemented, as a store lacking that call does
     # (``attributes``: GetObjectAttributes)
     refuse: frozenset[str] = frozenset()
+    # the most GETs of each object (by path) the gate was answering at one time
+    most_at_once: dict[str, int] = field(default_factory=dict)
+    _at_once: Counter[str] = field(default_factory=Counter)
     _runner: web.AppRunner | None = None
     _session: aiohttp.ClientSession | None = None
     _closing: asyncio.Event = field(default_factory=asyncio.Event)
@@ -193,11 +197,19 @@ class FaultGate:
     # ------------------------------------------------------------------ serving
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
+        counted = request.method == "GET" and "X-Amz-Signature=" in request.raw_path
+        path = request.path
+        if counted:
+            self._at_once[path] += 1
+            self.most_at_once[path] = max(self.most_at_once.get(path, 0), self._at_once[path])
         try:
             return await self._answer(request)
         except Exception as exc:
             self.errors.append(f"{request.method} {request.path}: {exc!r}")
             raise
+        finally:
+            if counted:
+                self._at_once[path] -= 1
 
     async def _answer(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()

@@ -74,6 +74,8 @@ def test_env_overrides(tmp_path: Path) -> None:
         ("[download]\nconnections_per_file = 'x'\n", "download.connections_per_file"),
         ("[download]\nchunk_size = 'lots'\n", "download.chunk_size"),
         ("[download]\nbogus = 1\n", "download.bogus"),
+        ("[s3]\nconnections_per_file = 0\n", "s3.connections_per_file"),
+        ("[s3]\nconnections_per_file = true\n", "s3.connections_per_file"),
         ("[nope]\n", "nope"),
         ("[retry]\nmax_attempts = 0\n", "max_attempts"),
         ("[download\n", "c.toml"),

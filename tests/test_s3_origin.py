@@ -264,6 +264,28 @@ async def test_each_object_costs_one_head_and_no_more_round_trips(
     assert len(attributes) == len(checkpoint.shards)
 
 
+@pytest.mark.parametrize("cap", [2, None])
+async def test_s3_objects_take_at_most_their_own_connection_cap(
+    s3server: S3Server,
+    s3bucket: str,
+    s3_checkpoint: Checkpoint,
+    aws_env: None,
+    tmp_path: Path,
+    cap: int | None,
+) -> None:
+    """``[s3] connections_per_file`` bounds the Range connections of each object below the
+    download section's 4; without it, all 4 are used."""
+    upload(s3server, s3bucket, s3_checkpoint, checksums=True)
+    async with FaultGate(s3server.endpoint) as gate:
+        config = s3_config(tmp_path / "cache", replace(s3server, endpoint=gate.endpoint))
+        if cap is not None:
+            config = replace(config, s3=replace(config.s3, connections_per_file=cap))
+        result = await prefetch(f"s3://{s3bucket}/{PREFIX}/", config)
+    assert_snapshot_matches(result.snapshot_path, s3_checkpoint)
+    shards = [gate.most_at_once[f"/{s3bucket}/{PREFIX}/{s}"] for s in s3_checkpoint.shards]
+    assert max(shards) == (cap or config.fetch.connections_per_file)
+
+
 def test_load_from_s3_gives_the_exact_tensors(
     s3server: S3Server, s3bucket: str, s3_checkpoint: Checkpoint, aws_env: None, tmp_path: Path
 ) -> None:

@@ -128,6 +128,7 @@ class S3Origin(RequestOrigin):
             sha256=entry.sha256,
             locator=locate,
             validator="If-Match",
+            connections=self.client.config.connections_per_file,
         )
 
     async def version(self, fetcher: Fetcher, entry: Entry) -> str | None:
