@@ -218,12 +218,15 @@ def _prefetch(args: argparse.Namespace) -> int:
     reported = False
 
     def report(result: PrefetchResult) -> None:
-        """As soon as the snapshot is complete (uploads to a shared tier may go on)."""
+        """As soon as the snapshot is complete (uploads to a shared tier may go on); the JSON
+        waits for them, so that its ``tier`` counters are final."""
         nonlocal reported, progress
         if progress is not None:
             progress.close()
             progress = None
-        _report(result, as_json=args.json, quiet=args.quiet)
+        if args.json:
+            return
+        _report(result, as_json=False, quiet=args.quiet)
         sys.stdout.flush()
         reported = True
 

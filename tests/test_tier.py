@@ -626,3 +626,32 @@ def test_a_full_disk_with_a_tier_is_the_same_one_error_line(
         last = out.stderr.strip().splitlines()[-1]
         assert last.startswith("shardsync: error: no space left on device"), out.stderr
         assert_store_verified(cache, big)
+
+
+def test_prefetch_json_gives_the_tiers_final_counters(
+    s3server: S3Server, s3bucket: str, aws_env: None, model: Checkpoint, tmp_path: Path
+) -> None:
+    """``--json`` is printed once the uploads the fleet is owed are done, so its ``tier``
+    object counts each of them: as many uploads and bytes as the tier then holds."""
+    conf = tmp_path / "shardsync.toml"
+    conf.write_text(
+        f'[s3]\nendpoint = "{s3server.endpoint}"\nregion = "{s3server.region}"\n'
+        f'addressing = "path"\n[tier]\nurl = "s3://{s3bucket}/{PREFIX}"\n'
+    )
+    with serving({REPO: model}) as fake:
+        out = subprocess.run(
+            [
+                *(sys.executable, "-m", "shardsync.cli", "prefetch", REPO, "--json"),
+                *("--config", str(conf), "--endpoint", fake.endpoint),
+                *("--cache-dir", str(tmp_path / "cache"), "--no-daemon", "--quiet"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert out.returncode == 0, out.stderr
+    tier = json.loads(out.stdout)["tier"]
+    assert tier_objects(s3server, s3bucket) == expected_tier(model)
+    assert tier["uploads"] == len(model.shards)
+    assert tier["bytes_uploaded"] == shard_bytes(model)
+    assert tier["errors"] == 0
