@@ -81,6 +81,9 @@ SCENARIOS = ("uncapped", "capped", "disk")
 TMPFS_TOOLS = ("shardsync", "hf", "aria2", "aria2-sha256")
 DISK_TOOLS = ("shardsync", "aria2-sync")
 BASELINE = {"uncapped": "aria2", "capped": "aria2", "disk": "aria2-sync"}
+HASHED = {"shardsync": ("sha256", "xxh3_128"), "aria2-sha256": ("sha256",)}
+"""The hashes each tool computes: its CPU beyond them is what the table's last column shows."""
+HASH_BUFFER = 256 << 20
 """What shardsync's time is compared with in each scenario (the issue's targets)."""
 TARGET_RATIO = {"uncapped": 1.0, "capped": 1.0, "disk": 1.1}
 TARGET_CPU_S_PER_GB = 2.0
@@ -914,10 +917,58 @@ def _cell(value: float | None, spec: str, width: int, suffix: str = "") -> str:
     return text.rjust(width)
 
 
-def print_report(rows: Sequence[Row], checks: Sequence[Check], runs: Sequence[Run]) -> None:
+def hash_costs(
+    functions: Mapping[str, Callable[[bytes], object]] | None = None,
+) -> dict[str, float]:
+    """CPU-s per GB of each hash on this machine (sha256 and xxh3-128 unless told), one pass
+    over a 256 MiB buffer each: what a verified download cannot skip, measured in the same run."""
+    import xxhash
+
+    if functions is None:
+        functions = {
+            "sha256": lambda data: hashlib.sha256(data).digest(),
+            "xxh3_128": lambda data: xxhash.xxh3_128(data).digest(),
+        }
+    buffer = os.urandom(HASH_BUFFER)
+    costs = {}
+    for name, function in functions.items():
+        started = time.process_time()
+        function(buffer)
+        costs[name] = (time.process_time() - started) / (HASH_BUFFER / 1e9)
+    return costs
+
+
+def cpu_model() -> str | None:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    return None
+
+
+def beyond_hashes(
+    tool: str, cpu_s_per_gb: float | None, costs: Mapping[str, float]
+) -> float | None:
+    """A tool's CPU-s/GB less what this machine spends on the hashes it computes."""
+    if cpu_s_per_gb is None:
+        return None
+    return cpu_s_per_gb - sum(costs[name] for name in HASHED.get(tool, ()))
+
+
+def print_report(
+    rows: Sequence[Row],
+    checks: Sequence[Check],
+    runs: Sequence[Run],
+    costs: Mapping[str, float],
+) -> None:
+    print(
+        f"machine: {cpu_model() or '?'}, {os.cpu_count()} cores; CPU-s/GB of sha256 "
+        f"{costs['sha256']:.2f}, xxh3-128 {costs['xxh3_128']:.2f} (measured in this run)"
+    )
     header = (
         f"{'scenario':<9} {'tool':<18} {'best s':>7} {'range s':>12} {'MB/s':>7} "
-        f"{'CPU-s/GB':>9} {'CPU range':>11} {'vs base':>8} {'nginx CPU/GB':>13}"
+        f"{'CPU-s/GB':>9} {'CPU range':>11} {'vs base':>8} {'nginx CPU/GB':>13} "
+        f"{'beyond hash':>12}"
     )
     print(header)
     print("-" * len(header))
@@ -928,9 +979,12 @@ def print_report(rows: Sequence[Row], checks: Sequence[Check], runs: Sequence[Ru
             f"{row.scenario:<9} {TOOL_LABELS[row.tool]:<18} {_cell(row.seconds, '.2f', 7)} "
             f"{spread:>12} {_cell(row.mb_per_s, '.0f', 7)} {_cell(row.cpu_s_per_gb, '.2f', 9)} "
             f"{cpu_spread:>11} {_cell(row.vs_baseline, '.2f', 8, 'x')} "
-            f"{_cell(row.nginx_cpu_s_per_gb, '.2f', 13)}"
+            f"{_cell(row.nginx_cpu_s_per_gb, '.2f', 13)} "
+            f"{_cell(beyond_hashes(row.tool, row.cpu_s_per_gb, costs), '.2f', 12)}"
         )
-    print("(vs base: best time over aria2c's, aria2c + sync's on disk; below 1 is faster)")
+    print("(vs base: best time over aria2c's, aria2c + sync's on disk; below 1 is faster;")
+    print(" beyond hash: CPU-s/GB less this machine's cost of the hashes the tool computes:")
+    print(" sha256 + xxh3-128 for shardsync, sha256 for aria2c + sha256, none for the others)")
     print()
     for check in checks:
         print(f"{check.status:<4}  {check.scenario:<9} {check.target:<46} {check.detail}")
@@ -1049,10 +1103,11 @@ def write_json(
     runs: Sequence[Run],
     rows: Sequence[Row],
     checks: Sequence[Check],
+    costs: Mapping[str, float],
 ) -> None:
     document = {
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "machine": machine_info(),
+        "machine": {**machine_info(), "cpu": cpu_model(), "hash_cpu_s_per_gb": dict(costs)},
         "settings": {
             "size": settings.size,
             "shards": settings.shards,
@@ -1210,6 +1265,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     origin = ensure_origin(settings)
     log(f"checkpoint: {len(origin.files)} files, {origin.total_size / 1e6:.0f} MB")
     compile_shardsync()
+    costs = hash_costs()
     try:
         runs = run_all(origin, settings, tools)
     finally:
@@ -1217,9 +1273,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         remove_tree(settings.disk_dir / "work")
     rows = summarize(runs, settings, tools)
     checks = target_checks(rows)
-    print_report(rows, checks, runs)
+    costs = {k: (v + w) / 2 for (k, v), w in zip(costs.items(), hash_costs().values(), strict=True)}
+    print_report(rows, checks, runs, costs)
     settings.out.mkdir(parents=True, exist_ok=True)
-    write_json(settings.out / "download.json", settings, origin, runs, rows, checks)
+    write_json(settings.out / "download.json", settings, origin, runs, rows, checks, costs)
     write_png(settings.out / "download.png", rows, settings)
     log(f"results in {settings.out}/download.json and download.png")
     return 0 if all(run.ok for run in runs) else 1
