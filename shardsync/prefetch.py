@@ -119,6 +119,7 @@ class Engine:
             config.s3, config.network
         )  # opened on first use: by S3 origins and the tier
         self.tier: Tier | None = None
+        self._tier_s3: S3Client | None = None
 
     async def __aenter__(self) -> Engine:
         connector = aiohttp.TCPConnector(
@@ -140,7 +141,10 @@ class Engine:
             network=self.config.network,
         )
         if self.config.tier.url is not None:
-            tier = Tier(self.config.tier, self.s3)
+            # its own client, retrying a request once, not thrice: a tier that died answers
+            # nothing within a second, and the job (and its exit) must not wait on it
+            self._tier_s3 = S3Client(self.config.s3, self.config.network, attempts=2)
+            tier = Tier(self.config.tier, self._tier_s3)
             self.tier = await tier.__aenter__()
         return self
 
@@ -155,6 +159,8 @@ class Engine:
                 for origin in origins.values():
                     await origin.aclose()
                 await self.s3.aclose()
+                if self._tier_s3 is not None:
+                    await self._tier_s3.aclose()
         finally:
             if self._fetcher is not None:
                 self._fetcher.forget_ahead()

@@ -129,10 +129,15 @@ class S3Client:
     """
 
     def __init__(
-        self, config: S3Config | None = None, network: NetworkConfig | None = None
+        self,
+        config: S3Config | None = None,
+        network: NetworkConfig | None = None,
+        *,
+        attempts: int = 4,
     ) -> None:
         self.config = config or S3Config()
         self.network = network or NetworkConfig()
+        self.attempts = attempts  # botocore's, per request (retries with backoff between)
         self._stack: contextlib.AsyncExitStack | None = None
         self._client: _Client | None = None
         self._opening = asyncio.Lock()
@@ -171,7 +176,7 @@ class S3Client:
             # the payload too would make botocore hash each upload again, in the event loop
             # (it does for every http endpoint unless told not to).
             s3={"addressing_style": cfg.addressing, "payload_signing_enabled": False},
-            retries={"max_attempts": 4, "mode": "standard"},
+            retries={"max_attempts": self.attempts, "mode": "standard"},
             connect_timeout=10,
             read_timeout=60,
             # checksums only where S3 requires them; ours are passed explicitly

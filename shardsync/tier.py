@@ -15,9 +15,11 @@ refusing writes costs a warning and a metric, and the job goes on from the origi
 
 Single flight: a host that misses creates the claim with a conditional PUT
 (``If-None-Match: *``) and renews it (``If-Match``) while it downloads and uploads; the
-others wait for the blob to appear, watching the claim. A claim that stops being renewed
-for ``claim_lease`` (its holder died) is taken over; one that is renewed but makes no
-progress for ``claim_stall`` makes the waiter download from the origin itself.
+others wait for the blob to appear, watching the claim. A claim whose ETag a waiter has not
+seen change for ``claim_lease`` by its own clock (its holder died) is taken over, and so is
+one whose holder's own stamp is a lease past its expiry (clocks may differ by up to a lease);
+one that is renewed but makes no progress for ``claim_stall`` makes the waiter download from
+the origin itself.
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ Progress = Callable[[int], None]
 _MAX_CLAIM = 64 * 1024
 _MAX_ROUNDS = 4  # miss -> wait -> (taken over | released) -> ... before going to the origin
 _POLL_FIRST, _POLL_MAX = 0.2, 2.0
+_EXIT_LOOK = 0.1  # seconds between looks at a tier that may have died, while leaving
+_RENEWALS_PER_LEASE = 5
 _COOLDOWN = 60.0  # seconds the tier is skipped after it could not be reached
 
 
@@ -150,15 +154,19 @@ class Tier:
         return self
 
     async def __aexit__(self, *exc_info: Any) -> None:
-        """Waits for the uploads the fleet is owed, unless the work around the tier failed:
-        then they are given up (the origin still has every byte) and that failure goes on
-        as it was raised, not inside the uploads' exception group."""
+        """Waits for the uploads the fleet is owed, unless the work around the tier failed
+        or the tier is down (then within ``_EXIT_LOOK`` of its first failed request): they are
+        given up (the origin still has every byte; the claims die by their lease), and the
+        work's failure goes on as it was raised, not inside the uploads' exception group."""
         tasks, self._tasks = self._tasks, None
         if tasks is None:
             return
-        if exc_info and exc_info[0] is not None:
-            for task in self._spawned:
-                task.cancel()
+        failed = bool(exc_info and exc_info[0] is not None)
+        while self._spawned and not failed:
+            await asyncio.wait(set(self._spawned), timeout=_EXIT_LOOK)
+            failed = not self._usable()  # the tier died meanwhile: the uploads are lost
+        for task in self._spawned:
+            task.cancel()
         await tasks.__aexit__(None, None, None)
 
     def statistics(self) -> TierStatistics:
@@ -382,10 +390,11 @@ class Tier:
         return claim
 
     async def _renew(self, claim: _Claim) -> None:
-        """Renew every third of the lease, with our progress, until cancelled or lost."""
+        """Renew every fifth of the lease, with our progress, until cancelled or lost: four
+        renewals may be late or fail before a waiter takes the claim for dead."""
         bucket, key = self.location.bucket, claim_key(self.location.prefix, claim.sha256)
         while not claim.lost:
-            await asyncio.sleep(self.config.claim_lease / 3)
+            await asyncio.sleep(self.config.claim_lease / _RENEWALS_PER_LEASE)
             try:
                 claim.etag = await self._client.put_bytes(
                     bucket, key, self._claim_body(claim), if_match=claim.etag
@@ -402,6 +411,8 @@ class Tier:
                 await upload.renewal
         claim = upload.claim
         if claim is not None and not claim.lost:
+            if not self._usable():
+                return  # down: the claim dies by its lease, no request waits on it
             key = claim_key(self.location.prefix, claim.sha256)
             await self._quietly("claim", self._client.delete(self.location.bucket, key))
 
@@ -522,7 +533,9 @@ class Tier:
                 self._disabled = True
                 log.warning("tier %s refuses our credentials; off: %s", self.location.url, exc)
             return
-        kind = f"{doing}:{type(exc).__name__}"
+        # one warning per way of failing; a tier that cannot be reached is one way, whatever
+        # was asked of it (reads, claims, writes all fail as it dies)
+        kind = "down" if isinstance(exc, TransferError) else f"{doing}:{type(exc).__name__}"
         if kind not in self._n.warned:
             self._n.warned.add(kind)
             log.warning("tier %s failed (%s); going on from the origin", doing, exc)

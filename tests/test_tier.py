@@ -376,13 +376,63 @@ async def test_a_tier_cut_mid_read_falls_back_to_the_origin(
         assert bars.now[path] == size and bars.peak[path] <= (size or 0), path
 
 
-def test_a_claim_holder_killed_mid_download_is_taken_over(
-    s3server: S3Server, s3bucket: str, model: Checkpoint, aws_env: None, tmp_path: Path
+async def test_a_tier_dying_mid_job_costs_one_warning_and_no_wait_at_the_end(
+    s3server: S3Server,
+    s3bucket: str,
+    model: Checkpoint,
+    hub: FakeHub,
+    aws_env: None,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
+    """The tier dies 40% into the first shard, while this host holds its claims: the job ends
+    from the origin, the blobs it owed the fleet are given up within a second of the snapshot
+    being complete (not after every upload's retries), and the log has one warning."""
+    port = int(s3server.endpoint.rsplit(":", 1)[1])
+    async with _Cut(("127.0.0.1", port)) as proxy:
+        via = S3Server(**{**s3server.__dict__, "endpoint": f"http://127.0.0.1:{proxy.port}"})
+        config = replace(host(tmp_path / "h", hub, via, s3bucket), max_files=1)
+        first = model.path(model.shards[0]).stat().st_size
+        seen = 0
+
+        def cut_at_40_percent(n: int) -> float:
+            nonlocal seen
+            seen += n
+            if seen > 0.4 * first and not proxy.down:
+                proxy.cut()
+            return 0.0
+
+        with caplog.at_level(logging.WARNING, logger="shardsync.tier"):
+            async with Engine(config, throttle=cut_at_40_percent) as engine:
+                job = engine.job(engine.origin(REPO))
+                await job.prepare()
+                files = await job.download()
+                complete = time.monotonic()
+                snapshot, tier = job.snapshot_path, engine.tier
+            left = time.monotonic() - complete
+    assert tier is not None and proxy.down
+    assert_snapshot_matches(snapshot, model)
+    assert [f.source for f in files if f.path in model.shards] == ["network"] * 4
+    assert tier.statistics().errors >= 1 and tier.statistics().uploads == 0
+    assert left < 1.5, f"the engine took {left:.1f} s to leave a dead tier"
+    assert len([r for r in caplog.records if r.name == "shardsync.tier"]) == 1
+
+
+@pytest.mark.parametrize("lease", [1.0, None])
+def test_a_claim_holder_killed_mid_download_is_taken_over(
+    s3server: S3Server,
+    s3bucket: str,
+    model: Checkpoint,
+    aws_env: None,
+    tmp_path: Path,
+    lease: float | None,
+) -> None:
+    """``None``: the default lease, which must cost the taker seconds, not half a minute."""
     conf = tmp_path / "shardsync.toml"
+    leased = "" if lease is None else f'claim_lease = "{lease}s"\n'
     conf.write_text(
         f'[s3]\nendpoint = "{s3server.endpoint}"\naddressing = "path"\nregion = "us-east-1"\n'
-        f'[tier]\nurl = "s3://{s3bucket}/{PREFIX}"\nclaim_lease = "1s"\nclaim_stall = "30s"\n'
+        f'[tier]\nurl = "s3://{s3bucket}/{PREFIX}"\n{leased}claim_stall = "30s"\n'
     )
     first = model.path(model.shards[0]).read_bytes()
     with serving({REPO: model}) as fake:
@@ -400,9 +450,11 @@ def test_a_claim_holder_killed_mid_download_is_taken_over(
             os.killpg(holder.pid, signal.SIGKILL)
             holder.wait()
         fake.faults.clear()
+        tier = TierConfig(url=f"s3://{s3bucket}/{PREFIX}")
+        tier = tier if lease is None else replace(tier, claim_lease=lease)
         config = replace(fast_config(tmp_path / "taker", fake.endpoint), s3=S3Config(
             endpoint=s3server.endpoint, region=s3server.region, addressing="path"
-        ), tier=TierConfig(url=f"s3://{s3bucket}/{PREFIX}", claim_lease=1.0))  # fmt: skip
+        ), tier=tier)  # fmt: skip
         started = time.monotonic()
         result = asyncio.run(prefetch(REPO, config))
         waited = time.monotonic() - started
