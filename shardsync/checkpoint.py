@@ -24,7 +24,7 @@ from shardsync.api import result_from_json, result_to_json
 from shardsync.cache import CacheStore
 from shardsync.checkpoint_cache import KeptFile, RangeCache, pread_exact
 from shardsync.config import Config, load_config
-from shardsync.errors import DaemonError, EntryNotFoundError, first_error
+from shardsync.errors import DaemonError, EntryNotFoundError, raise_first
 from shardsync.fetch import Fetcher, Sleep
 from shardsync.manifest import Listing, Manifest, ManifestEntry, RemoteFile
 from shardsync.origins import Origin
@@ -567,7 +567,7 @@ class _Pipeline:
                 for path, ranges in self.per_file.items():
                     tg.create_task(self._file(source, path, ranges))
         except BaseExceptionGroup as group:  # the one clear error, not the task group's
-            raise first_error(group) from None
+            raise_first(group)
 
     async def _file(self, source: _Source, path: str, ranges: list[tuple[int, int, _Item]]) -> None:
         f = await source.file(path)

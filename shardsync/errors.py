@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import errno
 import re
+from typing import NoReturn
 
 __all__ = [
     "AuthError",
@@ -63,6 +64,7 @@ __all__ = [
     "UnsafeNameError",
     "disk_error",
     "first_error",
+    "raise_first",
     "redact",
 ]
 
@@ -173,6 +175,13 @@ def first_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
         if isinstance(exc, ShardsyncError):
             return exc
     return leaves[0] if leaves else group
+
+
+def raise_first(group: BaseExceptionGroup[BaseException]) -> NoReturn:
+    """Raise ``first_error(group)`` as it was raised: its own cause stays (a ``from None``
+    here would wipe the ``OSError`` under a ``CacheError``), the group is left out."""
+    error = first_error(group)
+    raise error from error.__cause__
 
 
 KEPT = "the partial download is kept and resumes on the next run"

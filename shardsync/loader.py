@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 from shardsync.cache import CacheStore
 from shardsync.config import Config, check_endpoint, load_config
 from shardsync.devicemap import MODES, DevicePlan, TensorSize, parse_memory, plan_device_map
-from shardsync.errors import ConfigError, HeaderError, LoadError, first_error
+from shardsync.errors import ConfigError, HeaderError, LoadError, raise_first
 from shardsync.events import Verified
 from shardsync.manifest import Manifest, ManifestEntry
 from shardsync.origins import Origin, parse_source
@@ -451,7 +451,7 @@ class TensorStream:
                         await self._handoff.go.wait()  # the consumer checked the keys first
                         await self._download(request, origin, job)
             except BaseExceptionGroup as group:
-                raise first_error(group) from None
+                raise_first(group)
         self._handoff.messages.put(("done", None))
 
     async def _download(self, request: _Request, origin: Origin, job: Job) -> None:
@@ -553,7 +553,7 @@ async def _read_headers(engine: Engine, job: Job, manifest: Manifest) -> dict[st
         async with asyncio.TaskGroup() as tg:
             tasks = [tg.create_task(one(e)) for e in manifest.shards]
     except BaseExceptionGroup as group:
-        raise first_error(group) from None
+        raise_first(group)
     return dict(t.result() for t in tasks)
 
 

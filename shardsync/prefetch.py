@@ -22,7 +22,7 @@ import aiohttp
 
 from shardsync.cache import CacheStore
 from shardsync.config import Config
-from shardsync.errors import CacheError, OfflineError, first_error
+from shardsync.errors import CacheError, OfflineError, raise_first
 from shardsync.fetch import BlobRequest, Fetcher, Sleep, Throttle
 from shardsync.manifest import (
     Listing,
@@ -472,7 +472,7 @@ class Job:
                     for _ in range(min(most, queue.qsize())):
                         tg.create_task(worker(queue))
         except BaseExceptionGroup as group:
-            raise first_error(group) from None
+            raise_first(group)
 
     async def _obtain(self, entry: ManifestEntry) -> tuple[FileRecord, FileOutcome]:
         """Reuse a cached blob or download one, holding the blob's download slot."""
