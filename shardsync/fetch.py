@@ -677,6 +677,9 @@ class Fetcher:
         body = b""
         with contextlib.suppress(Exception):
             body = await resp.content.read(_ERROR_BODY)
+        if resp.status == 407:
+            sent = self._proxy_auth(str(resp.url)) is not None
+            raise AuthError(f"{label}: {_proxy_refused(sent)}")
         raise _status_error(resp.status, resp.headers.get, body, label, relocatable=relocatable)
 
     async def _backoff_or_raise(
@@ -685,7 +688,8 @@ class Fetcher:
         cause = _cause(exc)
         if isinstance(exc, aiohttp.ClientHttpProxyError):  # the proxy refused a CONNECT
             if exc.status == 407:
-                raise AuthError(f"{label}: {_PROXY_AUTH}") from None
+                sent = self._proxy_auth(str(exc.request_info.url)) is not None
+                raise AuthError(f"{label}: {_proxy_refused(sent)}") from None
             exc = _RetryLater(f"proxy answered HTTP {exc.status}", after=None, status=exc.status)
         elif isinstance(exc, aiohttp.ClientResponseError):  # an answer aiohttp cannot parse
             exc = _malformed(exc, label)
@@ -1226,10 +1230,16 @@ class _FileDownload:
                 await state.in_thread(state.keeper.save)
 
 
-_PROXY_AUTH = (
-    "the proxy wants credentials, or refused the ones given (HTTP 407); they go in the proxy "
-    "URL, http://USER:PASS@HOST:PORT"
-)
+def _proxy_refused(sent: bool | None) -> str:
+    """What a 407 means, told whether the request carried the proxy URL's credentials."""
+    if sent:
+        return "the proxy refused the credentials in the proxy URL (HTTP 407): check them"
+    if sent is None:
+        return (
+            "the proxy wants credentials, or refused the ones given (HTTP 407); they go in the "
+            "proxy URL, http://USER:PASS@HOST:PORT"
+        )
+    return "the proxy wants credentials (HTTP 407): give them in the proxy URL, http://USER:PASS@HOST:PORT"
 
 
 class _RetryLater(TransferError):
@@ -1323,7 +1333,7 @@ def _status_error(
     if code == "GatedRepo":
         return AuthError(detail)
     if status == 407:
-        return AuthError(f"{detail}: {_PROXY_AUTH}")
+        return AuthError(f"{detail}: {_proxy_refused(None)}")
     verdict = classify_status(status)
     if verdict == "retry":
         after = parse_retry_after(header("Retry-After"), now=time.time())

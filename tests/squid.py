@@ -2,7 +2,9 @@
 
 It never resolves a name outside (``dns_nameservers 127.0.0.1``), caches nothing, allows
 requests and CONNECT tunnels from loopback to any port, and logs one line per request with
-the method, URL and status, so a test can tell what went through it.
+the method, URL and status, so a test can tell what went through it. With ``auth=(user,
+password)`` it asks for them (basic auth, squid's own ``basic_ncsa_auth`` over an htpasswd
+file) and answers 407 to every request without them, as a corporate proxy does.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SQUID = shutil.which("squid") or ("/usr/sbin/squid" if Path("/usr/sbin/squid").exists() else None)
+NCSA_AUTH = Path("/usr/lib/squid/basic_ncsa_auth")
 
 
 class SquidUnavailable(RuntimeError):
@@ -59,25 +62,41 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def run_squid(timeout: float = 20.0) -> Iterator[Squid]:
+def run_squid(timeout: float = 20.0, *, auth: tuple[str, str] | None = None) -> Iterator[Squid]:
     """Start squid in a fresh directory under /tmp: as root squid runs as ``proxy``, which
     must reach its files (pytest's own temp folders are 0700)."""
     if SQUID is None:
         raise SquidUnavailable("squid is not installed (apt-get install squid)")
+    if auth is not None and not NCSA_AUTH.exists():
+        raise SquidUnavailable(f"squid's {NCSA_AUTH.name} helper is not installed")
     work = Path(tempfile.mkdtemp(prefix="shardsync-squid-", dir="/tmp"))
     try:
-        with _squid_in(work, timeout) as running:
+        with _squid_in(work, timeout, auth) as running:
             yield running
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
 @contextlib.contextmanager
-def _squid_in(work: Path, timeout: float) -> Iterator[Squid]:
+def _squid_in(work: Path, timeout: float, auth: tuple[str, str] | None) -> Iterator[Squid]:
     assert SQUID is not None
     work.chmod(0o755)
     port = _free_port()
     conf = work / "squid.conf"
+    access = "http_access allow loopback"
+    if auth is not None:
+        user, password = auth
+        hashed = subprocess.run(
+            ["openssl", "passwd", "-apr1", password], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        (work / "htpasswd").write_text(f"{user}:{hashed}\n")
+        (work / "htpasswd").chmod(0o644)
+        access = (
+            f"auth_param basic program {NCSA_AUTH} {work}/htpasswd\n"
+            "auth_param basic realm shardsync-test\n"
+            "acl authed proxy_auth REQUIRED\n"
+            "http_access allow loopback authed"
+        )
     conf.write_text(
         f"""http_port 127.0.0.1:{port}
 pid_filename {work}/squid.pid
@@ -89,7 +108,7 @@ cache deny all
 cache_mem 4 MB
 dns_nameservers 127.0.0.1
 acl loopback src 127.0.0.0/8
-http_access allow loopback
+{access}
 http_access deny all
 coredump_dir {work}
 shutdown_lifetime 0 seconds

@@ -16,6 +16,7 @@ import sys
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 import trustme
@@ -143,6 +144,26 @@ def squid() -> Iterator[Squid]:
         except SquidUnavailable as exc:
             pytest.skip(str(exc))
         yield running
+
+
+SQUID_USER = ("alice", "s3cret:with@odd/chars")
+
+
+@pytest.fixture(scope="module")
+def authed_squid() -> Iterator[Squid]:
+    """squid asking for basic-auth credentials (407 without them)."""
+    with contextlib.ExitStack() as stack:
+        try:
+            running = stack.enter_context(run_squid(auth=SQUID_USER))
+        except SquidUnavailable as exc:
+            pytest.skip(str(exc))
+        yield running
+
+
+def authed(squid: Squid, user: str, password: str) -> str:
+    """The proxy URL with the credentials in it, percent-coded as a user writes them."""
+    userinfo = f"{quote(user, safe='')}:{quote(password, safe='')}"
+    return squid.url.replace("://", f"://{userinfo}@", 1)
 
 
 @pytest.fixture
@@ -283,6 +304,52 @@ async def test_a_private_ca_from_the_config_file(
         config = replace(fast_config(tmp_path / "c"), network=network)
         result = await prefetch(url, config)
     assert_same_files(result.snapshot_path, checkpoint)
+
+
+async def test_an_authenticating_squid_passes_plain_http_requests_with_the_credentials(
+    authed_squid: Squid, hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    """The Hub's API, resolves and CDN bytes over http://, through squid with basic auth."""
+    env = {"http_proxy": authed(authed_squid, *SQUID_USER)}
+    config = through(fast_config(tmp_path / "c", hub.endpoint), env)
+    mark = authed_squid.mark()
+    result = await prefetch(REPO, config)
+    assert_snapshot_matches(result.snapshot_path, checkpoint)
+    statuses = [status for _m, url, status in authed_squid.log_since(mark)]
+    assert statuses and 407 not in statuses
+    assert any(url.startswith(hub.cdn_endpoint) for _m, url, _s in authed_squid.log_since(mark))
+
+
+async def test_an_authenticating_squid_opens_tunnels_with_the_credentials(
+    authed_squid: Squid,
+    checkpoint: Checkpoint,
+    ca: tuple[ssl.SSLContext, Path],
+    tmp_path: Path,
+) -> None:
+    server, ca_file = ca
+    async with https_directory(checkpoint.directory, server) as url:
+        env = {"https_proxy": authed(authed_squid, *SQUID_USER), "SSL_CERT_FILE": str(ca_file)}
+        mark = authed_squid.mark()
+        result = await prefetch(url, through(fast_config(tmp_path / "c"), env))
+        assert_same_files(result.snapshot_path, checkpoint)
+        seen = authed_squid.log_since(mark)
+    assert [m for m, _u, status in seen if m == "CONNECT" and status == 200]
+    assert 407 not in [status for _m, _u, status in seen]
+
+
+@pytest.mark.parametrize("scheme", ["http", "https"])
+async def test_a_wrong_proxy_password_is_one_auth_error_that_says_they_were_sent(
+    authed_squid: Squid, hub: FakeHub, scheme: str, tmp_path: Path
+) -> None:
+    wrong = "not-the-password"
+    env = {f"{scheme}_proxy": authed(authed_squid, SQUID_USER[0], wrong)}
+    config = through(fast_config(tmp_path / "c", hub.endpoint), env)
+    source = REPO if scheme == "http" else "https://127.0.0.1:1/ckpt/"
+    with pytest.raises(AuthError) as caught:
+        await prefetch(source, config)
+    message = str(caught.value)
+    assert "407" in message and "refused the credentials" in message
+    assert wrong not in message and SQUID_USER[0] not in message
 
 
 # ------------------------------------------------------------------------------ bad proxies
