@@ -59,6 +59,7 @@ Progress = Callable[[int], None]
 _MAX_CLAIM = 64 * 1024
 _MAX_ROUNDS = 4  # miss -> wait -> (taken over | released) -> ... before going to the origin
 _POLL_FIRST, _POLL_MAX = 0.2, 2.0
+_ANSWER_S = 5.0  # the longest a tier request but an upload may take (S3 answers in ms)
 _EXIT_LOOK = 0.1  # seconds between looks at a tier that may have died, while leaving
 _RENEWALS_PER_LEASE = 5
 _COOLDOWN = 60.0  # seconds the tier is skipped after it could not be reached
@@ -513,9 +514,18 @@ class Tier:
         return task
 
     async def _quietly(self, doing: str, op: Awaitable[Any]) -> Any:
-        """Run one tier request; a failure is counted and warned about, never raised."""
+        """Run one tier request; a failure is counted and warned about, never raised. Any
+        but an upload must answer within ``_ANSWER_S``: a tier that accepts connections and
+        then says nothing (a hung gateway) is taken for down, not waited on per file."""
         try:
-            return await op
+            if doing == "write":
+                return await op
+            async with asyncio.timeout(_ANSWER_S):
+                return await op
+        except TimeoutError:
+            silent = TransferError(f"the tier did not answer a {doing} within {_ANSWER_S:.0f} s")
+            self._failed(doing, silent)
+            return _FAILED
         except ShardsyncError as exc:
             self._failed(doing, exc)
             return _FAILED

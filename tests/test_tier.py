@@ -247,6 +247,38 @@ async def test_a_tier_that_is_down_costs_one_warning_and_the_job_goes_on(
     assert len([r for r in caplog.records if r.name == "shardsync.tier"]) == 1
 
 
+async def test_a_tier_that_hangs_costs_seconds_and_one_warning(
+    model: Checkpoint, hub: FakeHub, s3server: S3Server, aws_env: None, tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
+    """A tier that accepts connections and never answers (a hung gateway): the job goes on
+    from the origin after one request's patience, not after botocore's read timeouts."""
+    held: list[asyncio.StreamWriter] = []
+
+    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)  # read nothing, answer nothing, close nothing
+
+    listener = await asyncio.start_server(hold, "127.0.0.1", 0)
+    port = listener.sockets[0].getsockname()[1]
+    try:
+        hung = S3Server(**{**s3server.__dict__, "endpoint": f"http://127.0.0.1:{port}"})
+        config = host(tmp_path / "h", hub, hung, "nobucket")
+        started = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="shardsync.tier"):
+            result = await prefetch(REPO, config)
+        took = time.monotonic() - started
+    finally:
+        for writer in held:
+            writer.transport.abort()
+        listener.close()
+    assert held, "nothing reached the hung tier: the case proves nothing"
+    assert_snapshot_matches(result.snapshot_path, model)
+    assert sources(result, model) == ["network"] * len(model.shards)
+    assert result.tier is not None and result.tier.errors >= 1
+    assert took < 15, f"a hung tier held the job up {took:.1f} s"
+    assert len([r for r in caplog.records if r.name == "shardsync.tier"]) == 1
+
+
 async def test_wrong_tier_credentials_turn_the_tier_off_with_one_warning(
     s3server: S3Server,
     s3bucket: str,
