@@ -8,15 +8,15 @@ from shardsync.errors import ShardsyncError
 
 if TYPE_CHECKING:
     from shardsync.client import Client, SyncClient
-    from shardsync.loader import load, stream
+    from shardsync.loader import load, stream, weights
 
-__all__ = ["Client", "ShardsyncError", "SyncClient", "__version__", "load", "stream"]
+__all__ = ["Client", "ShardsyncError", "SyncClient", "__version__", "load", "stream", "weights"]
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> Any:
-    """``shardsync.load``/``shardsync.stream`` import torch only when first used."""
-    if name in ("load", "stream"):
+    """``shardsync.load``/``stream``/``weights`` import torch only when first used."""
+    if name in ("load", "stream", "weights"):
         from shardsync import loader
 
         return getattr(loader, name)

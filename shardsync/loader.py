@@ -680,6 +680,37 @@ def stream(
     )
 
 
+def weights(
+    source: str,
+    *,
+    revision: str | None = None,
+    endpoint: str | None = None,
+    cache_dir: str | Path | None = None,
+    token: str | None = None,
+    allow_pickle: bool = False,
+    config: Config | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` for every tensor of ``source``, in index order, each shard as soon as
+    it is verified: what a serving engine's ``load_weights`` takes (vLLM's, SGLang's, your
+    own). The tensors are CPU views of the cache's mapped files, so nothing is copied or read
+    twice; the download goes through the daemon when one answers. The stream (and the lease
+    on the snapshot) closes when the iterator is exhausted or closed.
+
+    >>> model.load_weights(shardsync.weights("org/model"))
+    """
+    with stream(
+        source,
+        revision=revision,
+        device_map="cpu",
+        endpoint=endpoint,
+        cache_dir=cache_dir,
+        token=token,
+        allow_pickle=allow_pickle,
+        config=config,
+    ) as tensors:
+        yield from tensors
+
+
 def _open(
     source: str,
     *,

@@ -85,6 +85,22 @@ def test_stream_is_bit_exact_and_in_shard_order(
     assert len(header_reads) == len(checkpoint.shards)
 
 
+def test_weights_gives_every_tensor_in_shard_order_as_cpu_views(
+    hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    """``shardsync.weights``, what an engine's ``load_weights`` takes: every tensor once,
+    bit-exact, shard by shard, on the CPU, and the iterator closes its stream when done."""
+    config = fast_config(tmp_path, hub.endpoint)
+    pairs = list(shardsync.weights(REPO, config=config))
+    originals = _originals(checkpoint)
+    assert [name for name, _ in pairs].count(pairs[0][0]) == 1
+    _assert_bit_exact(dict(pairs), originals)
+    assert all(tensor.device.type == "cpu" for _, tensor in pairs)
+    index = json.loads(checkpoint.path(checkpoint.index).read_text())["weight_map"]
+    order = [index[name] for name, _ in pairs]
+    assert order == sorted(order) and len(pairs) == len(originals)
+
+
 def test_load_single_file_and_from_cache(tmp_path: Path) -> None:
     single = build_checkpoint(tmp_path / "single", total_bytes=1 << 20, n_shards=1, seed=4)
     fake = FakeHub()

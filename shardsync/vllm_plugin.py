@@ -1,0 +1,147 @@
+"""vLLM's ``--load-format shardsync``: the engine's weights come from shardsync.
+
+``register`` is the ``vllm.general_plugins`` entry point. vLLM calls it in every process it
+starts (the API server, the engine core, each worker), so it is idempotent and cheap: it
+imports nothing of shardsync's beyond this module until a load starts.
+
+- ``download_model``: a prefetch of the model vLLM was given (a Hub id and its revision, a
+  directory, an ``s3://`` prefix or an http base URL), through the daemon when one answers,
+  so every instance and worker on the host shares one download (and the fleet's tier, when
+  one is configured).
+- ``load_weights``: ``model.load_weights`` fed by ``shardsync.weights``, in index order as
+  each shard is verified, so loading overlaps downloading; the tensors are views of the
+  cache's mapped files and nothing is read twice. vLLM merges q/k/v and gate/up itself.
+
+Options come from ``--model-loader-extra-config '{"shardsync": {...}}'``: ``priority``
+(the daemon's job priority), ``cache_dir``, ``endpoint``, ``include`` (extra small files)
+and ``allow_pickle``. Errors are shardsync's own (``ShardsyncError``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from shardsync.errors import ConfigError, LoadError
+
+__all__ = ["LOAD_FORMAT", "register"]
+
+LOAD_FORMAT = "shardsync"
+_OPTIONS = frozenset({"priority", "cache_dir", "endpoint", "include", "allow_pickle"})
+_registered = False
+
+
+@dataclass(frozen=True, slots=True)
+class _Options:
+    priority: int = 0
+    cache_dir: str | None = None
+    endpoint: str | None = None
+    include: tuple[str, ...] | None = None
+    allow_pickle: bool = False
+
+
+def register() -> None:
+    """Register the ``shardsync`` load format with vLLM (once per process)."""
+    global _registered
+    if _registered:
+        return
+    from vllm.model_executor.model_loader import register_model_loader
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+    @register_model_loader(LOAD_FORMAT)
+    class ShardsyncModelLoader(BaseModelLoader):  # type: ignore[misc]
+        """Downloads through shardsync and feeds ``model.load_weights`` from its stream."""
+
+        def download_model(self, model_config: Any) -> None:
+            _download(model_config, _options(self.load_config))
+
+        def load_weights(self, model: Any, model_config: Any) -> None:
+            _load_weights(model, model_config, _options(self.load_config))
+
+    _registered = True
+
+
+def _options(load_config: Any) -> _Options:
+    extra = getattr(load_config, "model_loader_extra_config", None) or {}
+    raw = extra.get(LOAD_FORMAT, {}) if isinstance(extra, Mapping) else {}
+    if not isinstance(raw, Mapping):
+        raise ConfigError('model_loader_extra_config["shardsync"] must be a JSON object')
+    unknown = set(raw) - _OPTIONS
+    if unknown:
+        raise ConfigError(
+            f"unknown shardsync loader options {sorted(unknown)}; known: {sorted(_OPTIONS)}"
+        )
+    priority = raw.get("priority", 0)
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise ConfigError(f"shardsync option priority must be an integer, not {priority!r}")
+    include = raw.get("include")
+    if include is not None and (
+        isinstance(include, str)
+        or not isinstance(include, Sequence)
+        or not all(isinstance(g, str) for g in include)
+    ):
+        raise ConfigError("shardsync option include must be a list of glob patterns")
+    for key in ("cache_dir", "endpoint"):
+        if raw.get(key) is not None and not isinstance(raw[key], str):
+            raise ConfigError(f"shardsync option {key} must be a string")
+    allow_pickle = raw.get("allow_pickle", False)
+    if not isinstance(allow_pickle, bool):
+        raise ConfigError("shardsync option allow_pickle must be true or false")
+    return _Options(
+        priority=priority,
+        cache_dir=raw.get("cache_dir"),
+        endpoint=raw.get("endpoint"),
+        include=None if include is None else tuple(include),
+        allow_pickle=allow_pickle,
+    )
+
+
+def _config(options: _Options) -> Any:
+    from pathlib import Path
+
+    from shardsync.config import check_endpoint, load_config
+
+    cache = Path(options.cache_dir).expanduser() if options.cache_dir else None
+    config = load_config(cache_dir=cache)
+    if options.endpoint:
+        from dataclasses import replace
+
+        config = replace(config, endpoint=check_endpoint("endpoint", options.endpoint))
+    return config
+
+
+def _download(model_config: Any, options: _Options) -> None:
+    from shardsync.client import SyncClient
+
+    with SyncClient(_config(options)) as client:
+        job = client.prefetch(
+            str(model_config.model),
+            revision=model_config.revision,
+            include=options.include,
+            priority=options.priority,
+            allow_pickle=options.allow_pickle,
+        )
+        job.wait()
+
+
+def _load_weights(model: Any, model_config: Any, options: _Options) -> None:
+    from shardsync.loader import weights
+
+    wanted = {name for name, _ in model.named_parameters()}
+    loaded = model.load_weights(
+        weights(
+            str(model_config.model),
+            revision=model_config.revision,
+            allow_pickle=options.allow_pickle,
+            config=_config(options),
+        )
+    )
+    if loaded is not None and getattr(model_config, "quantization", None) is None:
+        missing = sorted(wanted - set(loaded))
+        if missing:
+            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+            raise LoadError(
+                f"{model_config.model}: the checkpoint has no weights for {len(missing)} "
+                f"parameters of the model vLLM built ({shown})"
+            )

@@ -1,0 +1,225 @@
+"""vLLM loads through shardsync (``load_format="shardsync"``), with a real vLLM.
+
+vLLM pins its own torch and transformers, so it lives in a venv of its own (README:
+Serving engines): ``.venv-vllm`` beside this checkout, or ``$SHARDSYNC_VLLM_PYTHON``. Every
+vLLM run is a child process of that venv (``tests/vllm_child.py``); the fake Hub, the daemon
+and the checks run here. Without the venv these tests skip.
+
+The reference is vLLM's own default loader reading the same checkpoint from a directory:
+greedy tokens must be equal, token for token.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import pytest
+from daemons import DaemonProcess, cli, short_tmp, write_config
+from helpers import assert_store_verified, serving
+
+from shardsync.testing import Checkpoint, FakeHub, serve_in_thread
+
+ROOT = Path(__file__).resolve().parent.parent
+CHILD = Path(__file__).resolve().parent / "vllm_child.py"
+VLLM_PYTHON = Path(
+    os.environ.get("SHARDSYNC_VLLM_PYTHON") or ROOT / ".venv-vllm" / "bin" / "python"
+)
+REPO = "acme/tiny-llama"
+RESULT = "vllm-child-result: "
+
+pytestmark = pytest.mark.skipif(
+    not VLLM_PYTHON.exists(),
+    reason=f"no vLLM venv at {VLLM_PYTHON} (README: Serving engines, to create it)",
+)
+
+
+def child(
+    *args: str, env: Mapping[str, str], timeout: float = 240
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(VLLM_PYTHON), str(CHILD), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=dict(env),
+        cwd=ROOT,
+    )
+
+
+def vllm_env(work: Path, hub: FakeHub | None = None, **extra: str) -> dict[str, str]:
+    """One process's world: its own caches, no daemon unless given, vLLM in one process."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SHARDSYNC_", "HF_"))}
+    env.pop("VIRTUAL_ENV", None)
+    env.update(
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_HOST_IP="127.0.0.1",
+        HF_HUB_CACHE=str(work / "hf"),
+        HF_HUB_DISABLE_TELEMETRY="1",
+        SHARDSYNC_CACHE_DIR=str(work / "cache"),
+        SHARDSYNC_SOCKET=str(work / "no-daemon" / "d.sock"),
+    )
+    if hub is not None:
+        env["HF_ENDPOINT"] = hub.endpoint
+    env.update(extra)
+    return env
+
+
+def generate(model: str, load_format: str, env: Mapping[str, str], extra: str = "") -> object:
+    args = ["generate", model, load_format, *([extra] if extra else [])]
+    done = child(*args, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    marked = [line for line in done.stdout.splitlines() if line.startswith(RESULT)]
+    assert len(marked) == 1, done.stdout[-2000:]
+    return json.loads(marked[0].removeprefix(RESULT))["tokens"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
+    """A tiny Llama (head size 32, which CPU attention needs) in 10 shards, and a tokenizer."""
+    directory = tmp_path_factory.mktemp("tiny-llama")
+    done = child("build", str(directory), env=vllm_env(directory))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return Checkpoint.scan(directory)
+
+
+@pytest.fixture(scope="module")
+def hub(tiny: Checkpoint) -> Iterator[FakeHub]:
+    with serving({REPO: tiny}) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def reference(tiny: Checkpoint, tmp_path_factory: pytest.TempPathFactory) -> object:
+    """vLLM's own loader, reading the checkpoint's directory."""
+    work = tmp_path_factory.mktemp("reference")
+    return generate(str(tiny.directory), "auto", vllm_env(work))
+
+
+def test_load_format_shardsync_gives_the_default_loaders_tokens_from_the_hub(
+    tiny: Checkpoint, hub: FakeHub, reference: object, tmp_path: Path
+) -> None:
+    hub.reset_log()
+    tokens = generate(REPO, "shardsync", vllm_env(tmp_path, hub))
+    assert tokens == reference
+    fetched = {r.file for r in hub.log if r.bytes_sent > 0}
+    assert set(tiny.shards) <= fetched  # the shards came from the Hub, through shardsync
+    assert_store_verified(tmp_path / "cache", tiny)
+    assert not (tmp_path / "hf").exists() or not list((tmp_path / "hf").rglob("*.safetensors"))
+
+
+def test_loader_options_come_from_the_extra_config_and_bad_ones_are_refused(
+    hub: FakeHub, reference: object, tmp_path: Path
+) -> None:
+    extra = json.dumps({"shardsync": {"cache_dir": str(tmp_path / "named"), "priority": 3}})
+    assert generate(REPO, "shardsync", vllm_env(tmp_path, hub), extra) == reference
+    assert list((tmp_path / "named").glob("store/sha256/*/*"))
+    bad = json.dumps({"shardsync": {"prority": 3}})
+    done = child("generate", REPO, "shardsync", bad, env=vllm_env(tmp_path, hub))
+    assert done.returncode != 0
+    assert "ConfigError" in done.stderr and "prority" in done.stderr
+
+
+def test_vllm_through_the_daemon_downloads_once_per_host(
+    tiny: Checkpoint, hub: FakeHub, reference: object
+) -> None:
+    with short_tmp() as work:
+        socket_path = work / "d" / "d.sock"
+        conf = write_config(
+            work / "d.toml", cache=work / "cache", endpoint=hub.endpoint, socket_path=socket_path
+        )
+        daemon = DaemonProcess(conf, work)
+        try:
+            daemon.start()
+            env = vllm_env(work, hub, SHARDSYNC_SOCKET=str(socket_path))
+            hub.reset_log()
+            assert generate(REPO, "shardsync", env) == reference
+            first = hub.bytes_served("*.safetensors")
+            assert generate(REPO, "shardsync", env) == reference  # a second instance
+            again = hub.bytes_served("*.safetensors")
+            status = cli("status", "--json", env={"SHARDSYNC_SOCKET": str(socket_path)})
+        finally:
+            daemon.close()
+    assert first >= sum(tiny.path(s).stat().st_size for s in tiny.shards)
+    assert again == first  # the second instance read the daemon's cache: no byte again
+    assert status.returncode == 0 and REPO in status.stdout
+
+
+def test_the_plugin_registers_in_vllms_worker_processes(
+    hub: FakeHub, reference: object, tmp_path: Path
+) -> None:
+    """vLLM's default: the engine core in its own process, which loads the weights."""
+    env = vllm_env(tmp_path, hub, VLLM_ENABLE_V1_MULTIPROCESSING="1")
+    assert generate(REPO, "shardsync", env) == reference
+
+
+def test_missing_weights_are_shardsyncs_clear_error(tiny: Checkpoint, tmp_path: Path) -> None:
+    """A repo whose index names a shard the Hub does not have: vLLM builds its config, then
+    the load fails with shardsync's error naming the file, not a traceback from vLLM."""
+    missing = tiny.shards[3]
+    broken = FakeHub()
+    broken.add_repo(REPO, {rel: tiny.path(rel) for rel in tiny.files if rel != missing})
+    with serve_in_thread(broken) as running:
+        done = child("generate", REPO, "shardsync", env=vllm_env(tmp_path, running))
+    assert done.returncode != 0
+    assert "shardsync.errors" in done.stderr and missing in done.stderr
+
+
+def test_the_openai_server_answers_with_weights_from_shardsync(
+    hub: FakeHub, tmp_path: Path
+) -> None:
+    port = _free_port()
+    env = vllm_env(tmp_path, hub)
+    with (
+        (tmp_path / "server.log").open("w") as log,
+        subprocess.Popen(
+            [str(VLLM_PYTHON), str(CHILD), "server", REPO, "shardsync", str(port)],
+            env=env,
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+            start_new_session=True,
+        ) as server,
+    ):
+        try:
+            answer = _complete(port, server, deadline=time.monotonic() + 180)
+        finally:
+            server.terminate()
+            try:
+                server.wait(30)
+            except subprocess.TimeoutExpired:
+                server.kill()
+    assert answer["choices"] and answer["usage"]["completion_tokens"] == 8
+
+
+def _complete(port: int, server: subprocess.Popen[bytes], *, deadline: float) -> dict[str, object]:
+    body = json.dumps({"model": REPO, "prompt": "hello world", "max_tokens": 8, "temperature": 0})
+    while True:
+        if server.poll() is not None:
+            raise AssertionError(f"the server exited with {server.returncode}")
+        try:
+            request = urllib.request.Request(
+                f"http://127.0.0.1:{port}/v1/completions",
+                data=body.encode(),
+                headers={"Content-Type": "application/json"},
+            )
+            with urllib.request.urlopen(request, timeout=30) as resp:
+                return dict(json.loads(resp.read()))
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
