@@ -114,6 +114,19 @@ def test_load_format_shardsync_gives_the_default_loaders_tokens_from_the_hub(
     assert not (tmp_path / "hf").exists() or not list((tmp_path / "hf").rglob("*.safetensors"))
 
 
+def test_download_model_prefetches_and_registering_twice_is_harmless(
+    tiny: Checkpoint, hub: FakeHub, tmp_path: Path
+) -> None:
+    """``download_model`` (what vLLM's download paths call) makes the snapshot complete; the
+    entry point runs twice in one process without a second registration."""
+    done = child("download", REPO, env=vllm_env(tmp_path, hub))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "already registered" not in done.stderr
+    assert_store_verified(tmp_path / "cache", tiny)
+    refs = list((tmp_path / "cache").glob("hub/models--acme--tiny-llama/refs/main"))
+    assert refs, "no complete snapshot"
+
+
 def test_loader_options_come_from_the_extra_config_and_bad_ones_are_refused(
     hub: FakeHub, reference: object, tmp_path: Path
 ) -> None:

@@ -8,6 +8,8 @@ venv: it pins its own torch and transformers).
         greedy tokens from ``vllm.LLM``: one line, ``RESULT`` + ``{"tokens": [[...], ...]}``
     python tests/vllm_child.py server MODEL LOAD_FORMAT PORT
         vLLM's OpenAI server (``vllm serve`` is broken in this repackaging)
+    python tests/vllm_child.py download MODEL
+        vLLM's plugins loaded twice, then the ``shardsync`` loader's ``download_model``
 
 The environment (``HF_ENDPOINT``, ``SHARDSYNC_*``, ``VLLM_*``) comes from the parent.
 """
@@ -74,6 +76,21 @@ def generate(model: str, load_format: str, extra: str | None) -> None:
     print(RESULT + json.dumps({"tokens": tokens}), flush=True)
 
 
+def download(model: str) -> None:
+    from types import SimpleNamespace
+
+    from vllm.config.load import LoadConfig
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.plugins import load_plugins_by_group
+
+    for _ in range(2):  # vLLM loads plugins in every process: twice is fine
+        for plugin in load_plugins_by_group("vllm.general_plugins").values():
+            plugin()
+    loader = get_model_loader(LoadConfig(load_format="shardsync"))
+    loader.download_model(SimpleNamespace(model=model, revision=None))
+    print(RESULT + json.dumps({"loader": type(loader).__name__}), flush=True)
+
+
 def server(model: str, load_format: str, port: str) -> None:
     import runpy
 
@@ -93,5 +110,7 @@ if __name__ == "__main__":  # vLLM spawns: nothing may run on import
         generate(args[0], args[1], args[2] if len(args) > 2 else None)
     elif command == "server":
         server(*args)
+    elif command == "download":
+        download(args[0])
     else:
         raise SystemExit(f"unknown command {command!r}")
