@@ -114,7 +114,9 @@ def _config(options: _Options) -> Any:
 def _download(model_config: Any, options: _Options) -> None:
     from shardsync.client import SyncClient
 
-    with SyncClient(_config(options)) as client:
+    # a cache or Hub named in the options is this process's to fill, as for the loader
+    named = options.cache_dir is not None or options.endpoint is not None
+    with SyncClient(_config(options), use_daemon=not named) as client:
         job = client.prefetch(
             str(model_config.model),
             revision=model_config.revision,
@@ -133,8 +135,9 @@ def _load_weights(model: Any, model_config: Any, options: _Options) -> None:
         weights(
             str(model_config.model),
             revision=model_config.revision,
+            endpoint=options.endpoint,
+            cache_dir=options.cache_dir,  # named: a daemon serving another cache is not used
             allow_pickle=options.allow_pickle,
-            config=_config(options),
         )
     )
     if loaded is not None and getattr(model_config, "quantization", None) is None:

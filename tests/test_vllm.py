@@ -157,11 +157,19 @@ def test_vllm_through_the_daemon_downloads_once_per_host(
             assert generate(REPO, "shardsync", env) == reference  # a second instance
             again = hub.bytes_served("*.safetensors")
             status = cli("status", "--json", env={"SHARDSYNC_SOCKET": str(socket_path)})
+            # a cache named in the options is filled by vLLM's process, not the daemon's
+            named = json.dumps({"shardsync": {"cache_dir": str(work / "named")}})
+            assert generate(REPO, "shardsync", env, named) == reference
+            third = hub.bytes_served("*.safetensors")
+            assert_store_verified(work / "named", tiny)
+            assert list((work / "named").glob("store/sha256/*/*"))
         finally:
             daemon.close()
-    assert first >= sum(tiny.path(s).stat().st_size for s in tiny.shards)
+    shards = sum(tiny.path(s).stat().st_size for s in tiny.shards)
+    assert first >= shards
     assert again == first  # the second instance read the daemon's cache: no byte again
     assert status.returncode == 0 and REPO in status.stdout
+    assert third - again >= shards
 
 
 def test_the_plugin_registers_in_vllms_worker_processes(
