@@ -263,10 +263,12 @@ async def test_a_running_prefetch_job_leases_its_repo(
 ) -> None:
     """The job is parked in a retry wait (a 503, then a sleep we control): a prune while it
     waits must leave its repo alone; afterwards the lease is gone and the use is logged.
-    The 503 is a small file's, asked for only once the index is in (shards are located
-    while it downloads, before the job has anything in the cache)."""
+    Every file but the index answers 503 until the prune is done, so the job has published
+    nothing then: a blob it published but had not linked yet would look two days old to the
+    prune's clock (an orphan), which is not what this test is about."""
     fake_hub.add_checkpoint("acme/tiny", checkpoint)
-    fake_hub.faults.add(Status(503, path="config.json", server="hub"))
+    fake_hub.faults.add(Status(503, path="[!m]*", server="hub"))  # all small files but the index
+    fake_hub.faults.add(Status(503, path="*.safetensors", server="cdn"))
     cache = CacheStore(tmp_path / "cache")
     parked, resume = asyncio.Event(), asyncio.Event()
 
@@ -282,6 +284,7 @@ async def test_a_running_prefetch_job_leases_its_repo(
     report = await asyncio.to_thread(prune_cache, cache, Limits(max_size=0), clock=_later)
     assert report.evicted == ()
     assert {p.reason for p in report.protected} == {"leased"}
+    fake_hub.faults.clear()
     resume.set()
     result = await job
     assert Leases(cache).all() == ()
