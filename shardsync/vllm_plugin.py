@@ -4,17 +4,23 @@
 starts (the API server, the engine core, each worker), so it is idempotent and cheap: it
 imports nothing of shardsync's beyond this module until a load starts.
 
-- ``download_model``: a prefetch of the model vLLM was given (a Hub id and its revision, a
-  directory, an ``s3://`` prefix or an http base URL), through the daemon when one answers,
-  so every instance and worker on the host shares one download (and the fleet's tier, when
-  one is configured).
+- ``download_model``: a prefetch of the model vLLM was given (a Hub id and its revision or a
+  directory), or of the ``source`` option (an ``s3://`` prefix or an http base URL), through
+  the daemon when one answers, so every instance and worker on the host shares one download
+  (and the fleet's tier, when one is configured).
 - ``load_weights``: ``model.load_weights`` fed by ``shardsync.weights``, in index order as
   each shard is verified, so loading overlaps downloading; the tensors are views of the
   cache's mapped files and nothing is read twice. vLLM merges q/k/v and gate/up itself.
 
-Options come from ``--model-loader-extra-config '{"shardsync": {...}}'``: ``priority``
-(the daemon's job priority), ``cache_dir``, ``endpoint``, ``include`` (extra small files)
-and ``allow_pickle``. Errors are shardsync's own (``ShardsyncError``).
+Options come from ``--model-loader-extra-config '{"shardsync": {...}}'``: ``source`` (where
+the weights come from, when not from ``--model``), ``config`` (a shardsync TOML file for the
+work done in vLLM's own processes, e.g. its ``[s3]`` endpoint), ``priority`` (the daemon's job
+priority), ``cache_dir``, ``endpoint``, ``include`` (extra small files) and ``allow_pickle``.
+Errors are shardsync's own (``ShardsyncError``).
+
+Why ``source``: vLLM reads the model's config from ``--model`` before any loader runs, and
+refuses every load format but its own object-storage ones for an ``s3://`` model. So
+``--model`` names the config (a directory, or a Hub id) and ``source`` the weights.
 """
 
 from __future__ import annotations
@@ -28,12 +34,16 @@ from shardsync.errors import ConfigError, LoadError
 __all__ = ["LOAD_FORMAT", "register"]
 
 LOAD_FORMAT = "shardsync"
-_OPTIONS = frozenset({"priority", "cache_dir", "endpoint", "include", "allow_pickle"})
+_OPTIONS = frozenset(
+    {"source", "config", "priority", "cache_dir", "endpoint", "include", "allow_pickle"}
+)
 _registered = False
 
 
 @dataclass(frozen=True, slots=True)
 class _Options:
+    source: str | None = None
+    config: str | None = None
     priority: int = 0
     cache_dir: str | None = None
     endpoint: str | None = None
@@ -82,13 +92,15 @@ def _options(load_config: Any) -> _Options:
         or not all(isinstance(g, str) for g in include)
     ):
         raise ConfigError("shardsync option include must be a list of glob patterns")
-    for key in ("cache_dir", "endpoint"):
+    for key in ("source", "config", "cache_dir", "endpoint"):
         if raw.get(key) is not None and not isinstance(raw[key], str):
             raise ConfigError(f"shardsync option {key} must be a string")
     allow_pickle = raw.get("allow_pickle", False)
     if not isinstance(allow_pickle, bool):
         raise ConfigError("shardsync option allow_pickle must be true or false")
     return _Options(
+        source=raw.get("source"),
+        config=raw.get("config"),
         priority=priority,
         cache_dir=raw.get("cache_dir"),
         endpoint=raw.get("endpoint"),
@@ -103,12 +115,21 @@ def _config(options: _Options) -> Any:
     from shardsync.config import check_endpoint, load_config
 
     cache = Path(options.cache_dir).expanduser() if options.cache_dir else None
-    config = load_config(cache_dir=cache)
+    path = Path(options.config).expanduser() if options.config else None
+    config = load_config(path, cache_dir=cache)
     if options.endpoint:
         from dataclasses import replace
 
         config = replace(config, endpoint=check_endpoint("endpoint", options.endpoint))
     return config
+
+
+def _weights_source(model_config: Any, options: _Options) -> tuple[str, str | None]:
+    """What the weights come from, and its revision: the ``source`` option's (no revision:
+    an object store or a URL has none), else vLLM's model."""
+    if options.source is not None:
+        return options.source, None
+    return str(model_config.model), model_config.revision
 
 
 def _download(model_config: Any, options: _Options) -> None:
@@ -117,9 +138,10 @@ def _download(model_config: Any, options: _Options) -> None:
     # a cache or Hub named in the options is this process's to fill, as for the loader
     named = options.cache_dir is not None or options.endpoint is not None
     with SyncClient(_config(options), use_daemon=not named) as client:
+        source, revision = _weights_source(model_config, options)
         job = client.prefetch(
-            str(model_config.model),
-            revision=model_config.revision,
+            source,
+            revision=revision,
             include=options.include,
             priority=options.priority,
             allow_pickle=options.allow_pickle,
@@ -131,13 +153,15 @@ def _load_weights(model: Any, model_config: Any, options: _Options) -> None:
     from shardsync.loader import weights
 
     wanted = {name for name, _ in model.named_parameters()}
+    source, revision = _weights_source(model_config, options)
     loaded = model.load_weights(
         weights(
-            str(model_config.model),
-            revision=model_config.revision,
+            source,
+            revision=revision,
             endpoint=options.endpoint,
             cache_dir=options.cache_dir,  # named: a daemon serving another cache is not used
             allow_pickle=options.allow_pickle,
+            config=_config(options) if options.config else None,
         )
     )
     if loaded is not None and getattr(model_config, "quantization", None) is None:
@@ -145,6 +169,6 @@ def _load_weights(model: Any, model_config: Any, options: _Options) -> None:
         if missing:
             shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
             raise LoadError(
-                f"{model_config.model}: the checkpoint has no weights for {len(missing)} "
+                f"{source}: the checkpoint has no weights for {len(missing)} "
                 f"parameters of the model vLLM built ({shown})"
             )

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import time
 import urllib.request
@@ -22,6 +23,7 @@ from pathlib import Path
 import pytest
 from daemons import DaemonProcess, cli, short_tmp, write_config
 from helpers import assert_store_verified, serving
+from s3server import S3Server
 
 from shardsync.testing import Checkpoint, FakeHub, serve_in_thread
 
@@ -170,6 +172,36 @@ def test_vllm_through_the_daemon_downloads_once_per_host(
     assert again == first  # the second instance read the daemon's cache: no byte again
     assert status.returncode == 0 and REPO in status.stdout
     assert third - again >= shards
+
+
+def test_weights_from_s3_with_the_config_from_a_directory(
+    tiny: Checkpoint,
+    reference: object,
+    s3server: S3Server,
+    s3bucket: str,
+    aws_env: None,
+    tmp_path: Path,
+) -> None:
+    """vLLM takes an ``s3://`` model only for its own loaders, so ``--model`` is a directory
+    of the config and tokenizer alone and the ``source`` option names the weights."""
+    from test_s3_origin import upload
+
+    upload(s3server, s3bucket, tiny, checksums=True, prefix="models/tiny-llama")
+    configs = tmp_path / "configs"
+    configs.mkdir()
+    for rel in tiny.files:
+        if not rel.endswith((".safetensors", ".index.json")):
+            shutil.copy(tiny.path(rel), configs / rel)
+    conf = tmp_path / "s3.toml"
+    conf.write_text(
+        f'[s3]\nendpoint = "{s3server.endpoint}"\nregion = "{s3server.region}"\n'
+        'addressing = "path"\n'
+    )
+    source = f"s3://{s3bucket}/models/tiny-llama/"
+    extra = json.dumps({"shardsync": {"source": source, "config": str(conf)}})
+    assert generate(str(configs), "shardsync", vllm_env(tmp_path), extra) == reference
+    assert_store_verified(tmp_path / "cache", tiny)
+    assert not list(configs.glob("*.safetensors"))  # vLLM read no weights of its own
 
 
 def test_the_plugin_registers_in_vllms_worker_processes(
