@@ -309,7 +309,10 @@ async def _prefetch_somewhere(
     progress: ProgressSink | None,
     on_complete: Callable[[PrefetchResult], None] | None = None,
 ) -> PrefetchResult:
-    """Through the daemon when one answers and serves what was asked; else in-process."""
+    """Through the daemon when one answers and serves what was asked; else in-process.
+    ``on_complete`` gets the result as soon as the snapshot is complete; with ``--json`` the
+    result returned has the job's final tier counters, after the uploads it owes the fleet
+    (the daemon goes on with them; a job's record says when they ended)."""
 
     async def by_daemon(client: Client) -> PrefetchResult:
         job = await client.prefetch(
@@ -320,7 +323,10 @@ async def _prefetch_somewhere(
             priority=args.priority,
             allow_pickle=args.allow_pickle,
         )
-        return await job.wait(progress)
+        result = await job.wait(progress)
+        if on_complete is not None:
+            on_complete(result)
+        return replace(result, tier=await job.wait_tier()) if args.json else result
 
     result = await _via_daemon(args, config, by_daemon)
     if result is not None:

@@ -7,6 +7,7 @@
         async for shard in job.shards():       # each verified shard, in index order
             load(shard.file)
         result = await job.wait()              # a PrefetchResult, like shardsync.prefetch's
+        tier = await job.wait_tier()           # its final shared-tier counters (or None)
         config = await client.wait_file("org/model", "config.json")
 
 The same calls work whether a daemon answers or not: without one (and with the default
@@ -29,7 +30,7 @@ import json
 import os
 import threading
 from collections.abc import AsyncIterator, Awaitable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
@@ -56,7 +57,7 @@ from shardsync.events import (
     parse_event,
 )
 from shardsync.prefetch import Engine
-from shardsync.records import PrefetchResult, ProgressSink
+from shardsync.records import PrefetchResult, ProgressSink, TierStatistics
 from shardsync.scheduler import Scheduler, SharedJob
 
 if TYPE_CHECKING:
@@ -70,6 +71,7 @@ _MAX_LINE = 64 << 20
 _REQUEST_TIMEOUT = aiohttp.ClientTimeout(total=60, sock_connect=5)
 _STREAM_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=None)
 _NOT_THERE = frozenset({errno.ENOENT, errno.ECONNREFUSED, errno.ENOTDIR, errno.EACCES})
+_POLL_FIRST, _POLL_MAX = 0.05, 1.0  # seconds between looks at a job's uploads to the tier
 
 Mode = Literal["daemon", "in-process"]
 
@@ -161,8 +163,25 @@ class JobHandle:
 
     async def wait(self, progress: ProgressSink | None = None) -> PrefetchResult:
         """The complete snapshot; raises the job's error. ``progress`` gets the engine's
-        progress calls, rebuilt from the events (the CLI draws its bars with it)."""
+        progress calls, rebuilt from the events (the CLI draws its bars with it). Its
+        ``tier`` is None: the uploads the job owes the fleet may still run (``wait_tier``)."""
         return result_from_json(await self._wait_done(progress))
+
+    async def wait_tier(self) -> TierStatistics | None:
+        """The job's own tier counters once final (None without a tier): after it finished
+        and the uploads it owes the fleet ended or were given up. The job's record says so
+        (``tier_final``), and no event does (the job's events end with the snapshot), so
+        this looks again at a growing interval, up to a second."""
+        delay = _POLL_FIRST
+        info = await self.refresh()
+        while not info.get("tier_final", True):  # a daemon without the field has no tier
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, _POLL_MAX)
+            info = await self.refresh()
+        try:
+            return None if info.get("tier") is None else TierStatistics.from_json(info["tier"])
+        except ValueError as exc:
+            raise DaemonError(f"malformed tier counters from the daemon: {exc}") from exc
 
     async def wait_checkpoint(self, progress: ProgressSink | None = None) -> CheckpointResult:
         """A training checkpoint job's outcome: which checkpoint, its local folder."""
@@ -535,6 +554,7 @@ class Client:
             scheduler = self._connection.scheduler
             fetch = scheduler.engine.fetcher.statistics()
             stats = scheduler.statistics()
+            tier = scheduler.engine.tier
             return {
                 "mode": "in-process",
                 "cache_dir": str(self.config.cache_dir),
@@ -545,6 +565,7 @@ class Client:
                 "active_connections": fetch.active_connections,
                 "retries": dict(fetch.retries),
                 "verify_failures": fetch.verify_failures,
+                "tier": None if tier is None else asdict(tier.statistics()),
             }
         return {"mode": "daemon", **(await self._connection.request("GET", "/v1/status"))[1]}
 
@@ -721,6 +742,9 @@ class SyncJobHandle:
 
     def wait(self, progress: ProgressSink | None = None) -> PrefetchResult:
         return self._client._call(self.job.wait(progress))
+
+    def wait_tier(self) -> TierStatistics | None:
+        return self._client._call(self.job.wait_tier())
 
     def events(self, since: int = 0) -> Iterator[JobEvent]:
         return self._client._iterate(self.job.events(since))

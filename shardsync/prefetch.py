@@ -44,12 +44,13 @@ from shardsync.records import (
     ProgressSink,
     RepoRef,
     SnapshotRecord,
+    TierStatistics,
 )
 from shardsync.s3 import S3Client
 from shardsync.slot import Slot, VerifiedFile
 from shardsync.snapshot_use import AccessLog, Lease, Leases
 from shardsync.store import AsyncStore
-from shardsync.tier import Tier, Upload
+from shardsync.tier import Tier, TierCounters, Upload
 
 __all__ = [
     "Engine",
@@ -304,6 +305,8 @@ class Job:
         self._records: dict[str, FileRecord] = {}
         self._outcomes: dict[str, FileOutcome] = {}
         self._ahead: list[Forget] = []  # shards located while the index downloads
+        self._tier_counters = TierCounters()
+        self._uploads: set[asyncio.Task[None]] = set()  # this job's, to the tier, running
 
     @property
     def manifest(self) -> Manifest:
@@ -348,9 +351,9 @@ class Job:
         self, files: tuple[FileOutcome, ...], elapsed: float, *, counters: bool = True
     ) -> PrefetchResult:
         """What ``download`` returned, as the result a caller gets. ``counters``: with the
-        fetcher's and the tier's statistics, which tell this job's work only when it had the
-        engine to itself (not in the daemon, whose engine serves every job at once)."""
-        tier = self.tier if counters else None
+        fetcher's statistics, which tell this job's work only when it had the engine to itself
+        (not in the daemon, whose engine serves every job at once), and the job's tier counters
+        (not final while ``uploading``)."""
         return PrefetchResult(
             repo=self.origin.repo,
             revision=self.revision,
@@ -360,15 +363,27 @@ class Job:
             bytes_downloaded=sum(f.downloaded for f in files),
             elapsed=elapsed,
             fetch=self.fetcher.statistics() if counters else None,
-            tier=tier.statistics() if tier is not None else None,
+            tier=self.tier_statistics() if counters else None,
         )
 
     def after_uploads(self, result: PrefetchResult) -> PrefetchResult:
-        """``result`` with the tier's final counters, once the engine has closed: its
+        """``result`` with the job's final tier counters, once the engine has closed: its
         uploads for the fleet are done then."""
-        if result.tier is None or self.tier is None:
+        if result.tier is None:
             return result
-        return replace(result, tier=self.tier.statistics())
+        return replace(result, tier=self.tier_statistics())
+
+    def tier_statistics(self) -> TierStatistics | None:
+        """What the tier did for this job alone (None without a tier), however many jobs share
+        the engine: the uploads it owes the fleet count too, so it is final once ``download``
+        returned and ``uploading`` is false."""
+        return None if self.tier is None else self.tier.statistics(self._tier_counters)
+
+    @property
+    def uploading(self) -> bool:
+        """Whether uploads this job owes the tier are still running (in the background, after
+        its files are published)."""
+        return bool(self._uploads)
 
     async def _lease(self) -> Lease:
         """While a job works, every snapshot of its repo is leased: a prune leaves them be
@@ -559,7 +574,13 @@ class Job:
         upload: Upload | None = None
         if self.tier is not None and entry.sha256 is not None and entry.size is not None:
             fetched, upload = await self.tier.obtain(
-                entry.path, entry.sha256, entry.size, from_tier, from_origin, progress
+                entry.path,
+                entry.sha256,
+                entry.size,
+                from_tier,
+                from_origin,
+                progress,
+                counters=self._tier_counters,
             )
         else:
             fetched = await from_origin(progress)
@@ -570,7 +591,9 @@ class Job:
                 await self.tier.abandon(upload)
             raise
         if self.tier is not None and upload is not None:
-            self.tier.upload_soon(upload, self.cache.blob_path(fetched.sha256))
+            uploading = self.tier.upload_soon(upload, self.cache.blob_path(fetched.sha256))
+            self._uploads.add(uploading)
+            uploading.add_done_callback(self._uploads.discard)
         record = FileRecord(
             path=entry.path,
             size=fetched.size,

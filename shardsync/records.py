@@ -293,7 +293,7 @@ class PrefetchResult:
     bytes_downloaded: int
     elapsed: float
     fetch: FetchStatistics | None
-    tier: TierStatistics | None = None  # this process's tier use (None: no tier, or remote)
+    tier: TierStatistics | None = None  # this job's tier use (None: no tier, or not final)
 
     @property
     def total_size(self) -> int:
@@ -348,7 +348,8 @@ class FetchStatistics:
 
 @dataclass(frozen=True, slots=True)
 class TierStatistics:
-    """What the tier did for this process (``shardsync status``, ``/metrics``, ``--json``)."""
+    """What the tier did for this process (``shardsync status``, ``/metrics``) or one job
+    (``--json``, a daemon's job)."""
 
     url: str
     hits: int  # blobs read from the tier
@@ -364,3 +365,42 @@ class TierStatistics:
     errors: int  # tier requests that failed (the job went on from the origin)
     disabled: bool  # the tier refused our credentials: off for this process
     read_only: bool  # the tier refused our writes: we read from it, never upload or claim
+
+    @classmethod
+    def from_json(cls, obj: object) -> TierStatistics:
+        """Read back ``dataclasses.asdict`` of one (a daemon's job); fields a newer daemon
+        added are ignored. Anything else raises ``ValueError``."""
+        if not isinstance(obj, dict):
+            raise ValueError("a tier object must be a JSON object")
+
+        def count(name: str) -> int:
+            value = obj.get(name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"tier object: {name!r} must be a count, not {value!r}")
+            return value
+
+        def flag(name: str) -> bool:
+            value = obj.get(name)
+            if not isinstance(value, bool):
+                raise ValueError(f"tier object: {name!r} must be true or false, not {value!r}")
+            return value
+
+        url = obj.get("url")
+        if not isinstance(url, str):
+            raise ValueError(f"tier object: 'url' must be a string, not {url!r}")
+        return cls(
+            url=url,
+            hits=count("hits"),
+            misses=count("misses"),
+            bytes_from_tier=count("bytes_from_tier"),
+            uploads=count("uploads"),
+            bytes_uploaded=count("bytes_uploaded"),
+            claims_won=count("claims_won"),
+            claims_waited=count("claims_waited"),
+            claims_taken_over=count("claims_taken_over"),
+            stalled_fallbacks=count("stalled_fallbacks"),
+            corrupt_objects=count("corrupt_objects"),
+            errors=count("errors"),
+            disabled=flag("disabled"),
+            read_only=flag("read_only"),
+        )

@@ -28,7 +28,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, TypeVar
 
 from shardsync.api import JobRequest, error_code, error_info, result_to_json
@@ -336,6 +336,7 @@ class SharedJob:
     task: asyncio.Task[None] | None = None
     stop_error: ShardsyncError | None = None  # why we cancelled the task ourselves
     checkpoint: CheckpointResult | None = None  # a training checkpoint job's outcome
+    engine_job: Job | None = None  # the engine's run of it, once it started
 
     def __post_init__(self) -> None:
         self.events = EventLog(self.id)
@@ -348,6 +349,12 @@ class SharedJob:
     def finished(self) -> bool:
         return self.state in FINISHED
 
+    @property
+    def tier_final(self) -> bool:
+        """Whether the job's tier counters can change no more: it finished, and the uploads
+        it owes the fleet (running after its snapshot is complete) ended or were given up."""
+        return self.finished and (self.engine_job is None or not self.engine_job.uploading)
+
     def move_to(self, state: JobState) -> None:
         """Change state through the one table of allowed moves (``events.TRANSITIONS``)."""
         self.state = transition(self.state, state)
@@ -357,7 +364,9 @@ class SharedJob:
         self.counters.observe(self.events.append(event))
 
     def info(self) -> dict[str, Any]:
-        """The job as ``GET /v1/jobs/{id}`` shows it."""
+        """The job as ``GET /v1/jobs/{id}`` shows it: its own tier counters too, not the
+        engine's (which serves every job at once)."""
+        tier = None if self.engine_job is None else self.engine_job.tier_statistics()
         return {
             "id": self.id,
             "source": self.request.source,
@@ -393,6 +402,8 @@ class SharedJob:
             "snapshot_path": str(self.result.snapshot_path) if self.result else None,
             "error": None if self.error is None else self.error.to_json(),
             "events": len(self.events),
+            "tier": None if tier is None else asdict(tier),
+            "tier_final": self.tier_final,
         }
 
     def journal_record(self) -> dict[str, Any]:
@@ -693,7 +704,7 @@ class Scheduler:
             sink=sink,
             gate=self._gate_for(job, sink),
         )
-        sink.engine_job = engine_job
+        sink.engine_job = job.engine_job = engine_job
         plan: CheckpointPlan | None = None
         if job.request.checkpoint is not None:  # a training checkpoint, or one rank's part
             plan = CheckpointPlan()
@@ -852,7 +863,9 @@ class Scheduler:
                     del index[key]
 
     def _forget_old(self) -> None:
-        finished = [j for j in self._jobs.values() if j.finished]
+        """Past ``history`` finished jobs, the oldest go; not while their uploads run (a
+        client may be waiting for their final tier counters)."""
+        finished = [j for j in self._jobs.values() if j.tier_final]
         if len(finished) > self.history:
             finished.sort(key=lambda j: j.finished_at or 0)
             for job in finished[: len(finished) - self.history]:

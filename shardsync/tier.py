@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import dataclasses
 import json
 import logging
@@ -33,8 +34,8 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -51,7 +52,7 @@ from shardsync.records import TierStatistics
 from shardsync.s3 import ObjectInfo, PreconditionFailed, S3Client, S3Location, parse_s3_url
 from shardsync.slot import VerifiedFile
 
-__all__ = ["Tier", "Upload", "blob_key", "claim_key"]
+__all__ = ["Tier", "TierCounters", "Upload", "blob_key", "claim_key"]
 
 log = logging.getLogger("shardsync.tier")
 
@@ -85,28 +86,10 @@ class _Claim:
 
 
 @dataclass(slots=True)
-class Upload:
-    """A verified blob owed to the tier; its claim (if this host won one) is released after."""
+class TierCounters:
+    """What the tier did: for the whole process (``Tier.statistics()``), or for one job, whose
+    ``obtain`` calls were given these (the daemon runs many jobs on one tier at once)."""
 
-    sha256: str
-    size: int
-    claim: _Claim | None
-    renewal: asyncio.Task[None] | None = None
-
-
-@dataclass(slots=True)
-class _Seen:
-    """A waiter's view of someone else's claim, on its own monotonic clock (no clock skew)."""
-
-    etag: str | None = None
-    changed_at: float = 0.0
-    done: int = -1
-    progressed_at: float = 0.0
-    upload_since: float | None = None
-
-
-@dataclass(slots=True)
-class _Counters:
     hits: int = 0
     misses: int = 0
     bytes_from_tier: int = 0
@@ -118,7 +101,44 @@ class _Counters:
     stalled_fallbacks: int = 0
     corrupt_objects: int = 0
     errors: int = 0
-    warned: set[str] = field(default_factory=set)
+
+
+# The counters of the job the current task works for: tasks spawned meanwhile (a claim's
+# renewals, an upload) copy it, so their counts are that job's too, however many run at once.
+_JOB: contextvars.ContextVar[TierCounters | None] = contextvars.ContextVar(
+    "shardsync_tier_job", default=None
+)
+
+
+@contextlib.contextmanager
+def _for_job(counters: TierCounters | None) -> Iterator[None]:
+    token = _JOB.set(counters)
+    try:
+        yield
+    finally:
+        _JOB.reset(token)
+
+
+@dataclass(slots=True)
+class Upload:
+    """A verified blob owed to the tier; its claim (if this host won one) is released after."""
+
+    sha256: str
+    size: int
+    claim: _Claim | None
+    renewal: asyncio.Task[None] | None = None
+    counters: TierCounters | None = None  # the job it is owed for
+
+
+@dataclass(slots=True)
+class _Seen:
+    """A waiter's view of someone else's claim, on its own monotonic clock (no clock skew)."""
+
+    etag: str | None = None
+    changed_at: float = 0.0
+    done: int = -1
+    progressed_at: float = 0.0
+    upload_since: float | None = None
 
 
 class Tier:
@@ -141,7 +161,8 @@ class Tier:
         self.location: S3Location = parse_s3_url(config.url)
         self._client = client
         self._clock = clock
-        self._n = _Counters()
+        self._n = TierCounters()
+        self._warned: set[str] = set()
         self._disabled = False  # reads refused (bad credentials): the tier is off
         self._read_only = False  # writes refused: read what others upload, claim nothing
         self._down_until = 0.0  # after a transport error, the tier is skipped until then
@@ -170,8 +191,9 @@ class Tier:
             task.cancel()
         await tasks.__aexit__(None, None, None)
 
-    def statistics(self) -> TierStatistics:
-        n = self._n
+    def statistics(self, counters: TierCounters | None = None) -> TierStatistics:
+        """The whole process's counters, or one job's (the ``counters`` it obtained with)."""
+        n = self._n if counters is None else counters
         return TierStatistics(
             url=self.location.url,
             hits=n.hits,
@@ -189,6 +211,11 @@ class Tier:
             read_only=self._read_only,
         )
 
+    def _counting(self) -> tuple[TierCounters, ...]:
+        """The counters a count goes to: the process's, and the current job's."""
+        job = _JOB.get()
+        return (self._n,) if job is None else (self._n, job)
+
     # ------------------------------------------------------------------ obtaining a blob
 
     async def obtain(
@@ -199,13 +226,32 @@ class Tier:
         slot_fetch: Callable[[BlobRequest, Progress], Awaitable[VerifiedFile]],
         from_origin: Callable[[Progress], Awaitable[VerifiedFile]],
         progress: Progress,
+        *,
+        counters: TierCounters | None = None,
     ) -> tuple[VerifiedFile, Upload | None]:
         """The blob from the tier, or from the origin (with what the fleet is owed).
 
         ``slot_fetch`` downloads a request into the file's download slot and
         ``from_origin`` the file from its origin, each reporting progress to the callback
-        it gets.
+        it gets. What this costs, and the upload owed, also counts in ``counters``: the job's.
         """
+        with _for_job(counters):
+            fetched, upload = await self._obtain(
+                label, sha256, size, slot_fetch, from_origin, progress
+            )
+        if upload is not None:
+            upload.counters = counters
+        return fetched, upload
+
+    async def _obtain(
+        self,
+        label: str,
+        sha256: str,
+        size: int,
+        slot_fetch: Callable[[BlobRequest, Progress], Awaitable[VerifiedFile]],
+        from_origin: Callable[[Progress], Awaitable[VerifiedFile]],
+        progress: Progress,
+    ) -> tuple[VerifiedFile, Upload | None]:
         stale: str | None = None  # the ETag of a claim we saw die
         for _ in range(_MAX_ROUNDS):
             if not self._usable():
@@ -232,10 +278,12 @@ class Tier:
                     await self._release(Upload(sha256, size, claim))
                     continue
                 return await self._fetch_for_fleet(claim, from_origin, progress)
-            self._n.claims_waited += 1
+            for n in self._counting():
+                n.claims_waited += 1
             outcome, stale = await self._wait(sha256, size, progress)
             if outcome == "stalled":
-                self._n.stalled_fallbacks += 1
+                for n in self._counting():
+                    n.stalled_fallbacks += 1
                 break
             if outcome == "failed":
                 break
@@ -296,12 +344,14 @@ class Tier:
         except ShardsyncError as exc:
             self._failed("read", exc)
             return "failed"
-        self._n.hits += 1
-        self._n.bytes_from_tier += fetched.downloaded
+        for n in self._counting():
+            n.hits += 1
+            n.bytes_from_tier += fetched.downloaded
         return dataclasses.replace(fetched, etag=None, source="tier")
 
     async def _discard_corrupt(self, key: str, why: str) -> None:
-        self._n.corrupt_objects += 1
+        for n in self._counting():
+            n.corrupt_objects += 1
         log.warning(
             "tier object s3://%s/%s is corrupt (%s): deleted", self.location.bucket, key, why
         )
@@ -314,8 +364,9 @@ class Tier:
         progress: Progress,
     ) -> tuple[VerifiedFile, Upload]:
         """We hold the claim: download from the origin while renewing it with our progress."""
-        self._n.claims_won += 1
-        self._n.misses += 1
+        for n in self._counting():
+            n.claims_won += 1
+            n.misses += 1
         upload = Upload(claim.sha256, claim.size, claim)
         upload.renewal = self._spawn(self._renew(claim))
 
@@ -386,7 +437,8 @@ class Tier:
             )
         except (PreconditionFailed, EntryNotFoundError):
             return None  # another waiter took it over first
-        self._n.claims_taken_over += 1
+        for n in self._counting():
+            n.claims_taken_over += 1
         log.info("took over the stale tier claim on %s", claim.sha256[:12])
         return claim
 
@@ -469,13 +521,16 @@ class Tier:
 
     # ------------------------------------------------------------------ uploads
 
-    def upload_soon(self, upload: Upload, blob: Path) -> None:
-        """Upload a published blob in the background, then release its claim."""
-        self._spawn(self._upload(upload, blob))
+    def upload_soon(self, upload: Upload, blob: Path) -> asyncio.Task[None]:
+        """Upload a published blob in the background, then release its claim; it counts for
+        the job it is owed for. The task ends once the upload did or was given up."""
+        with _for_job(upload.counters):
+            return self._spawn(self._upload(upload, blob))
 
     async def abandon(self, upload: Upload) -> None:
         """The blob will not be published after all: release its claim at once."""
-        await self._release(upload)
+        with _for_job(upload.counters):
+            await self._release(upload)
 
     async def _upload(self, upload: Upload, blob: Path) -> None:
         if upload.claim is not None:
@@ -491,8 +546,9 @@ class Tier:
                 ),
             )
             if done is not _FAILED:
-                self._n.uploads += 1
-                self._n.bytes_uploaded += upload.size
+                for n in self._counting():
+                    n.uploads += 1
+                    n.bytes_uploaded += upload.size
         finally:
             await self._release(upload)
 
@@ -531,7 +587,8 @@ class Tier:
             return _FAILED
 
     def _failed(self, doing: str, exc: ShardsyncError) -> None:
-        self._n.errors += 1
+        for n in self._counting():
+            n.errors += 1
         if isinstance(exc, TransferError):  # down or unreachable: do not wait on it per file
             self._down_until = self._clock() + _COOLDOWN
         if isinstance(exc, AuthError):
@@ -546,8 +603,8 @@ class Tier:
         # one warning per way of failing; a tier that cannot be reached is one way, whatever
         # was asked of it (reads, claims, writes all fail as it dies)
         kind = "down" if isinstance(exc, TransferError) else f"{doing}:{type(exc).__name__}"
-        if kind not in self._n.warned:
-            self._n.warned.add(kind)
+        if kind not in self._warned:
+            self._warned.add(kind)
             log.warning("tier %s failed (%s); going on from the origin", doing, exc)
 
 

@@ -170,6 +170,26 @@ async def test_jobs_listing_and_handles_by_id(daemon: Daemon) -> None:
             await client.job("0" * 16)
 
 
+async def test_without_a_tier_a_job_has_no_tier_counters_to_wait_for(
+    hub: FakeHub, daemon: Daemon, workdir: Path
+) -> None:
+    """Through the daemon and in-process alike: ``tier`` is null and final once the job is
+    done, so ``wait_tier`` answers at once."""
+    own = fast_config(workdir / "own-cache", hub.endpoint)
+    for client in (
+        Client(socket=daemon.socket_path, fallback="error"),
+        Client(own, socket=_no_daemon(workdir)),
+    ):
+        async with client:
+            job = await client.prefetch(REPO)
+            result = await job.wait()
+            assert result.tier is None
+            assert await asyncio.wait_for(job.wait_tier(), 10) is None
+            info = await job.refresh()
+            assert info["tier"] is None and info["tier_final"], client.mode
+            assert (await client.status())["tier"] is None
+
+
 async def test_sync_client_in_process(hub: FakeHub, checkpoint: Checkpoint, workdir: Path) -> None:
     config = fast_config(workdir / "cache", hub.endpoint)
 

@@ -18,13 +18,13 @@ import sys
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 from bodypaths import BodyPath
-from daemons import api, daemon_in_loop, short_tmp
+from daemons import api, cli, daemon_in_loop, short_tmp
 from helpers import (
     Bars,
     assert_snapshot_matches,
@@ -37,8 +37,9 @@ from s3server import S3Server
 
 from shardsync.client import Client
 from shardsync.config import Config, S3Config, TierConfig
+from shardsync.daemon import Daemon
 from shardsync.prefetch import Engine, prefetch
-from shardsync.records import PrefetchResult
+from shardsync.records import PrefetchResult, TierStatistics
 from shardsync.testing import Bandwidth, Checkpoint, FakeHub, build_checkpoint
 from shardsync.tier import blob_key, claim_key
 
@@ -620,6 +621,129 @@ async def test_two_daemons_on_two_hosts_fetch_each_blob_from_the_hub_once(
             assert_snapshot_matches(result.snapshot_path, model)
     assert hub.bytes_served("*.safetensors") <= 1.05 * shard_bytes(model)
     assert [s for r in results for s in sources(r, model)].count("tier") == len(model.shards)
+
+
+def client_config(path: Path, running: Daemon) -> Path:
+    """What ``shardsync prefetch`` on a host reads: its daemon, which must answer."""
+    cache, hub = running.config.cache_dir, running.config.endpoint
+    path.write_text(
+        f'[cache]\ndir = "{cache}"\n[hub]\nendpoint = "{hub}"\n'
+        f'[daemon]\nsocket = "{running.socket_path}"\nfallback = "error"\n'
+    )
+    return path
+
+
+async def prefetch_json(running: Daemon, work: Path) -> dict[str, Any]:
+    """``shardsync prefetch --json`` as a user of the host runs it, through its daemon."""
+    conf = client_config(work / f"client-{id(running)}.toml", running)
+    out = await asyncio.to_thread(cli, "--config", str(conf), "prefetch", REPO, "--json")
+    assert out.returncode == 0, out.stderr
+    report: dict[str, Any] = json.loads(out.stdout)
+    assert Path(report["snapshot_path"]).is_relative_to(running.config.cache_dir)
+    assert running.statistics().jobs_submitted == 1  # the daemon's job, not an in-process run
+    return report
+
+
+async def test_prefetch_json_through_the_daemon_gives_the_jobs_final_counters(
+    s3server: S3Server,
+    s3bucket: str,
+    model: Checkpoint,
+    hub: FakeHub,
+    aws_env: None,
+) -> None:
+    """The first host's daemon fetches every shard for the fleet and uploads it through a
+    slow uplink: ``--json`` comes once the job's uploads are done, so they are all counted
+    (as many as the Hub served shards); a second host's daemon then reads them all."""
+    port = int(s3server.endpoint.rsplit(":", 1)[1])
+    with short_tmp() as work:
+        async with _Cut(("127.0.0.1", port), pace_up=0.02) as proxy:  # ~0.8 MB/s uplink
+            via = S3Server(**{**s3server.__dict__, "endpoint": f"http://127.0.0.1:{proxy.port}"})
+            config = host(work / "a", hub, via, s3bucket)
+            async with daemon_in_loop(config, work / "a" / "d" / "d.sock") as first:
+                report = await prefetch_json(first, work)
+                served = hub.bytes_served("*.safetensors")
+                in_tier = tier_objects(s3server, s3bucket)
+                _, listing = await api(first.socket_path, "GET", "/v1/jobs")
+        assert_snapshot_matches(Path(report["snapshot_path"]), model)
+        assert served == shard_bytes(model)  # the Hub sent each shard once
+        tier = report["tier"]
+        assert tier["uploads"] == tier["misses"] == tier["claims_won"] == len(model.shards)
+        assert tier["bytes_uploaded"] == served
+        assert (tier["hits"], tier["bytes_from_tier"], tier["errors"]) == (0, 0, 0)
+        assert in_tier == expected_tier(model)  # all up (and released) when --json was printed
+        ((job,),) = listing.values()
+        assert job["tier"] == tier and job["tier_final"]
+
+        hub.reset_log()
+        config = host(work / "b", hub, s3server, s3bucket)
+        async with daemon_in_loop(config, work / "b" / "d" / "d.sock") as second:
+            report = await prefetch_json(second, work)
+        assert_snapshot_matches(Path(report["snapshot_path"]), model)
+    assert hub.bytes_served("*.safetensors") == 0
+    tier = report["tier"]
+    assert tier["hits"] == len(model.shards)
+    assert tier["bytes_from_tier"] == report["bytes_from_tier"] == shard_bytes(model)
+    assert (tier["misses"], tier["uploads"], tier["claims_won"], tier["errors"]) == (0, 0, 0, 0)
+
+
+async def test_two_jobs_at_once_in_one_daemon_each_count_their_own_tier_use(
+    s3server: S3Server,
+    s3bucket: str,
+    model: Checkpoint,
+    hub: FakeHub,
+    aws_env: None,
+    tmp_path: Path,
+) -> None:
+    """One job fetches its model for the fleet from a slow Hub while the other reads another
+    model from the tier: each job's counters tell its own work, the daemon's their sum."""
+    other = build_checkpoint(tmp_path / "other", total_bytes=2 << 20, n_shards=3, seed=7)
+    hub.add_checkpoint("acme/other", other)
+    seed_tier(s3server, s3bucket, other)
+    hub.faults.add(Bandwidth(250_000, times=None, path="*.safetensors"))
+    with short_tmp() as work:
+        config = replace(host(work / "cache", hub, s3server, s3bucket), max_files=8)
+        async with daemon_in_loop(config, work / "d" / "d.sock") as running:
+            client_config = replace(config, daemon=running.config.daemon)
+            async with Client(client_config, fallback="error") as client:
+                jobs = [await client.prefetch(REPO), await client.prefetch("acme/other")]
+                results = await asyncio.gather(*(job.wait() for job in jobs))
+                fetching, reading = await asyncio.gather(*(job.wait_tier() for job in jobs))
+                infos = [await job.refresh() for job in jobs]
+                status = await client.status()
+        assert_snapshot_matches(results[0].snapshot_path, model)
+        assert_snapshot_matches(results[1].snapshot_path, other)
+    first, second = infos
+    assert (
+        first["started_at"] < second["finished_at"] and second["started_at"] < first["finished_at"]
+    )
+    assert fetching is not None and reading is not None
+    assert fetching.misses == fetching.claims_won == fetching.uploads == len(model.shards)
+    assert fetching.bytes_uploaded == shard_bytes(model)
+    assert (fetching.hits, fetching.bytes_from_tier) == (0, 0)
+    assert reading.hits == len(other.shards)
+    assert reading.bytes_from_tier == shard_bytes(other)
+    assert (reading.misses, reading.claims_won, reading.uploads) == (0, 0, 0)
+    assert first["tier"]["uploads"] == fetching.uploads and second["tier"]["hits"] == reading.hits
+    daemon_wide = status["tier"]
+    for name in ("hits", "misses", "bytes_from_tier", "uploads", "bytes_uploaded", "claims_won"):
+        assert daemon_wide[name] == getattr(fetching, name) + getattr(reading, name), name
+
+
+def test_a_jobs_tier_object_reads_back_and_nonsense_is_refused() -> None:
+    """What a client makes of a daemon's job: its counters as they were, a newer daemon's
+    extra field ignored, and anything else refused rather than printed as counts."""
+    stats = TierStatistics("s3://b/p/", *range(1, 12), disabled=False, read_only=True)
+    assert TierStatistics.from_json({**asdict(stats), "newer": 1}) == stats
+    for bad in (
+        [],
+        {**asdict(stats), "hits": -1},
+        {**asdict(stats), "hits": True},
+        {**asdict(stats), "uploads": "4"},
+        {**asdict(stats), "read_only": 0},
+        {k: v for k, v in asdict(stats).items() if k != "errors"},
+    ):
+        with pytest.raises(ValueError):
+            TierStatistics.from_json(bad)
 
 
 async def test_the_snapshot_is_reported_complete_while_its_uploads_go_on(
