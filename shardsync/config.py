@@ -181,7 +181,8 @@ class TierConfig:
     after it; the holder renews every fifth of it). ``claim_stall``: how long a waiting host
     accepts no progress from the holder before it downloads from the origin itself.
     ``upload_floor``: the slowest upload rate (bytes/s) a waiting host tolerates from the
-    holder once its download is done.
+    holder once its download is done. ``part_size``: the blocks a holder publishes as it
+    downloads, for a host that takes its claim over to resume from (0: none).
     """
 
     url: str | None = None
@@ -190,6 +191,9 @@ class TierConfig:
     claim_lease: float = 10.0
     claim_stall: float = 60.0
     upload_floor: int = 8 << 20
+    # 16 MiB: S3's part-size guidance; a holder killed mid-download costs about one block per
+    # connection it had open, the parts cost one more write of the blob to the tier
+    part_size: int = 16 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -361,7 +365,7 @@ def _load_config(
         ("daemon", set(_DAEMON_KEYS)),
         ("prune", set(_PRUNE_KEYS)),
         ("s3", {"endpoint", "region", "addressing", "profile", "connections_per_file"}),
-        ("tier", {"url", "claim_lease", "claim_stall", "upload_floor"}),
+        ("tier", {"url", "claim_lease", "claim_stall", "upload_floor", "part_size"}),
         ("network", {"proxy", "no_proxy", "ca_bundle", "metadata_timeout", "headers"}),
     ):
         for key in _section(data, section):
@@ -502,6 +506,10 @@ def _tier_config(section: Mapping[str, Any], env: Mapping[str, str]) -> TierConf
         values["upload_floor"] = _coerce("tier.upload_floor", section["upload_floor"], "size")
         if values["upload_floor"] <= 0:
             raise ConfigError("tier.upload_floor must be positive")
+    if "part_size" in section:
+        values["part_size"] = _coerce("tier.part_size", section["part_size"], "size")
+        if values["part_size"] and values["part_size"] < 5 << 20:
+            raise ConfigError("tier.part_size must be 0 (no parts) or at least 5MiB")
     return TierConfig(url=url, **values)
 
 

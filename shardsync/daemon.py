@@ -658,6 +658,12 @@ def render_metrics(stats: DaemonStatistics, scheduler: Scheduler, cache: Mapping
                 t.corrupt_objects,
             ),
             ("tier_errors_total", "counter", "Tier requests that failed.", t.errors),
+            (
+                "tier_bytes_from_parts_total",
+                "counter",
+                "Bytes taken-over downloads resumed from a dead holder's parts.",
+                t.bytes_from_parts,
+            ),
         ):
             metric(name, kind, help_text, [("", value)])
     hist = scheduler.latency

@@ -580,6 +580,7 @@ class Job:
                 from_tier,
                 from_origin,
                 progress,
+                slot=slot,
                 counters=self._tier_counters,
             )
         else:

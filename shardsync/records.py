@@ -365,6 +365,7 @@ class TierStatistics:
     errors: int  # tier requests that failed (the job went on from the origin)
     disabled: bool  # the tier refused our credentials: off for this process
     read_only: bool  # the tier refused our writes: we read from it, never upload or claim
+    bytes_from_parts: int = 0  # bytes a taken-over download resumed from the dead holder's parts
 
     @classmethod
     def from_json(cls, obj: object) -> TierStatistics:
@@ -373,8 +374,8 @@ class TierStatistics:
         if not isinstance(obj, dict):
             raise ValueError("a tier object must be a JSON object")
 
-        def count(name: str) -> int:
-            value = obj.get(name)
+        def count(name: str, default: int | None = None) -> int:
+            value = obj.get(name, default)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"tier object: {name!r} must be a count, not {value!r}")
             return value
@@ -403,4 +404,5 @@ class TierStatistics:
             errors=count("errors"),
             disabled=flag("disabled"),
             read_only=flag("read_only"),
+            bytes_from_parts=count("bytes_from_parts", 0),  # added in a later version
         )

@@ -42,6 +42,7 @@ __all__ = [
     "RecordKeeper",
     "Resumable",
     "ResumeRecord",
+    "Seeding",
     "Slot",
     "VerifiedFile",
     "in_progress",
@@ -74,9 +75,11 @@ class VerifiedFile:
 
 @dataclass(frozen=True, slots=True)
 class Resumable:
-    """What a resume record binds a partial to: this exact object."""
+    """What a resume record binds a partial to: this exact object, or (``url`` None: bytes
+    seeded from another host's parts, see ``Slot.seed``) any object with this sha256, whose
+    hash at the end decides whether the seeded bytes were right."""
 
-    url: str
+    url: str | None
     etag: str | None  # strong ETag; without one a partial never resumes
     size: int
     sha256: str | None
@@ -171,6 +174,34 @@ class RecordKeeper:
         self._record.write(blob)
 
 
+class Seeding:
+    """A seeded partial being filled: ``write`` bytes where they belong, ``close`` when done
+    (the record then claims what was written, and a download resumes from it)."""
+
+    __slots__ = ("_done", "_fd", "_record", "_what")
+
+    def __init__(self, fd: int, record: ResumeRecord, what: Resumable) -> None:
+        self._fd, self._record, self._what = fd, record, what
+        self._done = RangeSet()
+
+    def write(self, offset: int, data: bytes) -> None:
+        """Blocking: run it in a thread."""
+        try:
+            os.pwrite(self._fd, data, offset)
+        except OSError as exc:
+            raise disk_error(exc, "write a seeded partial") from exc
+        self._done.add(offset, offset + len(data))
+        self._record.write(self._record.encode(self._what, self._done))
+
+    @property
+    def written(self) -> int:
+        return self._done.total()
+
+    def close(self) -> None:
+        os.close(self._fd)
+        self._record.close()
+
+
 @dataclass(frozen=True, slots=True)
 class OpenPartial:
     """The file a download writes into, the ranges of it a resume keeps, and its record
@@ -222,6 +253,46 @@ class Slot:
         st = os.fstat(fd)
         self._inode = (st.st_dev, st.st_ino)
         return OpenPartial(fd, done, self._open_record(what, done, resume=resumed))
+
+    def seed(self, size: int, sha256: str) -> Seeding | None:
+        """A new partial of ``size`` bytes to fill with bytes of the blob ``sha256`` that came
+        from elsewhere (a dead claim holder's parts in the fleet's tier), bound to the content
+        alone: the download that resumes it checks the whole file's sha256, so a wrong seeded
+        byte costs one download from the origin, never a wrong blob. None when a partial is
+        already here (it resumes on its own) or the disk refuses a record."""
+        if os.path.lexists(self.data):
+            return None
+        fd = self._create(size)
+        st = os.fstat(fd)
+        self._inode = (st.st_dev, st.st_ino)
+        what = Resumable(None, None, size, sha256)
+        record = self._open_record(what, RangeSet(), resume=False)
+        self.suspend()  # the partial's one name is the shared one, as a resume expects
+        if record is None:
+            os.close(fd)
+            self.abandon()
+            return None
+        return Seeding(fd, record, what)
+
+    def landed(self) -> RangeSet | None:
+        """What the resume record of a live download says is in the partial (it trails the
+        file by at most ``sidecar_bytes``), or None if there is no record of it to trust."""
+        try:
+            raw = _decode_record(_read_record(self.record))
+            st = self.data.lstat()
+            if raw is None or raw.get("inode") != [st.st_dev, st.st_ino]:
+                return None
+            return RangeSet.from_list(raw["done"], st.st_size)
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def read(self, offset: int, n: int) -> bytes:
+        """``n`` bytes of the partial from ``offset`` (blocking: run it in a thread)."""
+        fd = os.open(self.data, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            return os.pread(fd, n, offset)
+        finally:
+            os.close(fd)
 
     def create(self) -> IO[bytes]:
         """A new private file for an origin that copies rather than downloads (no partial: a
@@ -307,17 +378,23 @@ class Slot:
         try:
             raw = _decode_record(_read_record(self.record))
             st = self.data.lstat()  # a symlink planted there is not the file it names
+            seeded = raw is not None and raw.get("url") is None and what.sha256 is not None
             ok = (
                 raw is not None
                 and st.st_nlink == 1
                 and raw.get("inode") == [st.st_dev, st.st_ino]
                 and raw.get("version") == _RECORD_VERSION
-                and raw.get("url") == what.url
                 and raw.get("size") == what.size
                 and raw.get("sha256") == what.sha256
-                and what.etag is not None
-                and raw.get("etag") == what.etag
                 and st.st_size == what.size
+                and (
+                    seeded  # bound to the content: the final sha256 checks every seeded byte
+                    or (
+                        raw.get("url") == what.url
+                        and what.etag is not None
+                        and raw.get("etag") == what.etag
+                    )
+                )
             )
             if ok and raw is not None:
                 return RangeSet.from_list(raw["done"], what.size)

@@ -5,6 +5,7 @@ Key layout (a contract: other hosts, versions and tools read it)::
 
     PREFIX/sha256/<first two hex>/<sha256>   a blob, byte for byte the file with that sha256
     PREFIX/claims/<sha256>                   a single-flight claim (JSON, short-lived)
+    PREFIX/parts/<sha256>/<start>-<end>      a claim holder's blocks, while it downloads
 
 Only files whose sha256 the origin publishes (Hub LFS files, S3 objects with a checksum)
 go through the tier: the name must be known before the bytes are. The tier is never
@@ -19,7 +20,8 @@ others wait for the blob to appear, watching the claim. A claim whose ETag a wai
 seen change for ``claim_lease`` by its own clock (its holder died) is taken over, and so is
 one whose holder's own stamp is a lease past its expiry (clocks may differ by up to a lease);
 one that is renewed but makes no progress for ``claim_stall`` makes the waiter download from
-the origin itself.
+the origin itself. The taker resumes from the blocks the dead holder published
+(``tier_parts``), so a holder's death costs the fleet what it had in flight.
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ from shardsync.errors import (
 from shardsync.fetch import BlobRequest, Located
 from shardsync.records import TierStatistics
 from shardsync.s3 import ObjectInfo, PreconditionFailed, S3Client, S3Location, parse_s3_url
-from shardsync.slot import VerifiedFile
+from shardsync.slot import Slot, VerifiedFile
+from shardsync.tier_parts import delete_parts, publish_parts, seed_from_parts
 
 __all__ = ["Tier", "TierCounters", "Upload", "blob_key", "claim_key"]
 
@@ -101,6 +104,7 @@ class TierCounters:
     stalled_fallbacks: int = 0
     corrupt_objects: int = 0
     errors: int = 0
+    bytes_from_parts: int = 0
 
 
 # The counters of the job the current task works for: tasks spawned meanwhile (a claim's
@@ -209,6 +213,7 @@ class Tier:
             errors=n.errors,
             disabled=self._disabled,
             read_only=self._read_only,
+            bytes_from_parts=n.bytes_from_parts,
         )
 
     def _counting(self) -> tuple[TierCounters, ...]:
@@ -227,17 +232,20 @@ class Tier:
         from_origin: Callable[[Progress], Awaitable[VerifiedFile]],
         progress: Progress,
         *,
+        slot: Slot | None = None,
         counters: TierCounters | None = None,
     ) -> tuple[VerifiedFile, Upload | None]:
         """The blob from the tier, or from the origin (with what the fleet is owed).
 
         ``slot_fetch`` downloads a request into the file's download slot and
         ``from_origin`` the file from its origin, each reporting progress to the callback
-        it gets. What this costs, and the upload owed, also counts in ``counters``: the job's.
+        it gets. ``slot`` is that download slot: while this host holds the claim its partial
+        is published as parts, and a dead holder's parts seed it (``tier_parts``). What this
+        costs, and the upload owed, also counts in ``counters``: the job's.
         """
         with _for_job(counters):
             fetched, upload = await self._obtain(
-                label, sha256, size, slot_fetch, from_origin, progress
+                label, sha256, size, slot_fetch, from_origin, progress, slot
             )
         if upload is not None:
             upload.counters = counters
@@ -251,6 +259,7 @@ class Tier:
         slot_fetch: Callable[[BlobRequest, Progress], Awaitable[VerifiedFile]],
         from_origin: Callable[[Progress], Awaitable[VerifiedFile]],
         progress: Progress,
+        slot: Slot | None,
     ) -> tuple[VerifiedFile, Upload | None]:
         stale: str | None = None  # the ETag of a claim we saw die
         for _ in range(_MAX_ROUNDS):
@@ -277,7 +286,7 @@ class Tier:
                 if isinstance(await self._quietly("read", self._head(sha256)), ObjectInfo):
                     await self._release(Upload(sha256, size, claim))
                     continue
-                return await self._fetch_for_fleet(claim, from_origin, progress)
+                return await self._fetch_for_fleet(claim, from_origin, progress, slot)
             for n in self._counting():
                 n.claims_waited += 1
             outcome, stale = await self._wait(sha256, size, progress)
@@ -362,27 +371,74 @@ class Tier:
         claim: _Claim,
         from_origin: Callable[[Progress], Awaitable[VerifiedFile]],
         progress: Progress,
+        slot: Slot | None,
     ) -> tuple[VerifiedFile, Upload]:
-        """We hold the claim: download from the origin while renewing it with our progress."""
+        """We hold the claim: resume from what a dead holder left in parts, download the rest
+        from the origin while renewing the claim with our progress and publishing our parts."""
         for n in self._counting():
             n.claims_won += 1
             n.misses += 1
         upload = Upload(claim.sha256, claim.size, claim)
         upload.renewal = self._spawn(self._renew(claim))
+        seeded, publisher = 0, None
+        if slot is not None and self.config.part_size:
+            seeded = await self._seed(claim, slot)
+            publisher = self._spawn(self._publish(claim, slot))
 
         def counted(n: int) -> None:
             claim.done += n
             progress(n)
 
         try:
-            fetched = await from_origin(counted)
+            try:
+                fetched = await from_origin(counted)
+            except IntegrityError:
+                if not seeded:
+                    raise
+                await self._discard_parts(claim.sha256)  # the download was abandoned: afresh
+                seeded = 0
+                fetched = await from_origin(counted)
         except BaseException:
             await self._release(upload)
             raise
+        finally:
+            if publisher is not None:
+                publisher.cancel()
+        for n in self._counting():
+            n.bytes_from_parts += min(seeded, fetched.resumed)
         if fetched.sha256 != claim.sha256:  # an origin without a hash of its own: not ours
             await self._release(upload)
             return fetched, Upload(claim.sha256, claim.size, None, None)
         return fetched, upload
+
+    async def _seed(self, claim: _Claim, slot: Slot) -> int:
+        seeded = await self._quietly(
+            "read", seed_from_parts(self._client, self.location, claim.sha256, claim.size, slot)
+        )
+        if isinstance(seeded, int) and seeded:
+            log.info("%s: resumed from %d bytes of parts", claim.sha256[:12], seeded)
+            return seeded
+        return 0
+
+    async def _publish(self, claim: _Claim, slot: Slot) -> None:
+        def downloading() -> bool:
+            return claim.phase == "download" and not claim.lost and self._usable()
+
+        await publish_parts(
+            self._client,
+            self.location,
+            claim.sha256,
+            claim.size,
+            self.config.part_size,
+            slot,
+            downloading,
+        )
+
+    async def _discard_parts(self, sha256: str) -> None:
+        for n in self._counting():
+            n.corrupt_objects += 1
+        log.warning("the tier's parts of %s do not hash to its name: deleted", sha256[:12])
+        await self._quietly("delete", delete_parts(self._client, self.location, sha256))
 
     # ------------------------------------------------------------------ claims
 
@@ -549,6 +605,10 @@ class Tier:
                 for n in self._counting():
                     n.uploads += 1
                     n.bytes_uploaded += upload.size
+                # the blob is there now: whatever parts a holder left of it are not needed
+                await self._quietly(
+                    "delete", delete_parts(self._client, self.location, upload.sha256)
+                )
         finally:
             await self._release(upload)
 

@@ -1,0 +1,212 @@
+"""A claim holder's parts in the tier (``shardsync.tier_parts``), against a real SeaweedFS: a
+host taking over a dead holder's claim resumes from the blocks it published, downloads only
+the rest from the Hub, and never trusts a part it did not hash.
+
+Every check compares with the bytes the Hub holds and the bytes it served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import assert_snapshot_matches, fast_config, serving
+from s3server import S3Server
+
+from shardsync.config import Config, S3Config, TierConfig
+from shardsync.prefetch import prefetch
+from shardsync.records import PrefetchResult
+from shardsync.testing import Bandwidth, Checkpoint, FakeHub, build_checkpoint
+from shardsync.tier import blob_key, claim_key
+from shardsync.tier_parts import parts_prefix
+
+REPO = "acme/parts"
+PREFIX = "fleet/"
+PART = 5 << 20  # S3's smallest part: three parts per 12 MiB shard
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
+    """Two shards of ~12 MiB."""
+    return build_checkpoint(tmp_path_factory.mktemp("parts"), total_bytes=24 << 20, n_shards=2)
+
+
+def host(cache_dir: Path, hub: FakeHub, server: S3Server, bucket: str) -> Config:
+    s3 = S3Config(endpoint=server.endpoint, region=server.region, addressing="path")
+    return replace(
+        fast_config(cache_dir, hub.endpoint),
+        s3=s3,
+        tier=TierConfig(url=f"s3://{bucket}/{PREFIX}", part_size=PART),
+    )
+
+
+_CLIENTS: dict[str, Any] = {}
+
+
+def s3(server: S3Server) -> Any:
+    import botocore.session
+
+    if server.endpoint not in _CLIENTS:
+        session = botocore.session.get_session()
+        _CLIENTS[server.endpoint] = session.create_client("s3", **server.client_kwargs())
+    return _CLIENTS[server.endpoint]
+
+
+def keys(server: S3Server, bucket: str) -> set[str]:
+    pages = s3(server).get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=PREFIX)
+    return {obj["Key"] for page in pages for obj in page.get("Contents", ())}
+
+
+def dead_holder(server: S3Server, bucket: str, data: bytes, parts: int, flip: bool = False) -> str:
+    """What a holder killed after publishing ``parts`` blocks leaves: its expired claim and the
+    blocks (one byte flipped in the last, with ``flip``). The blob's sha256."""
+    sha = hashlib.sha256(data).hexdigest()
+    now = time.time()
+    claim = {
+        "version": 1,
+        "holder": "dead:1",
+        "token": "0",
+        "size": len(data),
+        "done": parts * PART,
+        "phase": "download",
+        "renewed": now - 120,
+        "expires": now - 100,
+    }
+    client = s3(server)
+    client.put_object(Bucket=bucket, Key=claim_key(PREFIX, sha), Body=json.dumps(claim).encode())
+    for n in range(parts):
+        start, end = n * PART, min((n + 1) * PART, len(data))
+        body = bytearray(data[start:end])
+        if flip and n == parts - 1:
+            body[len(body) // 2] ^= 0x01
+        key = f"{parts_prefix(PREFIX, sha)}{start}-{end}"
+        client.put_object(Bucket=bucket, Key=key, Body=bytes(body))
+    return sha
+
+
+def outcome(result: PrefetchResult, path: str) -> tuple[int, int]:
+    """(bytes from the network, bytes resumed) of one file."""
+    (file,) = [f for f in result.files if f.path == path]
+    return file.downloaded, file.resumed
+
+
+async def test_a_taker_resumes_from_the_dead_holders_parts(
+    s3server: S3Server, s3bucket: str, model: Checkpoint, aws_env: None, tmp_path: Path
+) -> None:
+    shard = model.shards[0]
+    data = model.path(shard).read_bytes()
+    dead_holder(s3server, s3bucket, data, parts=2)
+    async with FakeHub() as hub:
+        hub.add_checkpoint(REPO, model)
+        result = await prefetch(REPO, host(tmp_path / "taker", hub, s3server, s3bucket))
+        served = hub.bytes_served(shard)
+    assert_snapshot_matches(result.snapshot_path, model)
+    assert served == len(data) - 2 * PART  # the Hub sent only what the parts did not hold
+    assert outcome(result, shard)[1] == 2 * PART
+    assert result.tier is not None and result.tier.claims_taken_over == 1
+    assert result.tier.bytes_from_parts == 2 * PART
+    # the blob is in the tier; its parts are gone with the claim
+    sha = hashlib.sha256(data).hexdigest()
+    assert s3(s3server).get_object(Bucket=s3bucket, Key=blob_key(PREFIX, sha))["Body"].read() == (
+        data
+    )
+    assert not {k for k in keys(s3server, s3bucket) if "/parts/" in k or "/claims/" in k}
+
+
+async def test_a_corrupt_part_costs_one_download_and_never_a_wrong_blob(
+    s3server: S3Server, s3bucket: str, model: Checkpoint, aws_env: None, tmp_path: Path
+) -> None:
+    shard = model.shards[0]
+    data = model.path(shard).read_bytes()
+    dead_holder(s3server, s3bucket, data, parts=2, flip=True)
+    async with FakeHub() as hub:
+        hub.add_checkpoint(REPO, model)
+        config = host(tmp_path / "taker", hub, s3server, s3bucket)
+        config = replace(config, fetch=replace(config.fetch, max_verify_attempts=1))
+        result = await prefetch(REPO, config)
+        served = hub.bytes_served(shard)
+    assert_snapshot_matches(result.snapshot_path, model)
+    assert served == 2 * len(data) - 2 * PART  # the seeded try, then the whole file again
+    assert result.tier is not None and result.tier.corrupt_objects == 1
+    assert result.tier.bytes_from_parts == 0
+    assert not {k for k in keys(s3server, s3bucket) if "/parts/" in k}
+    sha = hashlib.sha256(data).hexdigest()
+    assert s3(s3server).get_object(Bucket=s3bucket, Key=blob_key(PREFIX, sha))["Body"].read() == (
+        data
+    )
+
+
+def test_a_holder_killed_mid_download_leaves_parts_the_taker_resumes_from(
+    s3server: S3Server, s3bucket: str, model: Checkpoint, aws_env: None, tmp_path: Path
+) -> None:
+    """A real holder, killed ``-9`` once its claim says 60% of the first shard is done: what it
+    published is not downloaded again (the Hub's egress for that shard stays under 1.5 of it)."""
+    conf = tmp_path / "shardsync.toml"
+    conf.write_text(
+        f'[s3]\nendpoint = "{s3server.endpoint}"\naddressing = "path"\nregion = "us-east-1"\n'
+        f'[tier]\nurl = "s3://{s3bucket}/{PREFIX}"\nclaim_lease = "1s"\npart_size = "5MiB"\n'
+        '[download]\nconnections_per_file = 2\nchunk_size = "1MiB"\nsidecar_interval = 0.1\n'
+    )
+    shard = model.shards[0]
+    data = model.path(shard).read_bytes()
+    sha = hashlib.sha256(data).hexdigest()
+    with serving({REPO: model}) as fake:
+        fake.faults.add(Bandwidth(1_500_000))  # ~4 s per shard on 2 connections
+        env = {**os.environ, "HF_ENDPOINT": fake.endpoint}
+        holder = subprocess.Popen(
+            [sys.executable, "-m", "shardsync.cli", "--config", str(conf), "prefetch", REPO,
+             "--cache-dir", str(tmp_path / "holder"), "--no-daemon", "--quiet"],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )  # fmt: skip
+        try:
+            _wait_for_parts(s3server, s3bucket, sha, holder, len(data))
+        finally:
+            os.killpg(holder.pid, signal.SIGKILL)
+            holder.wait()
+        fake.faults.clear()
+        by_holder = fake.bytes_served(shard)
+        published = sum(
+            int(k.rsplit("-", 1)[1]) - int(k.rsplit("/", 1)[1].split("-")[0])
+            for k in keys(s3server, s3bucket)
+            if k.startswith(parts_prefix(PREFIX, sha))
+        )
+        config = replace(
+            fast_config(tmp_path / "taker", fake.endpoint),
+            s3=S3Config(endpoint=s3server.endpoint, region=s3server.region, addressing="path"),
+            tier=TierConfig(url=f"s3://{s3bucket}/{PREFIX}", claim_lease=1.0, part_size=PART),
+        )
+        result = asyncio.run(prefetch(REPO, config))
+        by_taker = fake.bytes_served(shard) - by_holder
+    assert_snapshot_matches(result.snapshot_path, model)
+    assert published >= PART
+    assert outcome(result, shard)[1] == published
+    assert by_taker == len(data) - published
+    assert by_holder + by_taker < 1.5 * len(data)
+
+
+def _wait_for_parts(
+    server: S3Server, bucket: str, sha: str, proc: subprocess.Popen[bytes], size: int
+) -> None:
+    """Until the holder's claim says 60% done and at least one part is published."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "the holder ended before it could be killed"
+        with contextlib.suppress(Exception):
+            body = s3(server).get_object(Bucket=bucket, Key=claim_key(PREFIX, sha))["Body"].read()
+            parts = [k for k in keys(server, bucket) if k.startswith(parts_prefix(PREFIX, sha))]
+            if json.loads(body)["done"] >= 0.6 * size and parts:
+                return
+        time.sleep(0.05)
+    raise AssertionError("the holder never published a part")
