@@ -1,7 +1,8 @@
 """Fleet benchmark: Hub egress and host times when N hosts pull one model through a shared S3 tier.
 
     python bench/fleet.py [--size 2GB] [--shards 4] [--hosts 1,4,8] [--bandwidth 25MB]
-                          [--latency 0.02] [--rounds 1] [--json bench/fleet.json]
+                          [--latency 0.02] [--rounds 1] [--faults holder,tier]
+                          [--json bench/fleet.json]
                           [--png bench/fleet.png] [--data-dir DIR]
 
 Everything is a real server or a real process:
@@ -26,6 +27,14 @@ and what waiting costs: ``after_origin_s``, the slowest host's end minus the mom
 the model's last byte (the claim holders' upload to the tier, the waiters' poll, read, verify
 and publish: everything a fleet host pays beyond the origin's own download).
 
+``--faults holder,tier`` adds, per round, N = the largest of ``--hosts`` with a fault struck
+when the first claim in the tier reports 40% of its blob done: ``holder`` kills that claim's
+holder ``-9`` (the fleet must cost about what it had in flight, goal Hub egress <= 1.10 x the
+model, the slowest surviving host <= 5 s over the same N without a fault); ``tier`` kills the
+tier's SeaweedFS ``-9`` (a fresh one for that round; goal: every host exits within 1 s of its
+snapshot being complete (its exit against its snapshot record's ``completed_at``), against the
+same N without a fault, with at most one tier warning per host).
+
 All hosts share this machine's CPUs (and SeaweedFS and nginx run on them too): N hosts on one
 box contend for CPU, so the time ratios are pessimistic for a real fleet, where each host has
 its own. The egress column is what this benchmark is about. The exit status is 1 only if a
@@ -47,7 +56,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,6 +88,11 @@ from shardsync.config import parse_size
 from shardsync.tier import blob_key
 
 GOAL_EGRESS = 1.05
+GOAL_FAULT_EGRESS = 1.10  # a dead holder costs what it had in flight
+GOAL_FAULT_SLOWER_S = 5.0  # the slowest surviving host, over the same N without a fault
+GOAL_EXIT_LAG_S = 1.0  # a dead tier: exit this soon after the snapshot is complete
+FAULTS = ("holder", "tier")
+STRIKE_AT = 0.4  # of the first claim's blob
 HOST_TIMEOUT_S = 600.0
 """A host still running after this is killed and reported as failed (hung)."""
 TIER_PREFIX = "fleet/"
@@ -110,6 +124,7 @@ class Settings:
     bandwidth: float
     latency: float
     rounds: int
+    faults: tuple[str, ...]
     json_path: Path
     png_path: Path
     data_dir: Path
@@ -133,6 +148,16 @@ class Host:
     bytes_from_tier: int
     sources: dict[str, str]  # LFS file -> network | tier | cache
     tier: dict[str, Any] | None
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    """What was struck in a round, and when."""
+
+    kind: str  # "holder" or "tier"
+    at_s: float | None  # from the round's start (None: the hosts finished before it struck)
+    done: float | None  # the claim's done/size when it struck
+    victim: str | None  # the host killed ("holder")
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,10 +189,20 @@ class Round:
     in_tier: dict[str, float | None]  # LFS file -> time.time() its blob was first seen there
     verified: bool
     problems: list[str] = field(default_factory=list)
+    fault: Fault | None = None
+    tier_warnings: dict[str, list[str]] = field(default_factory=dict)  # host -> its lines
+    # host -> its exit minus its snapshot's completed_at (the cache's own record, written as
+    # the snapshot became complete): what the tier's uploads kept it waiting
+    exit_after_snapshot_s: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def survivors(self) -> list[Host]:
+        victim = None if self.fault is None else self.fault.victim
+        return [h for h in self.hosts if h.name != victim]
 
     @property
     def slowest_s(self) -> float:
-        return max(h.wall_s for h in self.hosts)
+        return max(h.wall_s for h in self.survivors)
 
     @property
     def origin_done_s(self) -> float | None:
@@ -180,7 +215,7 @@ class Round:
         beyond the origin's own download."""
         if self.cdn.last_end is None:
             return None
-        return max(h.ended for h in self.hosts) - self.cdn.last_end
+        return max(h.ended for h in self.survivors) - self.cdn.last_end
 
     @property
     def tier_done_s(self) -> float | None:
@@ -234,6 +269,14 @@ def _hosts(text: str) -> tuple[int, ...]:
     return values
 
 
+def _faults(text: str) -> tuple[str, ...]:
+    kinds = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
+    unknown = set(kinds) - set(FAULTS)
+    if unknown:
+        raise argparse.ArgumentTypeError(f"faults are {', '.join(FAULTS)}, not {sorted(unknown)}")
+    return kinds
+
+
 def _size(text: str) -> int:
     try:
         return parse_size(text)
@@ -254,6 +297,13 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         "--latency", type=float, default=0.02, help="delay of each fake-Hub answer (s)"
     )
     parser.add_argument("--rounds", type=int, default=1, help="rounds per N; medians count")
+    parser.add_argument(
+        "--faults",
+        type=_faults,
+        default=(),
+        help="also N = max(--hosts) with a fault: holder (its claim holder killed -9 at 40%%), "
+        "tier (SeaweedFS killed -9 at 40%%); comma-separated",
+    )
     parser.add_argument("--json", type=Path, default=here / "results" / "fleet.json")
     parser.add_argument("--png", type=Path, default=here / "results" / "fleet.png")
     parser.add_argument("--data-dir", type=Path, help="checkpoint cache and scratch space")
@@ -273,6 +323,7 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         bandwidth=float(args.bandwidth),
         latency=args.latency,
         rounds=args.rounds,
+        faults=args.faults,
         json_path=args.json,
         png_path=args.png,
         data_dir=args.data_dir or Path(tempfile.gettempdir()) / "shardsync-bench-data" / label,
@@ -430,10 +481,17 @@ def host_argv(config: Path, hub: str, cache: Path) -> list[str]:
 
 
 def run_hosts(
-    names: Sequence[str], work: Path, caches: Path, config: Path, hub: str, s3: S3Server | None
+    names: Sequence[str],
+    work: Path,
+    caches: Path,
+    config: Path,
+    hub: str,
+    s3: S3Server | None,
+    during: Callable[[Mapping[int, str]], None] | None = None,
 ) -> list[Host]:
     """Start one process per name at once; wait for all. Each is reaped with wait4 by its
-    own thread, so its end time and CPU are its own."""
+    own thread, so its end time and CPU are its own. ``during`` runs meanwhile in a thread of
+    its own with the hosts' names by pid (a fault to strike)."""
     env = host_env(work, hub, s3)
     procs: list[tuple[str, subprocess.Popen[bytes], float, float, Path, Path]] = []
     for name in names:
@@ -458,8 +516,55 @@ def run_hosts(
         cpu = usage.ru_utime + usage.ru_stime
         return parse_host(name, proc.returncode, seconds, started_wall, ended, cpu, out, err)
 
-    with ThreadPoolExecutor(max_workers=len(procs)) as pool:
+    with ThreadPoolExecutor(max_workers=len(procs) + 1) as pool:
+        if during is not None:
+            pool.submit(during, {proc.pid: name for name, proc, *_ in procs})
         return list(pool.map(reap, procs))
+
+
+class Striker:
+    """Strikes a fault once the first claim in the tier reports ``STRIKE_AT`` of its blob:
+    kills the claim's holder (its pid is in the claim's ``holder``) or the tier itself."""
+
+    def __init__(self, kind: str, s3: S3Server, bucket: str) -> None:
+        import botocore.session  # the bench's own view of the tier, blocking
+
+        self.kind, self._s3, self._bucket = kind, s3, bucket
+        self._client = botocore.session.get_session().create_client("s3", **s3.client_kwargs())
+        self.started = time.time()
+        self.fault = Fault(kind, None, None, None)
+        self._stop = threading.Event()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def __call__(self, hosts: Mapping[int, str]) -> None:
+        prefix = f"{TIER_PREFIX}claims/"
+        while not self._stop.is_set():
+            with contextlib.suppress(Exception):  # a claim may vanish between list and get
+                listed = self._client.list_objects_v2(Bucket=self._bucket, Prefix=prefix)
+                for obj in listed.get("Contents", ()):
+                    body = self._client.get_object(Bucket=self._bucket, Key=obj["Key"])
+                    claim = json.loads(body["Body"].read())
+                    done = claim["done"] / claim["size"]
+                    if done >= STRIKE_AT:
+                        self._strike(claim, done, hosts)
+                        return
+            self._stop.wait(0.02)
+
+    def _strike(self, claim: Mapping[str, Any], done: float, hosts: Mapping[int, str]) -> None:
+        at = time.time() - self.started
+        if self.kind == "tier":
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(os.getpgid(self._s3.pid), signal.SIGKILL)
+            self.fault = Fault("tier", round(at, 2), round(done, 3), None)
+            return
+        pid = int(str(claim["holder"]).rsplit(":", 1)[1])
+        victim = hosts.get(pid)
+        if victim is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.fault = Fault("holder", round(at, 2), round(done, 3), victim)
 
 
 def parse_host(
@@ -539,38 +644,65 @@ class Servers:
         return cdn
 
 
-def one_round(servers: Servers, n: int, index: int, tier: bool, scratch: Path) -> Round:
-    name = f"{'tier' if tier else 'notier'}-{n}-{index}"
+def one_round(
+    servers: Servers,
+    n: int,
+    index: int,
+    tier: bool,
+    scratch: Path,
+    fault: str | None = None,
+    tier_s3: S3Server | None = None,
+) -> Round:
+    """N hosts at once (then a late one, with a tier and no fault). ``fault``: strike it in
+    ``tier_s3`` (a SeaweedFS of the round's own for "tier"; the shared one by default)."""
+    name = f"{'tier' if tier else 'notier'}-{n}-{index}" + (f"-{fault}" if fault else "")
     work, caches = scratch / name, servers.cache_root / name
     for path in (work, caches):
         remove_tree(path)
         path.mkdir(parents=True)
-    s3 = servers.s3 if tier else None
-    bucket = servers.s3.new_bucket(f"fleet-{n}") if tier else None
+    store = tier_s3 or servers.s3
+    s3 = store if tier else None
+    bucket = store.new_bucket(f"fleet-{n}") if tier else None
     if bucket is not None:
-        warm_bucket(servers.s3, bucket)
+        warm_bucket(store, bucket)
     digests = {rel: digest for rel, (_, digest) in servers.origin.lfs.items()}
-    watcher = TierWatcher(servers.s3, bucket, digests) if bucket is not None else None
+    watcher = TierWatcher(store, bucket, digests) if bucket is not None else None
+    striker = Striker(fault, store, bucket) if fault and bucket is not None else None
     config = write_config(work / "shardsync.toml", s3, bucket)
     servers.cdn_since_last()  # skip whatever came before
     os.sync()  # the previous round's writeback must not land on this round's clock
-    weed_cpu, nginx_cpu = process_cpu_s(servers.s3.pid), process_cpu_s(servers.nginx.pid)
+    weed_cpu, nginx_cpu = process_cpu_s(store.pid), process_cpu_s(servers.nginx.pid)
     load_before = os.getloadavg()[0]
     with watcher or contextlib.nullcontext():
         started = time.time()
-        hosts = run_hosts([f"host{i}" for i in range(n)], work, caches, config, servers.hub, s3)
+        if striker is not None:
+            striker.started = started
+        hosts = run_hosts(
+            [f"host{i}" for i in range(n)], work, caches, config, servers.hub, s3, striker
+        )
+        if striker is not None:
+            striker.stop()
     load_after = os.getloadavg()[0]
     time.sleep(0.2)  # nginx writes a request's line as it ends: let the last ones land
     cdn = servers.cdn_since_last()
-    weed_after, nginx_after = process_cpu_s(servers.s3.pid), process_cpu_s(servers.nginx.pid)
+    weed_after, nginx_after = process_cpu_s(store.pid), process_cpu_s(servers.nginx.pid)
     late, late_cdn = None, None
-    if tier:
+    if tier and fault is None:
         (late,) = run_hosts(["late"], work, caches, config, servers.hub, s3)
         time.sleep(0.2)
         late_cdn = servers.cdn_since_last()
-    problems = [
-        p for h in [*hosts, *([late] if late else [])] for p in verify_host(h, work, servers.origin)
-    ]
+    struck = None if striker is None else striker.fault
+    victim = None if struck is None else struck.victim
+    checked = [h for h in [*hosts, *([late] if late else [])] if h.name != victim]
+    problems = [p for h in checked for p in verify_host(h, work, servers.origin)]
+    if fault == "holder" and victim is None:
+        problems.append("no claim holder was killed (the hosts finished first, or none was ours)")
+    warned = {h.name: tier_warnings(work / f"{h.name}.err") for h in hosts if h.name != victim}
+    lag = {
+        h.name: round(h.ended - completed, 3)
+        for h in hosts
+        if h.name != victim and (completed := snapshot_completed_at(caches / h.name)) is not None
+    }
     remove_tree(work)
     remove_tree(caches)
     return Round(
@@ -589,7 +721,25 @@ def one_round(servers: Servers, n: int, index: int, tier: bool, scratch: Path) -
         in_tier=watcher.seen if watcher is not None else {},
         verified=not problems,
         problems=problems,
+        fault=struck,
+        tier_warnings=warned,
+        exit_after_snapshot_s=lag,
     )
+
+
+def snapshot_completed_at(cache: Path) -> float | None:
+    """``completed_at`` of the host's snapshot record (the cache's own clock stamp)."""
+    for record in cache.glob("**/state/snapshots/**/*.json"):
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            return float(json.loads(record.read_text())["completed_at"])
+    return None
+
+
+def tier_warnings(err: Path) -> list[str]:
+    """Lines of a host's stderr about the tier (its warnings: ``--quiet`` prints nothing else)."""
+    with contextlib.suppress(OSError):
+        return [line for line in err.read_text(errors="replace").splitlines() if "tier" in line]
+    return []
 
 
 def _delta(before: float | None, after: float | None) -> float | None:
@@ -598,6 +748,8 @@ def _delta(before: float | None, after: float | None) -> float | None:
 
 def describe(r: Round, model: int) -> str:
     label = f"N={r.hosts_n}" + ("" if r.tier else " (no tier)") + f" #{r.round + 1}"
+    if r.fault is not None:
+        label += f" [{r.fault.kind} killed at {r.fault.at_s} s, claim {r.fault.done}]"
     times = ", ".join(f"{h.wall_s:.1f}" for h in r.hosts)
     text = f"{label}: hosts {times} s; Hub egress {r.cdn.bytes_sent / model:.3f} x model"
     if r.late is not None and r.late_cdn is not None:
@@ -609,10 +761,116 @@ def describe(r: Round, model: int) -> str:
 # Summary
 
 
+@dataclass(frozen=True, slots=True)
+class FaultRow:
+    """One fault at one N, medians over its rounds, against the same N without a fault."""
+
+    fault: str
+    hosts: int
+    struck_at_s: float | None
+    claim_done: float | None
+    egress_x: float
+    slowest_s: float
+    no_fault_slowest_s: float
+    slower_s: float
+    exit_lag_s: float  # the longest a host ran after its snapshot was complete
+    no_fault_exit_lag_s: float
+    most_tier_warnings: int
+    claims_taken_over: float
+    bytes_from_parts: float
+    goal: str
+
+
+def exit_lag_s(r: Round) -> float:
+    """The longest a surviving host ran after its snapshot was complete (the uploads it owed
+    the tier, then leaving)."""
+    return max(r.exit_after_snapshot_s.values(), default=float("nan"))
+
+
+def summarize_faults(rounds: Sequence[Round], model: int) -> list[FaultRow]:
+    rows = []
+    for kind in FAULTS:
+        for n in sorted({r.hosts_n for r in rounds if r.fault and r.fault.kind == kind}):
+            mine = [r for r in rounds if r.fault and r.fault.kind == kind and r.hosts_n == n]
+            calm = [r for r in rounds if r.tier and r.fault is None and r.hosts_n == n]
+            if not calm:
+                continue
+
+            def med(values: Sequence[float | None]) -> float | None:
+                present = [v for v in values if v is not None]
+                return statistics.median(present) if present else None
+
+            def tier_sum(r: Round, key: str) -> float:
+                return float(sum(int((h.tier or {}).get(key, 0)) for h in r.survivors))
+
+            egress_x = statistics.median(r.cdn.bytes_sent for r in mine) / model
+            slowest = statistics.median(r.slowest_s for r in mine)
+            calm_slowest = statistics.median(r.slowest_s for r in calm)
+            lag, calm_lag = (statistics.median(exit_lag_s(r) for r in rs) for rs in (mine, calm))
+            warned = max(max(map(len, r.tier_warnings.values()), default=0) for r in mine)
+            if kind == "holder":
+                ok = (
+                    max(r.cdn.bytes_sent for r in mine) <= GOAL_FAULT_EGRESS * model
+                    and slowest - calm_slowest <= GOAL_FAULT_SLOWER_S
+                )
+            else:
+                ok = lag - calm_lag <= GOAL_EXIT_LAG_S and warned <= 1
+            rows.append(
+                FaultRow(
+                    fault=kind,
+                    hosts=n,
+                    struck_at_s=med([r.fault.at_s for r in mine if r.fault]),
+                    claim_done=med([r.fault.done for r in mine if r.fault]),
+                    egress_x=egress_x,
+                    slowest_s=slowest,
+                    no_fault_slowest_s=calm_slowest,
+                    slower_s=slowest - calm_slowest,
+                    exit_lag_s=lag,
+                    no_fault_exit_lag_s=calm_lag,
+                    most_tier_warnings=warned,
+                    claims_taken_over=statistics.median(
+                        tier_sum(r, "claims_taken_over") for r in mine
+                    ),
+                    bytes_from_parts=statistics.median(
+                        tier_sum(r, "bytes_from_parts") for r in mine
+                    ),
+                    goal="PASS" if ok else "FAIL",
+                )
+            )
+    return rows
+
+
+def print_faults(rows: Sequence[FaultRow]) -> None:
+    if not rows:
+        return
+    header = (
+        f"{'fault':>6} {'N':>3} {'struck s':>8} {'claim':>5} {'egress/model':>12} "
+        f"{'slowest s':>9} {'no fault':>8} {'+s':>5} {'exit lag':>8} {'no fault':>8} "
+        f"{'warnings':>8} {'taken over':>10} {'from parts':>10} {'goal':>5}"
+    )
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(
+            f"{r.fault:>6} {r.hosts:>3} {_cell(r.struck_at_s, '.2f', 8)} "
+            f"{_cell(r.claim_done, '.0%', 5)} {_cell(r.egress_x, '.3f', 11, 'x')} "
+            f"{r.slowest_s:>9.2f} {r.no_fault_slowest_s:>8.2f} {r.slower_s:>+5.1f} "
+            f"{r.exit_lag_s:>8.2f} {r.no_fault_exit_lag_s:>8.2f} {r.most_tier_warnings:>8} "
+            f"{r.claims_taken_over:>10.0f} {r.bytes_from_parts / 1e6:>8.0f} MB {r.goal:>5}"
+        )
+    print(
+        f"(struck: when the first claim reported {STRIKE_AT:.0%} done; holder: its holder killed "
+        f"-9, goal egress <= {GOAL_FAULT_EGRESS}x and slowest surviving host <= "
+        f"+{GOAL_FAULT_SLOWER_S:.0f} s over no fault; tier: SeaweedFS killed -9, goal exit lag "
+        f"(exit - snapshot complete, slowest host) <= +{GOAL_EXIT_LAG_S:.0f} s over no fault "
+        "and at most one tier warning per host)"
+    )
+
+
 def summarize(rounds: Sequence[Round], baseline: float, model: int) -> list[Row]:
     rows = []
-    for n in sorted({r.hosts_n for r in rounds if r.tier}):
-        mine = [r for r in rounds if r.tier and r.hosts_n == n]
+    for n in sorted({r.hosts_n for r in rounds if r.tier and r.fault is None}):
+        mine = [r for r in rounds if r.tier and r.fault is None and r.hosts_n == n]
 
         def med(values: Sequence[float | None]) -> float | None:
             present = [v for v in values if v is not None]
@@ -709,6 +967,7 @@ def write_json(
     baseline_rounds: Sequence[Round],
     rounds: Sequence[Round],
     rows: Sequence[Row],
+    fault_rows: Sequence[FaultRow],
 ) -> None:
     info = machine_info()
     versions = info.get("versions")
@@ -727,6 +986,7 @@ def write_json(
             "bandwidth_per_connection": settings.bandwidth,
             "hub_latency_s": settings.latency,
             "rounds": settings.rounds,
+            "faults": list(settings.faults),
             "host_caches": str(cache_root),
             "shardsync": "defaults, --no-daemon; [tier] url = s3://<fresh bucket>/fleet/",
         },
@@ -737,6 +997,7 @@ def write_json(
         },
         "baseline_s": statistics.median(r.slowest_s for r in baseline_rounds),
         "summary": [dataclasses.asdict(row) for row in rows],
+        "faults": [dataclasses.asdict(row) for row in fault_rows],
         "rounds": [_round_json(r) for r in [*baseline_rounds, *rounds]],
     }
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -863,17 +1124,31 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for n in settings.hosts:
                     rounds.append(one_round(servers, n, index, True, scratch))
                     log(describe(rounds[-1], model))
+                most = max(settings.hosts)
+                if "holder" in settings.faults:
+                    rounds.append(one_round(servers, most, index, True, scratch, "holder"))
+                    log(describe(rounds[-1], model))
+                if "tier" in settings.faults:  # a SeaweedFS of its own, to kill
+                    with run_seaweedfs(scratch / f"seaweedfs-doomed-{index}") as doomed:
+                        rounds.append(
+                            one_round(servers, most, index, True, scratch, "tier", doomed)
+                        )
+                    log(describe(rounds[-1], model))
     finally:
         remove_tree(scratch)
         if own_cache_root:
             remove_tree(cache_root)
     baseline = statistics.median(r.slowest_s for r in baseline_rounds)
     rows = summarize(rounds, baseline, model)
+    fault_rows = summarize_faults(rounds, model)
     print_report(rows, baseline, model)
+    print_faults(fault_rows)
     problems = [p for r in [*baseline_rounds, *rounds] for p in r.problems]
     for problem in problems:
         print(f"PROBLEM: {problem}")
-    write_json(settings.json_path, settings, origin, cache_root, baseline_rounds, rounds, rows)
+    write_json(
+        settings.json_path, settings, origin, cache_root, baseline_rounds, rounds, rows, fault_rows
+    )
     write_png(settings.png_path, rows, baseline, settings)
     log(f"results in {settings.json_path} and {settings.png_path}")
     return 1 if problems else 0

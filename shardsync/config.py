@@ -191,9 +191,9 @@ class TierConfig:
     claim_lease: float = 10.0
     claim_stall: float = 60.0
     upload_floor: int = 8 << 20
-    # 16 MiB: S3's part-size guidance; a holder killed mid-download costs about one block per
-    # connection it had open, the parts cost one more write of the blob to the tier
-    part_size: int = 16 << 20
+    # 4 MiB: a quarter of a Range (chunk_size): a holder killed mid-download costs less than
+    # a piece per connection it had open; the parts cost one more write of the blob to the tier
+    part_size: int = 4 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -508,8 +508,8 @@ def _tier_config(section: Mapping[str, Any], env: Mapping[str, str]) -> TierConf
             raise ConfigError("tier.upload_floor must be positive")
     if "part_size" in section:
         values["part_size"] = _coerce("tier.part_size", section["part_size"], "size")
-        if values["part_size"] and values["part_size"] < 5 << 20:
-            raise ConfigError("tier.part_size must be 0 (no parts) or at least 5MiB")
+        if values["part_size"] and values["part_size"] < 1 << 20:
+            raise ConfigError("tier.part_size must be 0 (no parts) or at least 1MiB")
     return TierConfig(url=url, **values)
 
 

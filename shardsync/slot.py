@@ -178,11 +178,12 @@ class Seeding:
     """A seeded partial being filled: ``write`` bytes where they belong, ``close`` when done
     (the record then claims what was written, and a download resumes from it)."""
 
-    __slots__ = ("_done", "_fd", "_record", "_what")
+    __slots__ = ("_done", "_fd", "_lock", "_record", "_what")
 
     def __init__(self, fd: int, record: ResumeRecord, what: Resumable) -> None:
         self._fd, self._record, self._what = fd, record, what
         self._done = RangeSet()
+        self._lock = threading.Lock()  # pieces land from several threads at once
 
     def write(self, offset: int, data: bytes) -> None:
         """Blocking: run it in a thread."""
@@ -190,8 +191,9 @@ class Seeding:
             os.pwrite(self._fd, data, offset)
         except OSError as exc:
             raise disk_error(exc, "write a seeded partial") from exc
-        self._done.add(offset, offset + len(data))
-        self._record.write(self._record.encode(self._what, self._done))
+        with self._lock:
+            self._done.add(offset, offset + len(data))
+            self._record.write(self._record.encode(self._what, self._done))
 
     @property
     def written(self) -> int:

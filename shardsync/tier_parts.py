@@ -5,9 +5,9 @@ Key layout (part of the tier's contract, see ``tier``)::
 
     PREFIX/parts/<sha256>/<start>-<end>   bytes [start, end) of the blob with that sha256
 
-The holder publishes each ``part_size``-aligned block but the last once its resume record
-says the block is on disk (the record trails the file by a fraction of a second), so a holder
-killed at 40% costs the fleet the blocks it had not finished, not 40% of the blob. A taker
+The holder publishes what its resume record says is on disk (the record trails the file by a
+fraction of a second), in pieces of ``part_size`` along each connection's range, so a holder
+killed at 40% costs the fleet less than a piece per connection, not 40% of the blob. A taker
 writes the parts into a seeded partial (``Slot.seed``) and downloads only the rest from the
 origin. Nothing of a part is trusted: the taker's download hashes the whole file, parts
 included, and a mismatch deletes the parts and costs one more download from the origin, never
@@ -24,15 +24,17 @@ import re
 from collections.abc import Callable
 
 from shardsync.errors import ShardsyncError
+from shardsync.ranges import RangeSet
 from shardsync.s3 import S3Client, S3Location
 from shardsync.slot import Slot
 
-__all__ = ["delete_parts", "parts_prefix", "publish_parts", "seed_from_parts"]
+__all__ = ["delete_parts", "next_pieces", "parts_prefix", "publish_parts", "seed_from_parts"]
 
 log = logging.getLogger("shardsync.tier")
 
 _LOOK_S = 0.5  # seconds between looks at the holder's resume record
 _MAX_PARTS = 100_000
+_READERS = 8  # parts read at once by a taker
 _PART_NAME = re.compile(r"(0|[1-9][0-9]{0,15})-([1-9][0-9]{0,15})")
 
 
@@ -49,29 +51,51 @@ async def publish_parts(
     slot: Slot,
     downloading: Callable[[], bool],
 ) -> None:
-    """While ``downloading()``: upload every block of ``part_size`` the slot's partial holds,
-    once each. Runs until cancelled or the download ends; a failed request ends it (the tier
-    counts it where the caller runs it)."""
-    published: set[int] = set()
-    blocks = range(0, size - part_size, part_size)  # not the last: the blob itself follows
-    while downloading() and len(published) < len(blocks):
+    """While ``downloading()``: upload what the slot's partial holds that is not published
+    yet, in pieces of ``part_size`` (each connection fills its own range from its start, so
+    pieces follow the landed runs, not aligned blocks: a holder killed at 40% of its ranges
+    has published all but less than a piece per connection). A run that cannot grow any
+    more (it reaches a published piece or the end) goes out whatever its length. Runs until
+    cancelled or the download ends; a failed request ends it (the caller counts it)."""
+    published = RangeSet()
+    while downloading():
         await asyncio.sleep(_LOOK_S)
         landed = await asyncio.to_thread(slot.landed)
-        if landed is None:
-            continue
-        for start in blocks:
-            end = start + part_size
-            if start in published or not landed.contains(start, end) or not downloading():
-                continue
+        if landed is None or landed.total() >= size:
+            continue  # no record to trust, or the whole file: the blob itself follows
+        for first, stop in next_pieces(landed, published, size, part_size):
+            if not downloading():
+                return
             try:
-                data = await asyncio.to_thread(slot.read, start, end - start)
+                data = await asyncio.to_thread(slot.read, first, stop - first)
             except OSError:
                 return  # the partial is gone: published, or given up
-            if len(data) != end - start:
+            if len(data) != stop - first:
                 return
-            key = f"{parts_prefix(where.prefix, sha256)}{start}-{end}"
+            key = f"{parts_prefix(where.prefix, sha256)}{first}-{stop}"
             await client.put_bytes(where.bucket, key, data)
-            published.add(start)
+            published.add(first, stop)
+
+
+def next_pieces(
+    landed: RangeSet, published: RangeSet, size: int, part_size: int
+) -> list[tuple[int, int]]:
+    """What to publish next: the landed bytes not yet published, in pieces of ``part_size``,
+    and a shorter last piece of a run only where the run can grow no more."""
+    out: list[tuple[int, int]] = []
+    for start, end in landed.to_list():
+        for first, stop in _minus(start, end, published):
+            closed = stop == size or published.contains(stop, stop + 1)
+            while stop - first >= part_size or (closed and stop > first):
+                piece = min(first + part_size, stop)
+                out.append((first, piece))
+                first = piece
+    return out
+
+
+def _minus(start: int, end: int, done: RangeSet) -> list[tuple[int, int]]:
+    """``[start, end)`` less what ``done`` holds, in order."""
+    return [(max(a, start), min(b, end)) for a, b in done.missing(end) if b > start]
 
 
 async def seed_from_parts(
@@ -94,20 +118,27 @@ async def seed_from_parts(
     seeding = await asyncio.to_thread(slot.seed, size, sha256)
     if seeding is None:
         return 0
-    try:
-        reached = 0  # parts overlapping one already written are skipped: one copy of a byte
-        for start, end, key in sorted(parts):
-            if start < reached:
-                continue
+    chosen, reached = [], 0  # parts overlapping one chosen are skipped: one copy of a byte
+    for start, end, key in sorted(parts):
+        if start >= reached:
+            chosen.append((start, end, key))
+            reached = end
+    gate = asyncio.Semaphore(_READERS)
+
+    async def read(start: int, end: int, key: str) -> None:
+        async with gate:
             try:
                 data, _ = await client.get_small(where.bucket, key, max_size=end - start)
             except ShardsyncError as exc:
                 log.info("tier part %s unreadable (%s); the origin sends it", key, exc)
-                continue
-            if len(data) != end - start:
-                continue
-            await asyncio.to_thread(seeding.write, start, data)
-            reached = end
+                return
+            if len(data) == end - start:
+                await asyncio.to_thread(seeding.write, start, data)
+
+    try:
+        async with asyncio.TaskGroup() as tg:
+            for start, end, key in chosen:
+                tg.create_task(read(start, end, key))
     finally:
         await asyncio.to_thread(seeding.close)
     return seeding.written
