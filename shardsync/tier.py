@@ -18,7 +18,7 @@ Single flight: a host that misses creates the claim with a conditional PUT
 (``If-None-Match: *``) and renews it (``If-Match``) while it downloads and uploads; the
 others wait for the blob to appear, watching the claim. A claim whose ETag a waiter has not
 seen change for ``claim_lease`` by its own clock (its holder died) is taken over, and so is
-one whose holder's own stamp is a lease past its expiry (clocks may differ by up to a lease);
+one whose holder's own stamp is ``_SKEW_S`` past its expiry (clocks may differ by that much);
 one that is renewed but makes no progress for ``claim_stall`` makes the waiter download from
 the origin itself. The taker resumes from the blocks the dead holder published
 (``tier_parts``), so a holder's death costs the fleet what it had in flight.
@@ -62,7 +62,8 @@ log = logging.getLogger("shardsync.tier")
 Progress = Callable[[int], None]
 _MAX_CLAIM = 64 * 1024
 _MAX_ROUNDS = 4  # miss -> wait -> (taken over | released) -> ... before going to the origin
-_POLL_FIRST, _POLL_MAX = 0.2, 2.0
+_POLL_FIRST, _POLL_MAX = 0.2, 2.0  # and at most a quarter of the lease apart
+_SKEW_S = 60.0  # how far the hosts' clocks may disagree (only the expiry stamps use them)
 _ANSWER_S = 5.0  # the longest a tier request but an upload may take (S3 answers in ms)
 _EXIT_LOOK = 0.1  # seconds between looks at a tier that may have died, while leaving
 _RENEWALS_PER_LEASE = 5
@@ -474,7 +475,7 @@ class Tier:
         if existing is None:
             return None  # released just now: the blob is probably there; round again
         body, etag = existing
-        if etag != stale and not _expired(body, time.time(), self.config.claim_lease):
+        if etag != stale and not _expired(body, time.time()):
             return None
         return await self._take_over(claim, etag)
 
@@ -551,9 +552,7 @@ class Tier:
                 state = _parse_claim(body)
                 if etag != seen.etag:
                     seen.etag, seen.changed_at = etag, now
-                if now - seen.changed_at > cfg.claim_lease or _expired(
-                    body, time.time(), cfg.claim_lease
-                ):
+                if now - seen.changed_at > cfg.claim_lease or _expired(body, time.time()):
                     return "dead", etag
                 reported = state.get("done")  # another host's word: a number, or nothing
                 done = (
@@ -571,7 +570,7 @@ class Tier:
                 elif now - seen.progressed_at > cfg.claim_stall:
                     return "stalled", None
                 await asyncio.sleep(delay)  # another host's pace: wall time
-                delay = min(delay * 1.5, _POLL_MAX)
+                delay = min(delay * 1.5, _POLL_MAX, cfg.claim_lease / 4)
         finally:
             progress(-shown)  # what we read next counts its own bytes
 
@@ -684,10 +683,11 @@ def _parse_claim(body: bytes) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def _expired(body: bytes, now: float, lease: float) -> bool:
-    """By the holder's own clock stamp, with a lease of allowance for clock skew; a claim
-    that cannot be read is treated as expired (whoever wrote it cannot renew it either)."""
+def _expired(body: bytes, now: float) -> bool:
+    """By the holder's own clock stamp, with ``_SKEW_S`` of allowance for clock skew (so a
+    claim left by a holder that died long ago is taken over at once); a claim that cannot be
+    read is treated as expired (whoever wrote it cannot renew it either)."""
     expires = _parse_claim(body).get("expires")
     if not isinstance(expires, int | float):
         return True
-    return bool(now > expires + lease)
+    return bool(now > expires + _SKEW_S)
