@@ -336,6 +336,7 @@ def _view(
         leftovers=inv.partials + inv.junk,
         other_bytes=inv.foreign_bytes,
         free_bytes=inv.disk_free,
+        leased_since=min((lease.created_at for lease in inv.leases), default=None),
     )
     return view, tuple(protected), frozenset(whole)
 

@@ -7,7 +7,8 @@ carries the plan out. The rules, in the order they apply:
    live lease, and snapshots holding files shardsync did not write (``foreign``).
 2. Stale leftovers go whatever the limits: partial downloads, ``tmp/`` and ``quarantine/``
    entries, store blobs no snapshot refers to, and incomplete snapshots, all untouched for
-   ``stale_age``.
+   ``stale_age``; a blob no snapshot refers to yet is kept while a lease older than it lives
+   (a long job links content-named files only at its end).
 3. ``max_age``: every snapshot not used for that long.
 4. Least recently used first, until the cache is at most ``max_size`` and the filesystem has
    ``min_free``. A snapshot whose every blob a protected one also holds would free nothing
@@ -103,6 +104,9 @@ class CacheView:
     leftovers: tuple[Leftover, ...] = ()
     other_bytes: int = 0  # counted in the size, never freed (files shardsync did not write)
     free_bytes: int | None = None  # None: unknown, so min_free cannot be judged
+    # when the oldest live lease was taken (None: none): a job holding one may have published
+    # blobs it links only at its end (content-named snapshots), so none newer is an orphan
+    leased_since: float | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -155,8 +159,9 @@ def plan_prune(view: CacheView, limits: Limits) -> PrunePlan:
     freed = 0
 
     leftovers = tuple(x for x in view.leftovers if x.modified_at < stale_cut)
+    orphan_cut = stale_cut if view.leased_since is None else min(stale_cut, view.leased_since)
     orphans = tuple(
-        sorted(b.id for b in view.blobs if refs[b.id] == 0 and b.changed_at < stale_cut)
+        sorted(b.id for b in view.blobs if refs[b.id] == 0 and b.changed_at < orphan_cut)
     )
     freed += sum(x.nbytes for x in leftovers) + sum(sizes[b] for b in orphans)
 

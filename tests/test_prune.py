@@ -178,6 +178,18 @@ CASES = [
         leftovers=("old", "write.1.ab"),
     ),
     Case(
+        "a live lease older than a stale orphan: a running job may link it yet",
+        CacheView(
+            NOW,
+            (unit("a", 1, "x"),),
+            (Blob("x", 100, 0), Blob("o", 7, NOW - 2 * DAY), Blob("p", 7, NOW - 3 * DAY)),
+            leased_since=NOW - 2.5 * DAY,
+        ),
+        Limits(),
+        [],
+        orphans=("p",),
+    ),
+    Case(
         "ties are broken by folder and commit, so plans are reproducible",
         CacheView(NOW, (unit("b", 1, "y"), unit("a", 1, "x")), blobs(x=100, y=100)),
         Limits(max_size=100),
