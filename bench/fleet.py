@@ -125,6 +125,7 @@ class Settings:
     latency: float
     rounds: int
     faults: tuple[str, ...]
+    part_size: str | None  # [tier] part_size for every host (None: the default)
     json_path: Path
     png_path: Path
     data_dir: Path
@@ -304,6 +305,7 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         help="also N = max(--hosts) with a fault: holder (its claim holder killed -9 at 40%%), "
         "tier (SeaweedFS killed -9 at 40%%); comma-separated",
     )
+    parser.add_argument("--part-size", help="[tier] part_size of every host (0: no parts)")
     parser.add_argument("--json", type=Path, default=here / "results" / "fleet.json")
     parser.add_argument("--png", type=Path, default=here / "results" / "fleet.png")
     parser.add_argument("--data-dir", type=Path, help="checkpoint cache and scratch space")
@@ -324,6 +326,7 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         latency=args.latency,
         rounds=args.rounds,
         faults=args.faults,
+        part_size=args.part_size,
         json_path=args.json,
         png_path=args.png,
         data_dir=args.data_dir or Path(tempfile.gettempdir()) / "shardsync-bench-data" / label,
@@ -461,13 +464,17 @@ def host_env(work: Path, hub: str, s3: S3Server | None) -> dict[str, str]:
     return env
 
 
-def write_config(path: Path, s3: S3Server | None, bucket: str | None) -> Path:
+def write_config(
+    path: Path, s3: S3Server | None, bucket: str | None, part_size: str | None = None
+) -> Path:
     text = ""
     if s3 is not None and bucket is not None:
         text = (
             f'[s3]\nendpoint = "{s3.endpoint}"\nregion = "{s3.region}"\naddressing = "path"\n\n'
             f'[tier]\nurl = "s3://{bucket}/{TIER_PREFIX}"\n'
         )
+        if part_size is not None:
+            text += f'part_size = "{part_size}"\n'
     path.write_text(text)
     return path
 
@@ -636,6 +643,7 @@ class Servers:
     nginx: Nginx
     s3: S3Server
     cache_root: Path
+    part_size: str | None = None
     log_offset: int = 0
 
     def cdn_since_last(self) -> Cdn:
@@ -668,7 +676,7 @@ def one_round(
     digests = {rel: digest for rel, (_, digest) in servers.origin.lfs.items()}
     watcher = TierWatcher(store, bucket, digests) if bucket is not None else None
     striker = Striker(fault, store, bucket) if fault and bucket is not None else None
-    config = write_config(work / "shardsync.toml", s3, bucket)
+    config = write_config(work / "shardsync.toml", s3, bucket, servers.part_size)
     servers.cdn_since_last()  # skip whatever came before
     os.sync()  # the previous round's writeback must not land on this round's clock
     weed_cpu, nginx_cpu = process_cpu_s(store.pid), process_cpu_s(servers.nginx.pid)
@@ -987,6 +995,7 @@ def write_json(
             "hub_latency_s": settings.latency,
             "rounds": settings.rounds,
             "faults": list(settings.faults),
+            "part_size": settings.part_size,
             "host_caches": str(cache_root),
             "shardsync": "defaults, --no-daemon; [tier] url = s3://<fresh bucket>/fleet/",
         },
@@ -1116,7 +1125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             serve_hub_cdn(origin, nginx.url, settings.latency, scratch) as (hub, _pid),
             run_seaweedfs(scratch / "seaweedfs") as s3,
         ):
-            servers = Servers(origin, hub, nginx, s3, cache_root)
+            servers = Servers(origin, hub, nginx, s3, cache_root, settings.part_size)
             log(f"fake Hub {hub}, CDN nginx {nginx.url}, tier SeaweedFS {s3.endpoint}")
             for index in range(settings.rounds):
                 baseline_rounds.append(one_round(servers, 1, index, False, scratch))

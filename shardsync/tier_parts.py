@@ -32,7 +32,8 @@ __all__ = ["delete_parts", "next_pieces", "parts_prefix", "publish_parts", "seed
 
 log = logging.getLogger("shardsync.tier")
 
-_LOOK_S = 0.5  # seconds between looks at the holder's resume record
+_LOOK_S = 0.25  # seconds between looks at the holder's resume record
+_WRITERS = 4  # pieces a holder uploads at once, per blob
 _MAX_PARTS = 100_000
 _READERS = 8  # parts read at once by a taker
 _PART_NAME = re.compile(r"(0|[1-9][0-9]{0,15})-([1-9][0-9]{0,15})")
@@ -58,23 +59,29 @@ async def publish_parts(
     more (it reaches a published piece or the end) goes out whatever its length. Runs until
     cancelled or the download ends; a failed request ends it (the caller counts it)."""
     published = RangeSet()
-    while downloading():
-        await asyncio.sleep(_LOOK_S)
-        landed = await asyncio.to_thread(slot.landed)
-        if landed is None or landed.total() >= size:
-            continue  # no record to trust, or the whole file: the blob itself follows
-        for first, stop in next_pieces(landed, published, size, part_size):
+    gate = asyncio.Semaphore(_WRITERS)
+
+    async def put(first: int, stop: int) -> None:
+        async with gate:
             if not downloading():
                 return
             try:
                 data = await asyncio.to_thread(slot.read, first, stop - first)
             except OSError:
                 return  # the partial is gone: published, or given up
-            if len(data) != stop - first:
-                return
-            key = f"{parts_prefix(where.prefix, sha256)}{first}-{stop}"
-            await client.put_bytes(where.bucket, key, data)
-            published.add(first, stop)
+            if len(data) == stop - first:
+                key = f"{parts_prefix(where.prefix, sha256)}{first}-{stop}"
+                await client.put_bytes(where.bucket, key, data)
+                published.add(first, stop)
+
+    while downloading():
+        await asyncio.sleep(_LOOK_S)
+        landed = await asyncio.to_thread(slot.landed)
+        if landed is None or landed.total() >= size:
+            continue  # no record to trust, or the whole file: the blob itself follows
+        async with asyncio.TaskGroup() as tg:
+            for first, stop in next_pieces(landed, published, size, part_size):
+                tg.create_task(put(first, stop))
 
 
 def next_pieces(
