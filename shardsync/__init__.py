@@ -5,13 +5,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from shardsync.errors import ShardsyncError
+from shardsync.version import __version__
 
 if TYPE_CHECKING:
     from shardsync.client import Client, SyncClient
     from shardsync.loader import load, stream, weights
 
 __all__ = ["Client", "ShardsyncError", "SyncClient", "__version__", "load", "stream", "weights"]
-__version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> Any:

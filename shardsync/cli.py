@@ -355,20 +355,12 @@ async def _via_daemon(
         return None
     if parse_source(args.source, endpoint=config.endpoint).caller_only:
         return None
-    from shardsync.client import Client, daemon_serves
+    from shardsync.client import daemon_for
 
-    client = Client(config, fallback="error")
-    try:
-        await client.connect()
-    except errors.DaemonUnavailableError:
-        if config.daemon.fallback == "error":
-            raise
+    client = await daemon_for(config, cache_dir=_named_cache(args), endpoint=args.endpoint)
+    if client is None:
         return None
     try:
-        if not daemon_serves(
-            client.daemon_status or {}, cache_dir=_named_cache(args), endpoint=args.endpoint
-        ):
-            return None
         return await run(client)
     finally:
         await client.close()

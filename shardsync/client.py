@@ -63,7 +63,7 @@ from shardsync.scheduler import Scheduler, SharedJob
 if TYPE_CHECKING:
     from shardsync.checkpoint import CheckpointResult
 
-__all__ = ["Client", "JobHandle", "Shard", "SyncClient", "SyncJobHandle", "daemon_serves"]
+__all__ = ["Client", "JobHandle", "Shard", "SyncClient", "SyncJobHandle", "daemon_for"]
 
 _T = TypeVar("_T")
 _BASE = "http://shardsync"
@@ -95,16 +95,35 @@ class Shard:
         )
 
 
-def daemon_serves(
-    status: Mapping[str, Any], *, cache_dir: str | os.PathLike[str] | None, endpoint: str | None
-) -> bool:
-    """Whether a daemon (its ``GET /v1/status``) serves what a caller named: the rule that
-    ``shardsync prefetch`` and ``shardsync load``/``shardsync.load`` share.
+async def daemon_for(
+    config: Config, *, cache_dir: str | os.PathLike[str] | None, endpoint: str | None
+) -> Client | None:
+    """A connected client of the daemon when one answers and serves what the caller named;
+    None: do the work in this process. The one place that decides, for ``shardsync
+    prefetch``, ``shardsync load`` and ``shardsync.load`` alike; the caller closes the client.
 
     ``cache_dir`` and ``endpoint`` are what the caller named explicitly (``--cache-dir``,
     ``cache_dir=``, ``$SHARDSYNC_CACHE_DIR``; ``--endpoint``, ``endpoint=``), None when they
-    named none. A cache or Hub other than the daemon's is not the daemon's to serve.
+    named none: a cache or Hub other than the daemon's is not the daemon's to serve. No daemon
+    answering raises ``DaemonUnavailableError`` where ``config.daemon.fallback`` is "error".
     """
+    client = Client(config, fallback="error")
+    try:
+        await client.connect()
+    except DaemonUnavailableError:
+        if config.daemon.fallback == "error":
+            raise
+        return None
+    if not _serves(client.daemon_status or {}, cache_dir=cache_dir, endpoint=endpoint):
+        await client.close()
+        return None
+    return client
+
+
+def _serves(
+    status: Mapping[str, Any], *, cache_dir: str | os.PathLike[str] | None, endpoint: str | None
+) -> bool:
+    """Whether a daemon (its ``GET /v1/status``) serves the cache and Hub a caller named."""
     if cache_dir is not None and status.get("cache_dir") != os.path.abspath(cache_dir):
         return False
     wanted = (endpoint or "").rstrip("/")
@@ -572,7 +591,7 @@ class Client:
     async def cache(self) -> dict[str, Any]:
         """The daemon's cache summary (``GET /v1/cache``); in-process, this cache's."""
         if isinstance(self._connection, _LocalTransport):
-            from shardsync.daemon import cache_summary
+            from shardsync.inventory import cache_summary
 
             return await asyncio.to_thread(cache_summary, self.config.cache_dir)
         return dict((await self._connection.request("GET", "/v1/cache"))[1])

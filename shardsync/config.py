@@ -19,6 +19,7 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from shardsync.errors import ConfigError
+from shardsync.names import parse_s3_url
 from shardsync.network import NetworkConfig, network_from_env
 from shardsync.records import FetchConfig
 from shardsync.retry import RetryPolicy
@@ -490,8 +491,6 @@ def _tier_config(section: Mapping[str, Any], env: Mapping[str, str]) -> TierConf
     if url is not None:
         if not isinstance(url, str) or not url.startswith("s3://"):
             raise ConfigError(f"{source} must be an s3://BUCKET/PREFIX URL (got {url!r})")
-        from shardsync.s3 import parse_s3_url  # s3 imports this module
-
         parse_s3_url(url)
     values: dict[str, Any] = {}
     for key in ("claim_lease", "claim_stall"):

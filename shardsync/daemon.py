@@ -45,7 +45,7 @@ from typing import Any
 
 from aiohttp import web
 
-from shardsync import __version__, strict_json
+from shardsync import strict_json
 from shardsync.api import JobRequest, error_json
 from shardsync.config import Config, daemon_socket, load_config
 from shardsync.errors import (
@@ -55,14 +55,15 @@ from shardsync.errors import (
     ManifestError,
     ShardsyncError,
 )
-from shardsync.inventory import summary_to_json, survey
+from shardsync.inventory import cache_summary
 from shardsync.journal import Journal
 from shardsync.notify import Notifier
 from shardsync.prefetch import Engine
 from shardsync.records import TierStatistics
 from shardsync.scheduler import Scheduler, SharedJob, TokenBucket
+from shardsync.version import __version__
 
-__all__ = ["API_VERSION", "Daemon", "DaemonStatistics", "cache_summary", "run_daemon"]
+__all__ = ["API_VERSION", "Daemon", "DaemonStatistics", "run_daemon"]
 
 log = logging.getLogger("shardsync.daemon")
 
@@ -538,11 +539,6 @@ def _status_for(exc: ShardsyncError) -> int:
     if isinstance(exc, JobCancelledError):
         return 409
     return 500
-
-
-def cache_summary(root: Path) -> dict[str, Any]:
-    """Blobs, partial downloads, repositories and free space of a cache root (reads only)."""
-    return summary_to_json(survey(root))
 
 
 def render_metrics(stats: DaemonStatistics, scheduler: Scheduler, cache: Mapping[str, Any]) -> str:

@@ -34,6 +34,7 @@ __all__ = [
     "SnapshotInfo",
     "StoreBlob",
     "Survey",
+    "cache_summary",
     "inventory_to_json",
     "scan",
     "summary_to_json",
@@ -154,6 +155,12 @@ def survey(root: Path) -> Survey:
         vfs = os.statvfs(where.root)
         free, total = vfs.f_bavail * vfs.f_frsize, vfs.f_blocks * vfs.f_frsize
     return Survey(where.root, blobs, partials, repos, free, total, frozenset(counted))
+
+
+def cache_summary(root: Path) -> dict[str, Any]:
+    """Blobs, partial downloads, repositories and free space of a cache root (reads only):
+    the daemon's ``/v1/cache`` and the in-process client's ``cache()``."""
+    return summary_to_json(survey(root))
 
 
 def summary_to_json(found: Survey) -> dict[str, Any]:

@@ -48,7 +48,6 @@ from shardsync.safetensors_header import (
     header_length,
     parse_header,
 )
-from shardsync.scheduler import verified_event
 from shardsync.snapshot_use import Lease, Leases
 
 if TYPE_CHECKING:
@@ -160,7 +159,7 @@ class _ShardSink:
     def file_done(self, outcome: FileOutcome) -> None:
         assert self.engine_job is not None
         index = self._shard_index.get(outcome.path)
-        self._handoff.messages.put(("verified", verified_event(self.engine_job, outcome, index)))
+        self._handoff.messages.put(("verified", self.engine_job.verified(outcome, index)))
 
 
 class TensorStream:
@@ -463,23 +462,14 @@ class TensorStream:
 
         The commit our headers came from is pinned, so the daemon fetches those exact shards.
         """
-        from shardsync.client import Client, daemon_serves
-        from shardsync.errors import DaemonUnavailableError
+        from shardsync.client import daemon_for
 
-        client = Client(request.config, fallback="error")
-        try:
-            await client.connect()
-        except DaemonUnavailableError:
-            if request.config.daemon.fallback == "error":
-                raise
+        client = await daemon_for(
+            request.config, cache_dir=request.named_cache, endpoint=request.named_endpoint
+        )
+        if client is None:
             return False
         try:
-            if not daemon_serves(
-                client.daemon_status or {},
-                cache_dir=request.named_cache,
-                endpoint=request.named_endpoint,
-            ):
-                return False  # another cache or Hub than the daemon's: download here
             remote = await client.prefetch(
                 request.source,
                 revision=job.commit or request.revision,

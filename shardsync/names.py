@@ -8,10 +8,12 @@ never disagree about what is safe.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 from shardsync.errors import CacheError, ConfigError
 
 __all__ = [
+    "S3Location",
     "check_commit",
     "check_etag",
     "check_hub_repo",
@@ -20,6 +22,7 @@ __all__ = [
     "is_etag",
     "is_sha256",
     "is_xxh3_128",
+    "parse_s3_url",
     "split_revision",
     "validate_revision",
 ]
@@ -107,3 +110,37 @@ def check_hub_repo(name: str) -> None:
         or not all(_HUB_SEGMENT.fullmatch(segment) for segment in segments)
     ):
         raise ConfigError(f"invalid Hugging Face repo id {name!r}")
+
+
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9.\-_]{1,61}[a-z0-9]", re.IGNORECASE)
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+@dataclass(frozen=True, slots=True)
+class S3Location:
+    """``s3://BUCKET/PREFIX/``: the prefix is empty or ends with ``/``."""
+
+    bucket: str
+    prefix: str
+
+    @property
+    def url(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}"
+
+    def key_for(self, path: str) -> str:
+        return self.prefix + path
+
+
+def parse_s3_url(url: str) -> S3Location:
+    """Validate an ``s3://`` URL; a prefix names a folder, so it gains a trailing ``/``."""
+    if not url.startswith("s3://"):
+        raise ConfigError(f"not an s3:// URL: {url!r}")
+    bucket, _, prefix = url[len("s3://") :].partition("/")
+    if not _BUCKET.fullmatch(bucket) or ".." in bucket:
+        raise ConfigError(f"invalid S3 bucket name {bucket!r} in {url!r}")
+    if _CONTROL.search(prefix) or "?" in prefix or "#" in prefix or len(prefix) > 900:
+        raise ConfigError(f"invalid S3 prefix in {url!r}")
+    parts = [p for p in prefix.split("/") if p]
+    if any(p in (".", "..") for p in parts):
+        raise ConfigError(f"an S3 prefix must not contain '.' or '..' segments: {url!r}")
+    return S3Location(bucket=bucket, prefix="".join(p + "/" for p in parts))

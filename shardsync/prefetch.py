@@ -23,6 +23,7 @@ import aiohttp
 from shardsync.cache import CacheStore
 from shardsync.config import Config
 from shardsync.errors import CacheError, OfflineError, raise_first
+from shardsync.events import Verified
 from shardsync.fetch import BlobRequest, Fetcher, Sleep, Throttle
 from shardsync.manifest import (
     Listing,
@@ -378,6 +379,20 @@ class Job:
         the engine: the uploads it owes the fleet count too, so it is final once ``download``
         returned and ``uploading`` is false."""
         return None if self.tier is None else self.tier.statistics(self._tier_counters)
+
+    def verified(self, outcome: FileOutcome, shard_index: int | None) -> Verified:
+        """The ``Verified`` event of a file this job reports done; the one place that says
+        where a verified file is read (clients over the daemon and the loader in-process
+        alike). That is its snapshot entry (the job links it before reporting the file), or
+        the blob while the snapshot has no id: origins without commits are named by content
+        at the end."""
+        blob = self.cache.blob_path(outcome.sha256)
+        readable = (
+            self.cache.snapshot_dir(self.origin.repo, self.commit) / outcome.path
+            if self.commit
+            else blob
+        )
+        return Verified(outcome=outcome, shard_index=shard_index, file=readable, blob=blob)
 
     @property
     def uploading(self) -> bool:

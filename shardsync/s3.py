@@ -18,8 +18,7 @@ import binascii
 import builtins
 import contextlib
 import os
-import re
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -37,6 +36,7 @@ from shardsync.errors import (
     ShardsyncError,
     TransferError,
 )
+from shardsync.names import S3Location
 from shardsync.network import NetworkConfig, Proxy
 
 _Client = Any  # aiobotocore's client is typed at run time only
@@ -46,16 +46,13 @@ __all__ = [
     "ObjectInfo",
     "PreconditionFailed",
     "S3Client",
-    "S3Location",
-    "parse_s3_url",
 ]
 
 _T = TypeVar("_T")
 MAX_SINGLE_PUT = 5 << 30  # S3's limit for one PutObject; larger objects go multipart
 _PART_SIZE = 512 << 20
+_DELETE_BATCH = 1000  # S3's most keys per DeleteObjects
 _PRESIGN_SECONDS = 3600  # a 403 after expiry makes the fetcher ask for a fresh one
-_BUCKET = re.compile(r"[a-z0-9][a-z0-9.\-_]{1,61}[a-z0-9]", re.IGNORECASE)
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _AUTH_CODES = frozenset(
     {
         "AccessDenied",
@@ -76,36 +73,6 @@ _PRECONDITION_CODES = frozenset({"PreconditionFailed", "412", "ConditionalReques
 class PreconditionFailed(OriginError):
     """A conditional request lost (``If-None-Match: *`` on a key that exists, ``If-Match``
     on one that changed): someone else wrote first."""
-
-
-@dataclass(frozen=True, slots=True)
-class S3Location:
-    """``s3://BUCKET/PREFIX/``: the prefix is empty or ends with ``/``."""
-
-    bucket: str
-    prefix: str
-
-    @property
-    def url(self) -> str:
-        return f"s3://{self.bucket}/{self.prefix}"
-
-    def key_for(self, path: str) -> str:
-        return self.prefix + path
-
-
-def parse_s3_url(url: str) -> S3Location:
-    """Validate an ``s3://`` URL; a prefix names a folder, so it gains a trailing ``/``."""
-    if not url.startswith("s3://"):
-        raise ConfigError(f"not an s3:// URL: {url!r}")
-    bucket, _, prefix = url[len("s3://") :].partition("/")
-    if not _BUCKET.fullmatch(bucket) or ".." in bucket:
-        raise ConfigError(f"invalid S3 bucket name {bucket!r} in {url!r}")
-    if _CONTROL.search(prefix) or "?" in prefix or "#" in prefix or len(prefix) > 900:
-        raise ConfigError(f"invalid S3 prefix in {url!r}")
-    parts = [p for p in prefix.split("/") if p]
-    if any(p in (".", "..") for p in parts):
-        raise ConfigError(f"an S3 prefix must not contain '.' or '..' segments: {url!r}")
-    return S3Location(bucket=bucket, prefix="".join(p + "/" for p in parts))
 
 
 @dataclass(frozen=True, slots=True)
@@ -422,6 +389,19 @@ class S3Client:
             await client.delete_object(Bucket=bucket, Key=key)
 
         await self._call("delete", f"s3://{bucket}/{key}", run)
+
+    async def delete_many(self, bucket: str, keys: Sequence[str]) -> None:
+        """Delete objects a thousand per request (``DeleteObjects``); one that could not be
+        deleted is left (the caller deletes only what may stay)."""
+        for start in range(0, len(keys), _DELETE_BATCH):
+            batch = [{"Key": key} for key in keys[start : start + _DELETE_BATCH]]
+
+            async def run(client: _Client, objects: list[dict[str, str]] = batch) -> None:
+                await client.delete_objects(
+                    Bucket=bucket, Delete={"Objects": objects, "Quiet": True}
+                )
+
+            await self._call("delete", f"s3://{bucket}/{batch[0]['Key']}", run)
 
 
 def _unquoted(etag: str) -> str:

@@ -73,7 +73,6 @@ __all__ = [
     "SchedulerStatistics",
     "SharedJob",
     "TokenBucket",
-    "verified_event",
 ]
 
 log = logging.getLogger("shardsync.scheduler")
@@ -449,24 +448,7 @@ class _JobSink:
 
     def file_done(self, outcome: FileOutcome) -> None:
         assert self.engine_job is not None
-        self._job.emit(verified_event(self.engine_job, outcome, self.shard_index(outcome.path)))
-
-
-def verified_event(engine_job: Job, outcome: FileOutcome, shard_index: int | None) -> Verified:
-    """The ``Verified`` event of a file the engine reports done; the one place that says
-    where a verified file is read (clients over the daemon and the loader in-process alike).
-
-    That is its snapshot entry (the engine links it before reporting the file), or the blob
-    while the snapshot has no id: origins without commits are named by content at the end.
-    """
-    cache = engine_job.cache
-    blob = cache.blob_path(outcome.sha256)
-    readable = (
-        cache.snapshot_dir(engine_job.origin.repo, engine_job.commit) / outcome.path
-        if engine_job.commit
-        else blob
-    )
-    return Verified(outcome=outcome, shard_index=shard_index, file=readable, blob=blob)
+        self._job.emit(self.engine_job.verified(outcome, self.shard_index(outcome.path)))
 
 
 @dataclass(frozen=True, slots=True)

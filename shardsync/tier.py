@@ -50,8 +50,9 @@ from shardsync.errors import (
     TransferError,
 )
 from shardsync.fetch import BlobRequest, Located
+from shardsync.names import S3Location, parse_s3_url
 from shardsync.records import TierStatistics
-from shardsync.s3 import ObjectInfo, PreconditionFailed, S3Client, S3Location, parse_s3_url
+from shardsync.s3 import ObjectInfo, PreconditionFailed, S3Client
 from shardsync.slot import Slot, VerifiedFile
 from shardsync.tier_parts import delete_parts, publish_parts, seed_from_parts
 

@@ -18,14 +18,14 @@ collects those of a fleet that died entirely (README: Fleet).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import re
 from collections.abc import Callable
 
 from shardsync.errors import ShardsyncError
+from shardsync.names import S3Location
 from shardsync.ranges import RangeSet
-from shardsync.s3 import S3Client, S3Location
+from shardsync.s3 import S3Client
 from shardsync.slot import Slot
 
 __all__ = ["delete_parts", "next_pieces", "parts_prefix", "publish_parts", "seed_from_parts"]
@@ -155,6 +155,6 @@ async def delete_parts(client: S3Client, where: S3Location, sha256: str) -> None
     """Remove the parts of a blob that is in the tier now (best effort: a lifecycle rule
     collects what is left)."""
     listing = S3Location(where.bucket, parts_prefix(where.prefix, sha256))
-    for info in await client.list(listing, max_keys=_MAX_PARTS):
-        with contextlib.suppress(ShardsyncError):
-            await client.delete(where.bucket, info.key)
+    found = await client.list(listing, max_keys=_MAX_PARTS)
+    if found:
+        await client.delete_many(where.bucket, [info.key for info in found])

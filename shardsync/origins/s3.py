@@ -19,9 +19,10 @@ from shardsync.config import S3Config
 from shardsync.errors import ConfigError, ManifestError
 from shardsync.fetch import BlobRequest, Fetcher, Located
 from shardsync.manifest import Listing, RemoteFile, validate_name
+from shardsync.names import S3Location, parse_s3_url
 from shardsync.origins.base import Entry, RequestOrigin
 from shardsync.records import RepoRef
-from shardsync.s3 import ObjectInfo, S3Client, S3Location, parse_s3_url
+from shardsync.s3 import ObjectInfo, S3Client
 
 __all__ = ["S3Origin"]
 
