@@ -44,6 +44,7 @@ from typing import Any, Literal
 from shardsync.config import TierConfig
 from shardsync.errors import (
     AuthError,
+    CacheError,
     EntryNotFoundError,
     IntegrityError,
     ShardsyncError,
@@ -414,13 +415,25 @@ class Tier:
         return fetched, upload
 
     async def _seed(self, claim: _Claim, slot: Slot) -> int:
-        seeded = await self._quietly(
-            "read", seed_from_parts(self._client, self.location, claim.sha256, claim.size, slot)
-        )
-        if isinstance(seeded, int) and seeded:
+        """What a dead holder left, in our partial: the tier's failure costs a warning and
+        what was not seeded yet; the disk's is the job's own error."""
+        allowed = _ANSWER_S + claim.size / self.config.upload_floor  # many requests, not one
+        try:
+            async with asyncio.timeout(allowed):
+                seeded = await seed_from_parts(
+                    self._client, self.location, claim.sha256, claim.size, slot
+                )
+        except CacheError:
+            raise
+        except TimeoutError:
+            self._failed("read", TransferError(f"the tier's parts took over {allowed:.0f} s"))
+            return 0
+        except ShardsyncError as exc:
+            self._failed("read", exc)
+            return 0
+        if seeded:
             log.info("%s: resumed from %d bytes of parts", claim.sha256[:12], seeded)
-            return seeded
-        return 0
+        return seeded
 
     async def _publish(self, claim: _Claim, slot: Slot) -> None:
         def downloading() -> bool:

@@ -22,7 +22,7 @@ import logging
 import re
 from collections.abc import Callable
 
-from shardsync.errors import ShardsyncError
+from shardsync.errors import ShardsyncError, raise_first
 from shardsync.names import S3Location
 from shardsync.ranges import RangeSet
 from shardsync.s3 import S3Client
@@ -79,9 +79,12 @@ async def publish_parts(
         landed = await asyncio.to_thread(slot.landed)
         if landed is None or landed.total() >= size:
             continue  # no record to trust, or the whole file: the blob itself follows
-        async with asyncio.TaskGroup() as tg:
-            for first, stop in next_pieces(landed, published, size, part_size):
-                tg.create_task(put(first, stop))
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for first, stop in next_pieces(landed, published, size, part_size):
+                    tg.create_task(put(first, stop))
+        except BaseExceptionGroup as group:
+            raise_first(group)  # the request's own error, as a single request raises it
 
 
 def next_pieces(
@@ -146,6 +149,8 @@ async def seed_from_parts(
         async with asyncio.TaskGroup() as tg:
             for start, end, key in chosen:
                 tg.create_task(read(start, end, key))
+    except BaseExceptionGroup as group:
+        raise_first(group)  # a full disk is the job's error, as it is without parts
     finally:
         await asyncio.to_thread(seeding.close)
     return seeding.written

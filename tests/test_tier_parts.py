@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -25,7 +26,7 @@ from helpers import assert_snapshot_matches, fast_config, serving
 from s3server import S3Server
 
 from shardsync.config import Config, S3Config, TierConfig
-from shardsync.prefetch import prefetch
+from shardsync.prefetch import Engine, prefetch
 from shardsync.ranges import RangeSet
 from shardsync.records import PrefetchResult
 from shardsync.testing import Bandwidth, Checkpoint, FakeHub, build_checkpoint
@@ -239,3 +240,47 @@ def _wait_for_parts(
                 return
         time.sleep(0.05)
     raise AssertionError("the holder never published a part")
+
+
+async def test_a_tier_dying_while_parts_go_up_costs_one_warning(
+    s3server: S3Server,
+    s3bucket: str,
+    model: Checkpoint,
+    aws_env: None,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The tier dies once the holder has published parts: the job ends from the origin with
+    one warning, no error of the parts' own (their uploads run four at a time)."""
+    from test_tier import _Cut
+
+    port = int(s3server.endpoint.rsplit(":", 1)[1])
+    shard = model.shards[0]
+    data = model.path(shard).read_bytes()
+    sha = hashlib.sha256(data).hexdigest()
+    async with FakeHub() as hub, _Cut(("127.0.0.1", port)) as proxy:
+        hub.add_checkpoint(REPO, model)
+        hub.faults.add(Bandwidth(2_000_000))
+        via = S3Server(**{**s3server.__dict__, "endpoint": f"http://127.0.0.1:{proxy.port}"})
+        config = host(tmp_path / "h", hub, via, s3bucket)
+        config = replace(config, tier=replace(config.tier, part_size=1 << 20))
+
+        def cut_once_parts_are_up(n: int) -> float:
+            if not proxy.down and hub.bytes_served(shard) > 0.5 * len(data):
+                with contextlib.suppress(Exception):
+                    if any(
+                        k.startswith(parts_prefix(PREFIX, sha)) for k in keys(s3server, s3bucket)
+                    ):
+                        proxy.cut()
+            return 0.0
+
+        with caplog.at_level(logging.WARNING, logger="shardsync.tier"):
+            async with Engine(config, throttle=cut_once_parts_are_up) as engine:
+                job = engine.job(engine.origin(REPO))
+                await job.prepare()
+                files = await job.download()
+                snapshot, tier = job.snapshot_path, engine.tier
+    assert proxy.down and tier is not None
+    assert_snapshot_matches(snapshot, model)
+    assert [f.source for f in files if f.path in model.shards] == ["network"] * 2
+    assert len([r for r in caplog.records if r.name == "shardsync.tier"]) == 1
