@@ -1,4 +1,4 @@
-"""`shardsync.checkpoint.DCPReader`: `dcp.load` from a run's origin through the cache.
+"""`shardsync.dcp_reader.DCPReader`: `dcp.load` from a run's origin through the cache.
 
 It reads only the byte ranges its plan names (counted by a wrapper around the origin, and
 on SeaweedFS); a second load from the same cache moves no checkpoint bytes, and neither
@@ -24,7 +24,8 @@ from helpers import WrappedOrigin, fast_config
 from test_training import WORLD, dcp_expected, load_equal, runs  # noqa: F401 - fixture
 
 from shardsync.cache import CacheStore, RepoRef
-from shardsync.checkpoint import DCPReader, prefetch_checkpoint
+from shardsync.checkpoint import prefetch_checkpoint
+from shardsync.dcp_reader import DCPReader
 from shardsync.checkpoint_cache import RangeCache
 from shardsync.fetch import Fetcher
 from shardsync.origins import LocalOrigin

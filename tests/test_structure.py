@@ -98,3 +98,28 @@ def test_no_code_outside_the_origins_asks_which_origin_it_has() -> None:
 def test_the_origin_check_sees_a_branch() -> None:
     planted = ast.parse("if isinstance(origin, (origins.S3Origin, int)):\n    pass\n")
     assert _isinstance_on_origins(planted) == [1]
+
+
+TORCH_MODULES = {"loader.py", "dcp_reader.py"}  # ARCHITECTURE.md: the consumers of the cache
+
+
+def test_only_the_consumers_import_torch_and_nothing_imports_the_dcp_reader() -> None:
+    """Importing any module but the loader and the DCP reader imports no torch (the daemon,
+    the CLI and the fetch path never pay for it; a function that needs torch imports it when
+    it runs), and the DCP reader sits beside the loader: no module of the package imports
+    it."""
+    torch_users, dcp_users = set(), set()
+    for path in PACKAGE.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            if node in tree.body and any(n.split(".")[0] == "torch" for n in names):
+                torch_users.add(path.name)
+            if any(n == "shardsync.dcp_reader" for n in names):
+                dcp_users.add(path.name)
+    assert torch_users <= TORCH_MODULES, sorted(torch_users - TORCH_MODULES)
+    assert not dcp_users, sorted(dcp_users)

@@ -44,7 +44,7 @@ from multidict import CIMultiDict
 from s3server import S3Server
 from yarl import URL
 
-from shardsync.checkpoint import DCPReader
+from shardsync.dcp_reader import DCPReader
 from shardsync.config import Config, S3Config
 from shardsync.errors import ShardsyncError
 from shardsync.fetch import Fetcher
