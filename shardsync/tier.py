@@ -618,10 +618,7 @@ class Tier:
                 for n in self._counting():
                     n.uploads += 1
                     n.bytes_uploaded += upload.size
-                # the blob is there now: whatever parts a holder left of it are not needed
-                await self._quietly(
-                    "delete", delete_parts(self._client, self.location, upload.sha256)
-                )
+                await self._tidy(delete_parts(self._client, self.location, upload.sha256))
         finally:
             await self._release(upload)
 
@@ -641,6 +638,18 @@ class Tier:
         self._spawned.add(task)
         task.add_done_callback(self._spawned.discard)
         return task
+
+    async def _tidy(self, op: Awaitable[None]) -> None:
+        """Best-effort housekeeping (the parts of a blob that is in the tier now): a slow or
+        failed one is counted, never warned about nor taken for a dead tier (the lifecycle
+        rule on ``parts/`` collects what is left)."""
+        try:
+            async with asyncio.timeout(_ANSWER_S):
+                await op
+        except (ShardsyncError, TimeoutError) as exc:
+            for n in self._counting():
+                n.errors += 1
+            log.info("tier housekeeping failed (%s); the lifecycle rule collects it", exc)
 
     async def _quietly(self, doing: str, op: Awaitable[Any]) -> Any:
         """Run one tier request; a failure is counted and warned about, never raised. Any
