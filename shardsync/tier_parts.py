@@ -55,7 +55,8 @@ async def publish_parts(
     """While ``downloading()``: upload what the slot's partial holds that is not published
     yet, in pieces of ``part_size`` (each connection fills its own range from its start, so
     pieces follow the landed runs, not aligned blocks: a holder killed at 40% of its ranges
-    has published all but less than a piece per connection). A run that cannot grow any
+    has published all but less than a piece per connection, where the tier keeps pace with the
+    origin; bench/README.md: Under faults). A run that cannot grow any
     more (it reaches a published piece or the end) goes out whatever its length. Runs until
     cancelled or the download ends; a failed request ends it (the caller counts it)."""
     published = RangeSet()
