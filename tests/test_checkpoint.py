@@ -25,8 +25,8 @@ from test_training import WORLD, dcp_expected, load_equal, runs  # noqa: F401 - 
 
 from shardsync.cache import CacheStore, RepoRef
 from shardsync.checkpoint import prefetch_checkpoint
-from shardsync.dcp_reader import DCPReader
 from shardsync.checkpoint_cache import RangeCache
+from shardsync.dcp_reader import DCPReader
 from shardsync.fetch import Fetcher
 from shardsync.origins import LocalOrigin
 from shardsync.origins.base import Entry

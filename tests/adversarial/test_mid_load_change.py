@@ -44,8 +44,8 @@ from multidict import CIMultiDict
 from s3server import S3Server
 from yarl import URL
 
-from shardsync.dcp_reader import DCPReader
 from shardsync.config import Config, S3Config
+from shardsync.dcp_reader import DCPReader
 from shardsync.errors import ShardsyncError
 from shardsync.fetch import Fetcher
 from shardsync.origins import LocalOrigin
