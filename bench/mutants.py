@@ -275,14 +275,14 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "mid-load-version-unchecked",
-        "shardsync/checkpoint.py",
+        "shardsync/dcp_reader.py",
         (("            if now != f.version:", "            if False:"),),
         (MID_LOAD,),
         "a checkpoint file replaced at the origin between two reads of one load is used",
     ),
     Mutant(
         "mid-load-pieces-kept",
-        "shardsync/checkpoint.py",
+        "shardsync/dcp_reader.py",
         (("                    f.kept.close()", "                    f.kept.commit()"),),
         (MID_LOAD,),
         "the ranges read from a file that changed mid-load are kept in the cache",
@@ -363,6 +363,35 @@ MUTANTS: tuple[Mutant, ...] = (
         (("if self._over or len(self._digests) != checksum.parts:", "if False:"),),
         ("tests/test_checksums.py::test_composite_checksums_are_checked_part_by_part",),
         "a composite checksum matches bytes that run past (or stop short of) its parts",
+    ),
+    # --- issue 25: a dead claim holder's parts (tests/test_tier_parts.py)
+    Mutant(
+        "taker-ignores-parts",
+        "shardsync/tier.py",
+        (("            seeded = await self._seed(claim, slot)", "            seeded = 0"),),
+        ("tests/test_tier_parts.py::test_a_taker_resumes_from_the_dead_holders_parts",),
+        "a host taking over a dead holder's claim downloads the whole blob again",
+    ),
+    Mutant(
+        "seeded-partial-refused",
+        "shardsync/slot.py",
+        (("                    seeded  # bound to the content", "                    False  #"),),
+        ("tests/test_tier_parts.py::test_a_taker_resumes_from_the_dead_holders_parts",),
+        "a seeded partial (bound to its sha256 alone) is never resumed",
+    ),
+    Mutant(
+        "bad-part-fails-the-job",
+        "shardsync/tier.py",
+        (
+            (
+                "            except IntegrityError:\n                if not seeded:",
+                "            except ZeroDivisionError:\n                if not seeded:",
+            ),
+        ),
+        (
+            "tests/test_tier_parts.py::test_a_corrupt_part_costs_one_download_and_never_a_wrong_blob",
+        ),
+        "a flipped byte in a dead holder's part fails the taker's job instead of one download",
     ),
 )
 
