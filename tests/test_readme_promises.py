@@ -1,4 +1,5 @@
-"""What a new user trips over (issue 15): each README sentence that did not hold, as a test.
+"""What a new user trips over (issue 15): each sentence of the README or docs/ that did not
+hold, as a test.
 
 Every test here runs the real parts (the CLI in a process, the fake Hub on loopback) and would
 fail if the sentence it is named after became false again.
@@ -84,7 +85,7 @@ def _partial_blocks(cache: Path) -> int:
 def test_ls_and_prune_count_an_interrupted_download_once(
     hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path
 ) -> None:
-    """README, prune: "Sizes are bytes on disk with every blob counted once": a partial and
+    """docs/cache.md, prune: "Sizes are bytes on disk with every blob counted once": a partial and
     the private name a kill -9 left of it in tmp/ are one file, and du agrees with ls."""
     cache = tmp_path / "cache"
     hub.faults.add(Bandwidth(400_000))
@@ -119,7 +120,7 @@ def test_ls_and_prune_count_an_interrupted_download_once(
 def test_a_stream_holds_its_lease_until_the_with_block_ends(
     hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path
 ) -> None:
-    """README, leases: "while a `shardsync.load`/`stream` is open, the snapshots of that repo
+    """docs/cache.md, leases: "while a `shardsync.load`/`stream` is open, the snapshots of that repo
     are leased": consuming the last tensor does not end it, leaving the block does."""
     import shardsync
     from shardsync.cache import CacheStore
@@ -176,9 +177,10 @@ def torch_equal(a: object, b: object) -> bool:
 async def test_load_with_a_cache_of_its_own_does_not_go_through_the_daemon(
     fake_hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path
 ) -> None:
-    """README, daemon: `load` uses the daemon unless `--cache-dir`/`cache_dir=`,
-    `$SHARDSYNC_CACHE_DIR` or the endpoint name another cache or Hub than the daemon's, the
-    same rule as `prefetch`; then it downloads into the cache the user named, complete."""
+    """docs/loading.md, through the daemon: `load` uses the daemon unless
+    `--cache-dir`/`cache_dir=`, `$SHARDSYNC_CACHE_DIR` or the endpoint name another cache or
+    Hub than the daemon's, the same rule as `prefetch`; then it downloads into the cache the
+    user named, complete."""
     import asyncio
     from dataclasses import replace
 
@@ -247,7 +249,7 @@ def test_a_path_that_is_not_a_cache_is_exit_9_and_nothing_is_created(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """README: `ls`, `verify` and `prune` on a path that is not a shardsync cache exit 9,
+    """docs/cache.md: `ls`, `verify` and `prune` on a path that is not a shardsync cache exit 9,
     name where the path came from, and create nothing there."""
     from shardsync.cli import main
 
@@ -293,7 +295,7 @@ def test_demo_bad_flags_are_exit_2_naming_the_flag(
 def test_demo_prints_a_snapshot_path_only_when_it_is_kept(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """README: `shardsync demo` prints the snapshot path on stdout only with `--cache-dir`
+    """docs/cli.md: `shardsync demo` prints the snapshot path on stdout only with `--cache-dir`
     (a temporary cache is removed, and so would the path be)."""
     from shardsync.cli import main
 
@@ -327,7 +329,7 @@ def test_demo_prints_a_snapshot_path_only_when_it_is_kept(
 def test_an_invalid_environment_variable_is_named(
     env: dict[str, str], named: str, tmp_path: Path
 ) -> None:
-    """README, configuration: "An invalid value gives one error naming the key": the
+    """docs/configuration.md: "An invalid value gives one error naming the key": the
     variable the user set, never a config-file key they did not write."""
     from shardsync.config import load_config
     from shardsync.errors import ConfigError
@@ -428,7 +430,7 @@ def test_every_subcommand_takes_config_after_the_verb(verb: str, tmp_path: Path)
 async def test_the_daemons_cache_usage_is_current_right_after_a_job(
     fake_hub: FakeHub, checkpoint: Checkpoint
 ) -> None:
-    """README, `shardsync status`/`GET /v1/cache`/`/metrics`: the cache usage is rescanned
+    """docs/daemon.md, `shardsync status`/`GET /v1/cache`/`/metrics`: the cache usage is rescanned
     when a job fetched files, not up to 10 s later."""
     from daemons import api, daemon_in_loop, short_tmp
 

@@ -1,8 +1,8 @@
-"""Issue 15, item 8: the smaller README sentences that did not hold, each as a test.
+"""Issue 15, item 8: the smaller sentences of the user documents that did not hold, as tests.
 
-Each test reads the sentence it guards from README.md or config.example.toml where it can, and
-runs the real parts (the CLI, the fake Hub on loopback, huggingface_hub itself), so it fails if
-the sentence became false again.
+Each test reads the sentence it guards from the document under docs/ that holds it, or from
+config.example.toml, where it can, and runs the real parts (the CLI, the fake Hub on loopback,
+huggingface_hub itself), so it fails if the sentence became false again.
 """
 
 from __future__ import annotations
@@ -25,7 +25,10 @@ from helpers import fast_config, serving
 from shardsync.testing import Checkpoint, FakeHub, NoEtag, build_checkpoint, serve_in_thread
 
 ROOT = Path(__file__).resolve().parent.parent
-README = (ROOT / "README.md").read_text(encoding="utf-8")
+CLI = (ROOT / "docs" / "cli.md").read_text(encoding="utf-8")
+CACHE = (ROOT / "docs" / "cache.md").read_text(encoding="utf-8")
+DAEMON = (ROOT / "docs" / "daemon.md").read_text(encoding="utf-8")
+LOADING = (ROOT / "docs" / "loading.md").read_text(encoding="utf-8")
 EXAMPLE = (ROOT / "config.example.toml").read_text(encoding="utf-8")
 REPO = "acme/promises"
 
@@ -35,21 +38,14 @@ def _flat(text: str) -> str:
     return " ".join(text.replace("#", " ").split())
 
 
-def _section(title: str) -> str:
-    """The README section whose ``## `` heading starts with `title`, up to the next one."""
-    match = re.search(rf"^## {re.escape(title)}.*?(?=^## )", README, re.M | re.S)
-    assert match, title
-    return match.group(0)
-
-
 def _fields(template: str) -> set[str]:
-    """Every quoted field name of one of the README's JSON templates, nested ones included."""
+    """Every quoted field name of one of the documents' JSON templates, nested ones included."""
     return set(re.findall(r'"(\w+)"', template))
 
 
 def _template(pattern: str) -> set[str]:
-    """The field names of the README template that `pattern`'s first group matches."""
-    match = re.search(pattern, README, re.M | re.S)
+    """The field names of the docs/daemon.md template that `pattern`'s first group matches."""
+    match = re.search(pattern, DAEMON, re.M | re.S)
     assert match, pattern
     return _fields(match.group(1))
 
@@ -74,7 +70,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
 
 
 def test_the_documented_max_bandwidth_floor_is_the_one_enforced(tmp_path: Path) -> None:
-    """README (daemon, Priority) and config.example.toml: `max_bandwidth` must be at least
+    """docs/daemon.md (Priority) and config.example.toml: `max_bandwidth` must be at least
     `max_files x connections_per_file x min_throughput` (2 MiB/s with the defaults); a lower
     value is refused (exit 2), the floor itself is accepted."""
     from shardsync.cli import main
@@ -82,11 +78,11 @@ def test_the_documented_max_bandwidth_floor_is_the_one_enforced(tmp_path: Path) 
     from shardsync.errors import ConfigError
 
     rule = "max_files x connections_per_file x min_throughput"
-    assert rule in _flat(README) and rule in _flat(EXAMPLE)
+    assert rule in _flat(DAEMON) and rule in _flat(EXAMPLE)
     default = load_config(None, {})
     product = default.max_files * default.fetch.connections_per_file
     assert product * default.fetch.min_throughput == 2 << 20
-    assert "(2 MiB/s with the defaults: 4 x 16 x 32 KiB/s)" in _flat(README)
+    assert "(2 MiB/s with the defaults: 4 x 16 x 32 KiB/s)" in _flat(DAEMON)
     assert "(4 x 16 x 32KiB = 2MiB/s by default)" in _flat(EXAMPLE)
     assert (default.max_files, default.fetch.connections_per_file) == (4, 16)
     assert default.fetch.min_throughput == 32 << 10
@@ -164,7 +160,7 @@ def test_the_pickle_refusal_names_the_flag_and_the_argument(tmp_path: Path) -> N
 
 
 class _StandIn:
-    """What the README leaves to the reader: `MyModel(config)`. A transformers Llama when
+    """What docs/loading.md leaves to the reader: `MyModel(config)`. A transformers Llama when
     transformers is installed (build_checkpoint's config.json is one), else a module with the
     checkpoint's parameter names and shapes."""
 
@@ -203,7 +199,7 @@ class _StandIn:
 def test_the_loading_examples_run_as_written(
     checkpoint: Checkpoint, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """README, "Loading while downloading": the ```python block runs as it is written, with
+    """docs/loading.md, "Loading while downloading": the ```python block runs as written, with
     the fake Hub as `HF_ENDPOINT`, its repo for "org/model", the reader's `MyModel(config)`,
     and "cpu" for "cuda:0" where there is no GPU. The model example asks `strict=False`, so
     the keys it prints are reported rather than raised."""
@@ -211,7 +207,7 @@ def test_the_loading_examples_run_as_written(
 
     from shardsync.loader import LoadResult
 
-    (code,) = re.findall(r"```python\n(.*?)```", _section("Loading while downloading"), re.S)
+    (code,) = re.findall(r"```python\n(.*?)```", LOADING, re.S)
     assert "strict=False" in code and "print(result.missing_keys" in code
     code = code.replace('"org/model"', repr(REPO))
     if not torch.cuda.is_available():
@@ -222,7 +218,7 @@ def test_the_loading_examples_run_as_written(
     monkeypatch.setenv("SHARDSYNC_SOCKET", str(tmp_path / "no-daemon" / "d.sock"))
     with serving({REPO: checkpoint}) as hub:
         monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
-        exec(compile(code, "README.md", "exec"), namespace)
+        exec(compile(code, "docs/loading.md", "exec"), namespace)
     state, result = namespace["state"], namespace["result"]
     assert isinstance(result, LoadResult)
     model = namespace["model"]
@@ -265,7 +261,7 @@ def test_a_model_example_with_strict_would_have_raised_before_printing(
 async def test_status_json_is_the_documented_object(
     fake_hub: FakeHub, checkpoint: Checkpoint
 ) -> None:
-    """README, daemon: `status --json` prints `{"daemon": <GET /v1/status>, "jobs": [<job>,
+    """docs/daemon.md: `status --json` prints `{"daemon": <GET /v1/status>, "jobs": [<job>,
     ...], "cache": <GET /v1/cache>}`, each with the fields the API table names."""
     from daemons import daemon_in_loop, short_tmp
 
@@ -273,7 +269,7 @@ async def test_status_json_is_the_documented_object(
     from shardsync.config import DaemonConfig
 
     assert '`{"daemon": <GET /v1/status>, "jobs": [<job>, ...] (GET /v1/jobs), "cache": ' in (
-        _flat(README)
+        _flat(DAEMON)
     )
     status_fields = _template(r"^\| `GET /v1/status` \| `(\{.*?\})`")
     cache_fields = _template(r"^\| `GET /v1/cache` \| `(\{.*?\})`")
@@ -323,15 +319,15 @@ async def test_status_json_is_the_documented_object(
 def test_ls_shows_a_repo_huggingface_hub_downloaded_as_foreign(
     checkpoint: Checkpoint, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """README, `ls`: a snapshot huggingface_hub itself downloaded into `<root>/hub` is flagged
-    foreign (in `ls` and `ls --json`), shows as not complete and never used, and `prune`
-    never touches it."""
+    """docs/cache.md, `ls`: a snapshot huggingface_hub itself downloaded into `<root>/hub` is
+    flagged foreign (in `ls` and `ls --json`), shows as not complete and never used, and
+    `prune` never touches it."""
     from huggingface_hub import snapshot_download
 
     from shardsync.cli import main
     from shardsync.prefetch import prefetch
 
-    assert "pinned,\nleased, foreign." in README and '"foreign": false' in README
+    assert "pinned, leased, foreign." in _flat(CACHE) and '"foreign": false' in CACHE
     cache = tmp_path / "cache"
     with serving({REPO: checkpoint, "acme/theirs": checkpoint}) as hub:
         asyncio.run(prefetch(REPO, fast_config(cache, hub.endpoint)))
@@ -444,12 +440,12 @@ def test_build_checkpoints_config_is_a_consistent_llama(
 def test_a_plain_url_without_a_strong_etag_is_downloaded_again_every_run(
     checkpoint: Checkpoint, tmp_path: Path, etag: str
 ) -> None:
-    """README, prefetch: a second run from a plain URL downloads nothing while the server
+    """docs/cli.md, prefetch: a second run from a plain URL downloads nothing while the server
     sends a strong ETag, and every file again when it sends none (or only a weak one); the
     same bytes are still stored once."""
     from shardsync.prefetch import prefetch
 
-    flat = _flat(README)
+    flat = _flat(CLI)
     assert "sends no `ETag` (or only a weak `W/` one)" in flat
     assert "**every run downloads every file again** (the same bytes are still stored once)" in (
         flat

@@ -1,7 +1,7 @@
 """vLLM loads through shardsync (``load_format="shardsync"``), with a real vLLM.
 
-vLLM pins its own torch and transformers, so it lives in a venv of its own (README:
-Serving engines): ``.venv-vllm`` beside this checkout, or ``$SHARDSYNC_VLLM_PYTHON``. Every
+vLLM pins its own torch and transformers, so it lives in a venv of its own (docs/serving.md:
+The vLLM venv): ``.venv-vllm`` beside this checkout, or ``$SHARDSYNC_VLLM_PYTHON``. Every
 vLLM run is a child process of that venv (``tests/vllm_child.py``); the fake Hub, the daemon
 and the checks run here. Without the venv these tests skip.
 
@@ -37,7 +37,7 @@ RESULT = "vllm-child-result: "
 
 pytestmark = pytest.mark.skipif(
     not VLLM_PYTHON.exists(),
-    reason=f"no vLLM venv at {VLLM_PYTHON} (README: Serving engines, to create it)",
+    reason=f"no vLLM venv at {VLLM_PYTHON} (docs/serving.md: The vLLM venv, to create it)",
 )
 
 
