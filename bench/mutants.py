@@ -62,7 +62,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # --- the five bugs of issue 14
     Mutant(
         "git-blob-id",
-        "shardsync/fetch.py",
+        "shardsync/fetch/transfer.py",
         (
             (
                 'verified = "git-sha1" if git_sha1 == request.git_blob_id else None',
@@ -74,7 +74,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "206-starts-early",
-        "shardsync/fetch.py",
+        "shardsync/fetch/answers.py",
         (
             (
                 "if cr is None or cr.start != start or cr.end >= end or cr.total != state.size:",
@@ -86,11 +86,11 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "no-if-range-etag-ignored",
-        "shardsync/fetch.py",
+        "shardsync/fetch/answers.py",
         (
             (
-                "                headers[request.validator] = state.etag\n",
-                "                pass\n",
+                "        headers[validator] = state.etag\n",
+                "        pass\n",
             ),
             (
                 "if state.etag is not None and etag is not None and etag != state.etag:",
@@ -109,7 +109,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "200-written-at-offset",
-        "shardsync/fetch.py",
+        "shardsync/fetch/answers.py",
         (
             (
                 "    if status == 200:\n        # Range ignored",
@@ -121,12 +121,12 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "wire-range-unchecked",
-        "shardsync/fetch.py",
+        "shardsync/fetch/body_wire.py",
         (
             (
-                "                _check_range_answer(head.status, head.get, request.label, state, "
-                "start, end)\n                _check_encoding(head.get, request.label)\n",
-                "                _check_encoding(head.get, request.label)\n",
+                "                check_range_answer(head.status, head.get, label, state, "
+                "start, end)\n                check_encoding(head.get, label)\n",
+                "                check_encoding(head.get, label)\n",
             ),
         ),
         (INTEGRITY,),
@@ -135,7 +135,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # --- more of the same family
     Mutant(
         "sha256-skipped",
-        "shardsync/fetch.py",
+        "shardsync/fetch/transfer.py",
         (
             (
                 'verified = "sha256" if digest == request.sha256 else None',
@@ -147,7 +147,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "206-start-unchecked",
-        "shardsync/fetch.py",
+        "shardsync/fetch/answers.py",
         (
             (
                 "if cr is None or cr.start != start or cr.end >= end or cr.total != state.size:",
@@ -159,7 +159,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "content-range-total-unchecked",
-        "shardsync/fetch.py",
+        "shardsync/fetch/answers.py",
         (
             (
                 "if cr is None or cr.start != start or cr.end >= end or cr.total != state.size:",
@@ -198,14 +198,14 @@ MUTANTS: tuple[Mutant, ...] = (
     # --- issue 27: each resume check alone, the second body path, framing, mid-load changes
     Mutant(
         "validator-not-sent",
-        "shardsync/fetch.py",
-        (("                headers[request.validator] = state.etag\n", "                pass\n"),),
+        "shardsync/fetch/answers.py",
+        (("        headers[validator] = state.etag\n", "        pass\n"),),
         (INTEGRITY, "tests/test_s3_origin.py", "-k", "stripping or 412"),
         "neither If-Range nor If-Match is sent (each 206's ETag is still checked)",
     ),
     Mutant(
         "206-etag-unchecked",
-        "shardsync/fetch.py",
+        "shardsync/fetch/answers.py",
         (
             (
                 "if state.etag is not None and etag is not None and etag != state.etag:",
@@ -217,7 +217,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "length-beside-chunked-trusted",
-        "shardsync/wire.py",
+        "shardsync/fetch/wire.py",
         (
             (
                 'if length is not None and ("," in length or head.get("transfer-encoding") '
@@ -230,14 +230,14 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "chunk-trusted-before-its-end",
-        "shardsync/fetch.py",
+        "shardsync/fetch/body_aiohttp.py",
         (("                if framed or chunk_ended:\n", "                if True:\n"),),
         (FRAMING,),
         "a chunked body's bytes count as done before the parser saw their chunk end",
     ),
     Mutant(
         "aiohttp-body-read-unbounded",
-        "shardsync/fetch.py",
+        "shardsync/fetch/body_aiohttp.py",
         (
             (
                 "async with asyncio.timeout(cfg.read_timeout):  # see ``_chunk_ends``",
@@ -249,21 +249,21 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "malformed-answer-not-retried",
-        "shardsync/fetch.py",
-        (("            exc = _malformed(exc, label)\n", "            pass\n"),),
+        "shardsync/fetch/fetcher.py",
+        (("            exc = malformed(exc, label)\n", "            pass\n"),),
         (FRAMING,),
         "an answer aiohttp cannot parse ends the download at once instead of being retried",
     ),
     Mutant(
         "unframed-asked-twice",
-        "shardsync/fetch.py",
-        (("                    state.unframed = True", "                    pass"),),
+        "shardsync/fetch/body_wire.py",
+        (("                    self._unframed = True", "                    pass"),),
         ("tests/adversarial/test_hostile_server.py", "-k", "byte_per"),
         "every range of a server that sends no Content-Length is requested twice",
     ),
     Mutant(
         "aiohttp-request-without-timeout",
-        "shardsync/fetch.py",
+        "shardsync/fetch/session.py",
         (
             (
                 "timeout=self._metadata_timeout() if metadata else self._timeout,",
@@ -290,19 +290,19 @@ MUTANTS: tuple[Mutant, ...] = (
     # --- issue 27: no secret in any output (tests/adversarial/test_secrets_sweep.py)
     Mutant(
         "redacted-url-keeps-its-query",
-        "shardsync/fetch.py",
+        "shardsync/fetch/request.py",
         (('    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))', "    return url"),),
         (SWEEP,),
         "the URL in a message keeps its query (a presigned URL's signature and token)",
     ),
     Mutant(
         "status-error-names-the-url",
-        "shardsync/fetch.py",
+        "shardsync/fetch/session.py",
         (
             (
-                "raise _status_error(resp.status, resp.headers.get, body, label, "
+                "raise status_error(resp.status, resp.headers.get, body, label, "
                 "relocatable=relocatable)",
-                'raise _status_error(resp.status, resp.headers.get, body, f"{label} {resp.url}", '
+                'raise status_error(resp.status, resp.headers.get, body, f"{label} {resp.url}", '
                 "relocatable=relocatable)",
             ),
         ),
@@ -311,7 +311,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "error-body-quoted-raw",
-        "shardsync/fetch.py",
+        "shardsync/fetch/answers.py",
         (("        return redact(text)[:300]", "        return text[:300]"),),
         (SWEEP,),
         "a server's error body that quotes the refused request is copied into the message",
@@ -344,7 +344,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "store-checksum-ignored",
-        "shardsync/fetch.py",
+        "shardsync/fetch/transfer.py",
         (
             (
                 "store = located.checksum if request.sha256 is None else None",

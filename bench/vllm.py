@@ -797,7 +797,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = parse_args(argv)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     if not settings.vllm_python.exists():
-        log(f"no vLLM venv at {settings.vllm_python} (README: Serving engines)")
+        log(f"no vLLM venv at {settings.vllm_python} (docs/serving.md: The vLLM venv)")
         return 2
     if shutil.which("nginx") is None and not os.access("/usr/sbin/nginx", os.X_OK):
         log("nginx is not installed (apt-get install nginx): it serves the bytes")

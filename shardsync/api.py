@@ -1,7 +1,7 @@
 """The daemon API's wire format: error codes, job requests and results as JSON.
 
 Pure and shared by the daemon, the client and the in-process scheduler, so all three
-speak exactly the same shapes (documented in the README's API table).
+speak exactly the same shapes (documented in docs/daemon.md, "The API").
 """
 
 from __future__ import annotations

@@ -16,13 +16,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shardsync.api import result_from_json, result_to_json
+from shardsync.api import JobRequest, result_from_json, result_to_json
 from shardsync.config import Config, load_config
 from shardsync.errors import DaemonError, EntryNotFoundError
-from shardsync.fetch import Fetcher, Sleep
+from shardsync.fetch.fetcher import Fetcher
+from shardsync.fetch.request import Sleep
 from shardsync.manifest import Listing, Manifest, ManifestEntry, RemoteFile
 from shardsync.origins import Origin
-from shardsync.prefetch import Engine, Select
+from shardsync.prefetch import Engine
 from shardsync.records import PrefetchResult, ProgressSink
 from shardsync.training import (
     Choice,
@@ -35,15 +36,14 @@ from shardsync.training import (
 )
 
 __all__ = [
-    "CheckpointPlan",
     "CheckpointResult",
+    "CheckpointSelection",
     "alatest",
-    "checkpoint_result",
     "checkpoint_result_from_json",
     "latest",
     "prefetch_checkpoint",
     "resolve",
-    "selector",
+    "selection_for",
 ]
 
 
@@ -131,27 +131,29 @@ async def _read_small(
         return None
 
 
-@dataclass(slots=True)
-class CheckpointPlan:
-    """What the ``selector`` hook decided, once the job is prepared."""
+class CheckpointSelection:
+    """One rank's files of a chosen training checkpoint, in place of a weights index: the
+    ``select`` hook of ``Job.prepare``, and the result that choice makes of the download's.
 
-    choice: Choice | None = None
-    selection: RankSelection | None = None
+    The scheduler receives one from ``selection_for`` per request and never asks what it is.
+    """
 
+    def __init__(
+        self,
+        origin: Origin,
+        fetcher: Fetcher,
+        checkpoint: str,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ) -> None:
+        self._origin, self._fetcher = origin, fetcher
+        self._checkpoint, self._rank, self._world_size = checkpoint, rank, world_size
+        self._choice: Choice | None = None
+        self._selection: RankSelection | None = None
 
-def selector(
-    origin: Origin,
-    fetcher: Fetcher,
-    checkpoint: str,
-    rank: int | None,
-    world_size: int | None,
-    plan: CheckpointPlan,
-) -> Select:
-    """The ``Job.prepare(select=...)`` hook: the chosen checkpoint's files for one rank."""
-
-    async def select(listing: Listing) -> Manifest:
-        choice = await resolve(origin, fetcher, listing, checkpoint)
-        selection = select_rank(choice, rank, world_size)
+    async def select(self, listing: Listing) -> Manifest:
+        choice = await resolve(self._origin, self._fetcher, listing, self._checkpoint)
+        selection = select_rank(choice, self._rank, self._world_size)
         listed = {f.path: f for f in listing.files}
         entries = tuple(
             ManifestEntry.from_remote(listed[path], "shard")
@@ -159,10 +161,39 @@ def selector(
             else ManifestEntry(path, size, None, None, "shard")
             for path, size in selection.files
         )
-        plan.choice, plan.selection = choice, selection
+        self._choice, self._selection = choice, selection
         return Manifest(commit=listing.commit, entries=entries, weight_map={})
 
-    return select
+    def result(self, prefetch: PrefetchResult) -> CheckpointResult:
+        """The finished job's result; only after ``select`` ran."""
+        if self._choice is None or self._selection is None:
+            raise RuntimeError("CheckpointSelection.result before select")
+        choice = self._choice
+        return CheckpointResult(
+            prefetch=prefetch,
+            checkpoint=choice.name,
+            format=choice.format,
+            step=choice.step,
+            path=local_folder(prefetch.snapshot_path, choice.root),
+            skipped=choice.skipped,
+            notes=self._selection.notes,
+        )
+
+    def result_json(self, prefetch: PrefetchResult) -> dict[str, Any]:
+        """What a daemon job's ``job_done`` carries (``CheckpointResult.to_json``)."""
+        return self.result(prefetch).to_json()
+
+
+def selection_for(
+    request: JobRequest, origin: Origin, engine: Engine
+) -> CheckpointSelection | None:
+    """The scheduler's ``selections`` hook: a checkpoint request's selection (None: the
+    request is for the weights the index names)."""
+    if request.checkpoint is None:
+        return None
+    return CheckpointSelection(
+        origin, engine.fetcher, request.checkpoint, request.rank, request.world_size
+    )
 
 
 async def prefetch_checkpoint(
@@ -182,30 +213,12 @@ async def prefetch_checkpoint(
     started = time.monotonic()
     engine = Engine(config, sleep=sleep, environ=environ)
     origin = engine.origin(source, token=token)
-    plan = CheckpointPlan()
     async with engine:
+        selection = CheckpointSelection(origin, engine.fetcher, checkpoint, rank, world_size)
         job = engine.job(origin, sink=progress)
-        await job.prepare(
-            select=selector(origin, engine.fetcher, checkpoint, rank, world_size, plan)
-        )
+        await job.prepare(select=selection.select)
         result = job.result(await job.download(), time.monotonic() - started)
-    result = job.after_uploads(result)
-    assert plan.choice is not None and plan.selection is not None
-    return checkpoint_result(result, plan.choice, plan.selection)
-
-
-def checkpoint_result(
-    result: PrefetchResult, choice: Choice, selection: RankSelection
-) -> CheckpointResult:
-    return CheckpointResult(
-        prefetch=result,
-        checkpoint=choice.name,
-        format=choice.format,
-        step=choice.step,
-        path=local_folder(result.snapshot_path, choice.root),
-        skipped=choice.skipped,
-        notes=selection.notes,
-    )
+    return selection.result(job.after_uploads(result))
 
 
 def local_folder(snapshot: Path, root: str) -> Path:

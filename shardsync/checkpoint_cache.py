@@ -40,8 +40,9 @@ from typing import TYPE_CHECKING
 import xxhash
 
 from shardsync import layout
-from shardsync.cache import BlobLock, CacheStore, temp_name
+from shardsync.cache import CacheStore, temp_name
 from shardsync.errors import disk_error
+from shardsync.locks import BlobLock
 
 if TYPE_CHECKING:
     from shardsync.records import FileRecord, RepoRef

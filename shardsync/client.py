@@ -25,8 +25,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import errno
-import json
 import os
 import threading
 from collections.abc import AsyncIterator, Awaitable, Iterator, Mapping, Sequence
@@ -34,19 +32,12 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
-import aiohttp
-
-from shardsync.api import JobRequest, error_class, result_from_json
+from shardsync.api import JobRequest, result_from_json
+from shardsync.checkpoint import selection_for
 from shardsync.config import Config, Fallback, client_sockets, load_config
-from shardsync.errors import (
-    DaemonError,
-    DaemonUnavailableError,
-    EntryNotFoundError,
-    ShardsyncError,
-)
+from shardsync.daemon_transport import DaemonTransport, error_from
+from shardsync.errors import DaemonError, DaemonUnavailableError, EntryNotFoundError
 from shardsync.events import (
-    TERMINAL_EVENTS,
-    ErrorInfo,
     FileStarted,
     JobDone,
     JobEvent,
@@ -54,7 +45,6 @@ from shardsync.events import (
     Progress,
     Resolved,
     Verified,
-    parse_event,
 )
 from shardsync.prefetch import Engine
 from shardsync.records import PrefetchResult, ProgressSink, TierStatistics
@@ -66,11 +56,6 @@ if TYPE_CHECKING:
 __all__ = ["Client", "JobHandle", "Shard", "SyncClient", "SyncJobHandle", "daemon_for"]
 
 _T = TypeVar("_T")
-_BASE = "http://shardsync"
-_MAX_LINE = 64 << 20
-_REQUEST_TIMEOUT = aiohttp.ClientTimeout(total=60, sock_connect=5)
-_STREAM_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=None)
-_NOT_THERE = frozenset({errno.ENOENT, errno.ECONNREFUSED, errno.ENOTDIR, errno.EACCES})
 _POLL_FIRST, _POLL_MAX = 0.05, 1.0  # seconds between looks at a job's uploads to the tier
 
 Mode = Literal["daemon", "in-process"]
@@ -128,14 +113,6 @@ def _serves(
         return False
     wanted = (endpoint or "").rstrip("/")
     return not wanted or wanted == (status.get("endpoint") or "").rstrip("/")
-
-
-def error_from(error: ErrorInfo) -> ShardsyncError:
-    """The exception for an API error object (``{"code", "message"}``)."""
-    cls = error_class(error.code)
-    if cls is None:
-        return DaemonError(f"{error.message} ({error.code})" if error.code else error.message)
-    return cls(error.message)
 
 
 class _Transport(Protocol):
@@ -278,103 +255,6 @@ class _ProgressDriver:
 # ---------------------------------------------------------------------------------- transports
 
 
-class _DaemonTransport:
-    """The daemon's JSON API over its Unix socket."""
-
-    def __init__(self, socket: Path) -> None:
-        self.socket = socket
-        self._session = aiohttp.ClientSession(
-            connector=aiohttp.UnixConnector(path=str(socket)), timeout=_REQUEST_TIMEOUT
-        )
-
-    async def close(self) -> None:
-        await self._session.close()
-
-    async def request(self, method: str, path: str, body: object = None) -> tuple[int, Any]:
-        try:
-            async with self._session.request(method, _BASE + path, json=body) as resp:
-                data = await resp.read()
-                status = resp.status
-        except aiohttp.ClientConnectorError as exc:
-            if exc.os_error.errno in _NOT_THERE:
-                raise DaemonUnavailableError(f"no daemon at {self.socket}: {exc.strerror}") from exc
-            raise DaemonError(f"cannot reach the daemon at {self.socket}: {exc}") from exc
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise DaemonError(f"the daemon at {self.socket} did not answer: {exc!r}") from exc
-        try:
-            obj = json.loads(data)
-        except ValueError as exc:
-            raise DaemonError(f"the daemon answered {status} with a body that is not JSON") from exc
-        if status >= 400:
-            raise _answer_error(obj, f"HTTP {status}")
-        return status, obj
-
-    async def submit(self, request: JobRequest) -> tuple[Mapping[str, Any], bool]:
-        status, info = await self.request("POST", "/v1/jobs", request.to_json())
-        return info, status == 201
-
-    async def info(self, job_id: str) -> Mapping[str, Any]:
-        _, info = await self.request("GET", f"/v1/jobs/{job_id}")
-        return dict(info)
-
-    async def cancel(self, job_id: str) -> Mapping[str, Any]:
-        _, info = await self.request("DELETE", f"/v1/jobs/{job_id}")
-        return dict(info)
-
-    async def events(self, job_id: str, since: int) -> AsyncIterator[JobEvent]:
-        url = f"{_BASE}/v1/jobs/{job_id}/events"
-        try:
-            async with self._session.get(
-                url, params={"since": str(since)}, timeout=_STREAM_TIMEOUT
-            ) as resp:
-                if resp.status >= 400:
-                    try:
-                        body = json.loads(await resp.read())
-                    except ValueError:
-                        body = None
-                    raise _answer_error(body, f"the daemon answered {resp.status} for job {job_id}")
-                async for line in _ndjson(resp):
-                    event = parse_event(line)
-                    if event is None:
-                        continue  # a kind from a newer daemon: not ours to read
-                    yield event
-                    if isinstance(event, TERMINAL_EVENTS):
-                        return
-        except aiohttp.ClientError as exc:
-            reason = str(exc) or type(exc).__name__
-            raise DaemonError(
-                f"lost the daemon while following job {job_id} ({reason}); it may have stopped "
-                "or crashed: `shardsync status` tells, and the job resumes when it is back"
-            ) from exc
-        raise DaemonError(f"the daemon closed the event stream of job {job_id} before it ended")
-
-
-def _answer_error(body: object, fallback: str) -> ShardsyncError:
-    """The exception for an error answer's body (``{"error": {"code", "message"}}``)."""
-    error = body.get("error") if isinstance(body, dict) else None
-    if not isinstance(error, dict):
-        return DaemonError(fallback)
-    return error_from(ErrorInfo(str(error.get("code", "")), str(error.get("message", ""))))
-
-
-async def _ndjson(resp: aiohttp.ClientResponse) -> AsyncIterator[object]:
-    """Values of a newline-delimited JSON body (no line-length limit below ``_MAX_LINE``)."""
-    buffer = bytearray()
-    async for chunk in resp.content.iter_any():
-        buffer += chunk
-        while (newline := buffer.find(b"\n")) >= 0:
-            line = bytes(buffer[:newline])
-            del buffer[: newline + 1]
-            if line.strip():
-                try:
-                    value = json.loads(line)
-                except ValueError as exc:
-                    raise DaemonError("the daemon sent a malformed event") from exc
-                yield value
-        if len(buffer) > _MAX_LINE:
-            raise DaemonError("the daemon sent an event line larger than 64 MiB")
-
-
 class _LocalTransport:
     """A scheduler in this process: what the client runs when no daemon answers."""
 
@@ -432,7 +312,7 @@ class Client:
         self._fallback = fallback or self.config.daemon.fallback
         self._use_daemon = use_daemon
         self._stack: contextlib.AsyncExitStack | None = None
-        self._transport: _DaemonTransport | _LocalTransport | None = None
+        self._transport: DaemonTransport | _LocalTransport | None = None
         self.daemon_status: Mapping[str, Any] | None = None
         """The daemon's ``/v1/status`` when connecting (None in-process)."""
 
@@ -440,7 +320,7 @@ class Client:
     def mode(self) -> Mode:
         if self._transport is None:
             raise RuntimeError("connect first: 'async with Client() as client'")
-        return "daemon" if isinstance(self._transport, _DaemonTransport) else "in-process"
+        return "daemon" if isinstance(self._transport, DaemonTransport) else "in-process"
 
     async def __aenter__(self) -> Client:
         await self.connect()
@@ -462,11 +342,11 @@ class Client:
             raise
         self._stack = stack
 
-    async def _open(self, stack: contextlib.AsyncExitStack) -> _DaemonTransport | _LocalTransport:
+    async def _open(self, stack: contextlib.AsyncExitStack) -> DaemonTransport | _LocalTransport:
         tried: list[str] = []
         if self._use_daemon:
             for path in client_sockets(self.config.daemon, self._environ):
-                transport = _DaemonTransport(path)
+                transport = DaemonTransport(path)
                 try:
                     self.daemon_status = (await transport.request("GET", "/v1/status"))[1]
                 except DaemonUnavailableError as exc:
@@ -484,7 +364,7 @@ class Client:
                 )
         engine = await stack.enter_async_context(Engine(self.config, environ=self._environ))
         scheduler = await stack.enter_async_context(
-            Scheduler(engine, history=self.config.daemon.history)
+            Scheduler(engine, selections=selection_for, history=self.config.daemon.history)
         )
         return _LocalTransport(scheduler)
 
@@ -495,7 +375,7 @@ class Client:
             await stack.aclose()
 
     @property
-    def _connection(self) -> _DaemonTransport | _LocalTransport:
+    def _connection(self) -> DaemonTransport | _LocalTransport:
         """The transport, once connected."""
         if self._transport is None or self._stack is None:
             raise RuntimeError("connect first: 'async with Client() as client'")

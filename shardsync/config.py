@@ -6,18 +6,16 @@ that looks at files and variables, so tests pass both explicitly.
 
 from __future__ import annotations
 
-import grp
-import ipaddress
 import os
-import pwd
 import re
 import tomllib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
+from shardsync.config_access import group_id, id_list, socket_mode, tcp_address, user_id
 from shardsync.errors import ConfigError
 from shardsync.names import parse_s3_url
 from shardsync.network import NetworkConfig, network_from_env
@@ -568,15 +566,15 @@ def _daemon_config(section: Mapping[str, Any], env: Mapping[str, str]) -> Daemon
     socket = raw.get("socket", "")
     if not isinstance(socket, str):
         raise ConfigError(f"{label['socket']} must be a string path")
-    group = _gid("daemon.group", raw["group"]) if "group" in raw else None
-    mode = _mode(raw.get("socket_mode", 0o660 if group is not None else 0o600))
-    uids = _id_list("daemon.allowed_uids", raw.get("allowed_uids", []), _uid)
+    group = group_id("daemon.group", raw["group"]) if "group" in raw else None
+    mode = socket_mode(raw.get("socket_mode", 0o660 if group is not None else 0o600))
+    uids = id_list("daemon.allowed_uids", raw.get("allowed_uids", []), user_id)
     default_gids = [group] if group is not None else []
-    gids = _id_list("daemon.allowed_gids", raw.get("allowed_gids", default_gids), _gid)
+    gids = id_list("daemon.allowed_gids", raw.get("allowed_gids", default_gids), group_id)
     allow_remote = raw.get("tcp_allow_remote", False)
     if not isinstance(allow_remote, bool):
         raise ConfigError("daemon.tcp_allow_remote must be true or false")
-    tcp = _tcp(raw.get("tcp", ""), allow_remote=allow_remote)
+    tcp = tcp_address(raw.get("tcp", ""), allow_remote=allow_remote)
     fallback = raw.get("fallback", "in-process")
     if fallback not in ("in-process", "error"):
         raise ConfigError(f'{label["fallback"]} must be "in-process" or "error" (got {fallback!r})')
@@ -596,77 +594,6 @@ def _daemon_config(section: Mapping[str, Any], env: Mapping[str, str]) -> Daemon
         fallback=fallback,
         history=history,
     )
-
-
-def _mode(value: object) -> int:
-    """``0o600`` in TOML, or an octal string like ``"0660"``; read-write bits only."""
-    mode: int | None = None
-    if isinstance(value, int) and not isinstance(value, bool):
-        mode = value
-    elif isinstance(value, str):
-        try:
-            mode = int(value.removeprefix("0o"), 8)
-        except ValueError:
-            mode = None
-    if mode is None or mode & ~0o666 or mode & 0o600 != 0o600:
-        raise ConfigError(
-            f"daemon.socket_mode must be an octal mode of read/write bits including 0600, "
-            f'like 0o600 or "0660" (got {value!r})'
-        )
-    return mode
-
-
-def _uid(key: str, value: object) -> int:
-    if isinstance(value, str):
-        try:
-            return pwd.getpwnam(value).pw_uid
-        except KeyError:
-            raise ConfigError(f"{key}: no user named {value!r}") from None
-    return _nonnegative(key, value)
-
-
-def _gid(key: str, value: object) -> int:
-    if isinstance(value, str):
-        try:
-            return grp.getgrnam(value).gr_gid
-        except KeyError:
-            raise ConfigError(f"{key}: no group named {value!r}") from None
-    return _nonnegative(key, value)
-
-
-def _nonnegative(key: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(f"{key}: expected a name or a non-negative id (got {value!r})")
-    return value
-
-
-def _id_list(key: str, value: object, one: Callable[[str, object], int]) -> list[int]:
-    if not isinstance(value, list):
-        raise ConfigError(f"{key} must be a list of names or ids")
-    return [one(key, item) for item in value]
-
-
-def _tcp(value: object, *, allow_remote: bool) -> tuple[str, int] | None:
-    """``"127.0.0.1:9464"`` or ``"[::1]:9464"``; anything but loopback needs an explicit yes."""
-    if not isinstance(value, str):
-        raise ConfigError('daemon.tcp must be a "HOST:PORT" string')
-    if not value:
-        return None
-    host, sep, port_text = value.rpartition(":")
-    host = host.removeprefix("[").removesuffix("]")
-    if not sep or not host or not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
-        raise ConfigError(f'daemon.tcp must look like "127.0.0.1:9464" (got {value!r})')
-    if not allow_remote:
-        try:
-            loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
-        except ValueError:
-            loopback = False
-        if not loopback:
-            raise ConfigError(
-                f"daemon.tcp: {host} is not a loopback address; set "
-                "daemon.tcp_allow_remote = true to listen on it"
-            )
-    return host, int(port_text)
 
 
 _PRUNE_KEYS = ("max_size", "min_free", "max_age", "pin", "stale_partial_age", "high_water")

@@ -28,13 +28,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import json
 import logging
 import os
 import signal
 import socket
-import stat
 import struct
 import sys
 import time
@@ -47,6 +45,7 @@ from aiohttp import web
 
 from shardsync import strict_json
 from shardsync.api import JobRequest, error_json
+from shardsync.checkpoint import selection_for
 from shardsync.config import Config, daemon_socket, load_config
 from shardsync.errors import (
     ConfigError,
@@ -57,10 +56,12 @@ from shardsync.errors import (
 )
 from shardsync.inventory import cache_summary
 from shardsync.journal import Journal
+from shardsync.limits import TokenBucket
+from shardsync.listeners import bind_tcp, bind_unix, host_port, unlink_socket
 from shardsync.notify import Notifier
 from shardsync.prefetch import Engine
 from shardsync.records import TierStatistics
-from shardsync.scheduler import Scheduler, SharedJob, TokenBucket
+from shardsync.scheduler import Scheduler, SharedJob
 from shardsync.version import __version__
 
 __all__ = ["API_VERSION", "Daemon", "DaemonStatistics", "run_daemon"]
@@ -137,12 +138,12 @@ class Daemon:
         """
         try:
             async with asyncio.timeout(None) as deadline, contextlib.AsyncExitStack() as stack:
-                unix, inode = _bind_unix(self.socket_path, self.config)
-                stack.callback(_unlink_socket, self.socket_path, inode)
+                unix, inode = bind_unix(self.socket_path, self.config)
+                stack.callback(unlink_socket, self.socket_path, inode)
                 stack.callback(unix.close)  # closing twice is harmless; a failed start needs it
                 tcp = None
                 if self.config.daemon.tcp is not None:
-                    tcp = _bind_tcp(*self.config.daemon.tcp)
+                    tcp = bind_tcp(*self.config.daemon.tcp)
                     stack.callback(tcp.close)
                     self.tcp_address = tcp.getsockname()[:2]
                 await self._start(stack, unix, tcp)
@@ -171,6 +172,7 @@ class Daemon:
         journal = Journal(engine.store)
         scheduler = Scheduler(
             engine,
+            selections=selection_for,
             journal=journal,
             history=self.config.daemon.history,
             allow_local=False,
@@ -185,7 +187,7 @@ class Daemon:
         log.info(
             "serving on %s%s; cache %s; %d journaled job(s) resumed",
             self.socket_path,
-            f" and http://{_host_port(self.tcp_address)}" if self.tcp_address else "",
+            f" and http://{host_port(self.tcp_address)}" if self.tcp_address else "",
             self.config.cache_dir,
             restored,
         )
@@ -235,7 +237,7 @@ class Daemon:
             pid=os.getpid(),
             uptime_s=round(time.monotonic() - self._started, 3),
             socket=str(self.socket_path),
-            tcp=_host_port(self.tcp_address) if self.tcp_address else None,
+            tcp=host_port(self.tcp_address) if self.tcp_address else None,
             cache_dir=os.path.abspath(self.config.cache_dir),
             endpoint=self.config.endpoint,
             stopping=self._stop.is_set(),
@@ -406,92 +408,7 @@ class Daemon:
         return memo[2]
 
 
-# ---------------------------------------------------------------------------------- sockets
-
-
-def _bind_unix(path: Path, config: Config) -> tuple[socket.socket, int]:
-    """A bound (not yet listening) socket with its mode and group set, in a private directory,
-    and the inode of its file (so that only this file is removed at exit)."""
-    daemon = config.daemon
-    directory = path.parent
-    try:
-        if not directory.exists():
-            directory.parent.mkdir(parents=True, exist_ok=True)
-            directory.mkdir(mode=0o700)
-            mode = 0o710 if daemon.group is not None else 0o700
-            if daemon.group is not None:
-                os.chown(directory, -1, daemon.group)
-            os.chmod(directory, mode)
-        st = os.lstat(directory)
-    except OSError as exc:
-        raise ConfigError(f"daemon.socket: cannot create {directory}: {exc.strerror}") from None
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
-        raise ConfigError(
-            f"daemon.socket: {directory} must be a directory owned by uid {os.geteuid()} "
-            "(not a symlink)"
-        )
-    if st.st_mode & 0o027:
-        raise ConfigError(
-            f"daemon.socket: {directory} has mode {stat.S_IMODE(st.st_mode):04o}; other users "
-            "could reach the socket. Use a directory of mode 0700 (0710 with daemon.group)"
-        )
-    if daemon.group is not None and not st.st_mode & 0o010:
-        log.warning("%s is not searchable by its group; group members cannot connect", directory)
-    _clear_stale(path)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-    try:
-        sock.bind(str(path))
-        os.chmod(path, daemon.socket_mode)
-        if daemon.group is not None:
-            os.chown(path, -1, daemon.group)
-        inode = os.lstat(path).st_ino
-    except OSError as exc:
-        sock.close()
-        raise ConfigError(f"daemon.socket: cannot listen on {path}: {exc}") from None
-    return sock, inode
-
-
-def _clear_stale(path: Path) -> None:
-    """Remove a socket left by a dead daemon; refuse to steal a live one's."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(st.st_mode):
-        raise ConfigError(f"daemon.socket: {path} exists and is not a socket")
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-    try:
-        probe.connect(str(path))
-    except OSError as exc:
-        if exc.errno not in (errno.ECONNREFUSED, errno.ENOENT):
-            raise ConfigError(f"daemon.socket: cannot check {path}: {exc.strerror}") from None
-        path.unlink(missing_ok=True)
-        return
-    finally:
-        probe.close()
-    raise ConfigError(f"another shardsync daemon is already listening on {path}")
-
-
-def _unlink_socket(path: Path, inode: int) -> None:
-    """Remove our socket file, not one a successor has bound meanwhile."""
-    with contextlib.suppress(OSError):
-        if os.lstat(path).st_ino == inode:
-            path.unlink()
-
-
-def _bind_tcp(host: str, port: int) -> socket.socket:
-    try:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        return socket.create_server((host, port), family=family, reuse_port=False)
-    except OSError as exc:
-        raise ConfigError(f"daemon.tcp: cannot listen on {host}:{port}: {exc.strerror}") from None
-
-
-def _host_port(address: tuple[str, int] | None) -> str:
-    if address is None:
-        return ""
-    host, port = address
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+# ------------------------------------------------------------------------- peer credentials
 
 
 _CRED = struct.Struct("3i")

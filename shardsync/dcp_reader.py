@@ -31,7 +31,7 @@ from shardsync.checkpoint import resolve
 from shardsync.checkpoint_cache import KeptFile, RangeCache, pread_exact
 from shardsync.config import Config, load_config
 from shardsync.errors import LoadError, raise_first
-from shardsync.fetch import Fetcher
+from shardsync.fetch.fetcher import Fetcher
 from shardsync.manifest import Listing, RemoteFile
 from shardsync.origins import Origin
 from shardsync.prefetch import Engine

@@ -1,7 +1,7 @@
 """A job's events and states: the daemon's event stream as typed values (pure).
 
 Every event the scheduler appends to a job's log is one of the frozen dataclasses below, and
-its ``to_json()`` is exactly the NDJSON line ``GET /v1/jobs/{id}/events`` serves (README,
+its ``to_json()`` is exactly the NDJSON line ``GET /v1/jobs/{id}/events`` serves (docs/daemon.md,
 "Events"): ``{"event": <kind>, "job", "time", <the kind's fields>, "seq"}``. ``parse_event``
 reads a line back for a client. A malformed event raises ``DaemonError``, never ``KeyError``.
 

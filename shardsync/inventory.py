@@ -419,7 +419,7 @@ def _names(path: Path) -> list[str]:
 
 
 def inventory_to_json(inv: Inventory) -> dict[str, Any]:
-    """``shardsync ls --json``; the shape is documented in the README (fields only added)."""
+    """``shardsync ls --json``; the shape is documented in docs/cache.md (fields only added)."""
     return {
         "root": str(inv.root),
         "bytes_on_disk": inv.total_bytes,

@@ -35,8 +35,7 @@ from typing import Literal
 
 from shardsync.errors import CacheError
 from shardsync.manifest import validate_name
-from shardsync.names import check_commit, check_sha256, split_revision
-from shardsync.records import OriginKind
+from shardsync.names import OriginKind, check_commit, check_sha256, split_revision
 
 __all__ = [
     "AREAS",

@@ -1,11 +1,11 @@
 """Streaming loader: tensors onto their devices as each shard arrives.
 
-The only module that imports torch (lazily, so the CLI and daemon start fast).
+It imports torch lazily (so the CLI and daemon start fast), as ``placement.py`` does.
 A background thread runs the engine's event loop: it lists the origin, reads
 every shard's safetensors header with Range requests *before* any shard body
 lands, plans the device map, then downloads shards in index order. The
 caller's thread takes each shard the moment it is verified, in index order,
-and places its tensors:
+and places its tensors (``placement.py``):
 
 - CPU (and ``"disk"``): tensors are views of the memory-mapped cache blob, no
   copy unless a dtype cast is asked, so host RAM stays bounded by what is used.
@@ -25,7 +25,6 @@ import resource
 import threading
 import time
 import weakref
-from collections import deque
 from collections.abc import Awaitable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -34,20 +33,15 @@ from typing import TYPE_CHECKING, Any
 
 from shardsync.cache import CacheStore
 from shardsync.config import Config, check_endpoint, load_config
-from shardsync.devicemap import MODES, DevicePlan, TensorSize, parse_memory, plan_device_map
+from shardsync.devicemap import MODES, DevicePlan, parse_memory
 from shardsync.errors import ConfigError, HeaderError, LoadError, raise_first
 from shardsync.events import Verified
 from shardsync.manifest import Manifest, ManifestEntry
 from shardsync.origins import Origin, parse_source
+from shardsync.placement import DeviceMap, ShardPlacer, fill_model, find_devices, plan_from_headers
 from shardsync.prefetch import Engine, Job
 from shardsync.records import FileOutcome
-from shardsync.safetensors_header import (
-    Header,
-    TensorInfo,
-    check_index,
-    header_length,
-    parse_header,
-)
+from shardsync.safetensors_header import Header, check_index, header_length, parse_header
 from shardsync.snapshot_use import Lease, Leases
 
 if TYPE_CHECKING:
@@ -55,27 +49,7 @@ if TYPE_CHECKING:
 
 __all__ = ["LoadResult", "LoadStatistics", "TensorStream", "load", "stream"]
 
-DeviceMap = str | int | Mapping[str, str | int]
-
 _HEADER_PROBE = 64 * 1024  # one request usually covers the length prefix and the header
-_TORCH_DTYPES = {
-    "F64": "float64",
-    "F32": "float32",
-    "F16": "float16",
-    "BF16": "bfloat16",
-    "I64": "int64",
-    "I32": "int32",
-    "I16": "int16",
-    "I8": "int8",
-    "U64": "uint64",
-    "U32": "uint32",
-    "U16": "uint16",
-    "U8": "uint8",
-    "BOOL": "bool",
-    "F8_E4M3": "float8_e4m3fn",
-    "F8_E5M2": "float8_e5m2",
-}
-_CUDA_RESERVE = 1 << 30  # left free on each GPU for activations, CUDA context, allocator slack
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,7 +165,6 @@ class TensorStream:
         named_cache: Path | None = None,
         named_endpoint: str | None = None,
     ) -> None:
-        self._dtype = dtype
         self._started = time.monotonic()
         self._handoff = _Handoff()
         self._request = _Request(
@@ -218,7 +191,7 @@ class TensorStream:
         self._finished: float | None = None
         self._tensors: int = 0
         self._bytes: int = 0
-        self._placers: dict[str, _CudaPlacer] = {}
+        self._placer = ShardPlacer(dtype, device_map)
         self._iterator: Iterator[tuple[str, torch.Tensor]] = self._iterate()
         lease = _lease(config, source, token)
         self._release_lease = weakref.finalize(self, lease.release)
@@ -242,12 +215,7 @@ class TensorStream:
     def _find_devices(self) -> tuple[str, ...]:
         """The accelerators and their budgets; the first use of torch, off the network path."""
         try:
-            import torch
-
-            devices = tuple(f"cuda:{i}" for i in range(torch.cuda.device_count()))
-            budgets = self._request.max_memory
-            if budgets is None:
-                budgets = _default_budgets(devices)
+            devices, budgets = find_devices(self._request.max_memory)
         except BaseException as exc:
             self._handoff.devices.set_exception(exc)
             raise
@@ -336,56 +304,11 @@ class TensorStream:
     def _place_shard(self, entry: ManifestEntry, file: Path) -> Iterator[tuple[str, torch.Tensor]]:
         self._shard_times.append(time.monotonic() - self._started)
         if self.plan is None:
-            yield from self._place_pickle_shard(entry, file)
-            return
-        plan = self.plan
-        header = self.headers[entry.path]
-        base = _map_file(file, header.file_size)
-        pending: deque[tuple[str, torch.Tensor, Any, int]] = deque()
-        for info in header.tensors:
-            device = plan.device_of(info.name)
-            view = _tensor_view(base, info)
-            if device.startswith("cuda"):
-                placer = self._placers.get(device)
-                if placer is None:
-                    placer = self._placers[device] = _CudaPlacer(device)
-                tensor, event = placer.place(view, self._dtype)
-                pending.append((info.name, tensor, event, info.nbytes))
-                # hand out finished copies while later ones are in flight
-                while pending and (len(pending) > 2 or pending[0][2].query()):
-                    yield self._hand_out(*pending.popleft())
-                continue
-            if self._dtype is not None and view.dtype != self._dtype and view.is_floating_point():
-                view = view.to(self._dtype)
-            yield self._hand_out(info.name, view, None, info.nbytes)
-        while pending:
-            yield self._hand_out(*pending.popleft())
-
-    def _place_pickle_shard(
-        self, entry: ManifestEntry, file: Path
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        """``torch.load(weights_only=True, mmap=True)``: tensors are read lazily from the cache."""
-        import pickle
-
-        import torch
-
-        try:
-            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-        except (pickle.UnpicklingError, RuntimeError, ValueError, EOFError) as exc:
-            raise LoadError(f"{entry.path}: not a weights-only torch checkpoint: {exc}") from exc
-        if not isinstance(state, dict) or not all(
-            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
-        ):
-            raise LoadError(f"{entry.path}: expected a dict of tensors")
-        sizes = [TensorSize(name, t.nbytes) for name, t in state.items()]
-        plan = plan_device_map(sizes, self._request.device_map, devices=self._devices)
-        for name, tensor in state.items():
-            device = plan.device_of(name)
-            if device not in ("cpu", "disk"):
-                tensor = tensor.to(device)
-            if self._dtype is not None and tensor.is_floating_point():
-                tensor = tensor.to(self._dtype)
-            yield self._hand_out(name, tensor, None, tensor.nbytes)
+            placed = self._placer.place_pickle(entry, file, self._devices)
+        else:
+            placed = self._placer.place_safetensors(file, self.headers[entry.path], self.plan)
+        for name, tensor, event, nbytes in placed:
+            yield self._hand_out(name, tensor, event, nbytes)
 
     def _hand_out(
         self, name: str, tensor: torch.Tensor, event: Any, nbytes: int
@@ -443,7 +366,14 @@ class TensorStream:
                     if not request.gated:  # the download does not need the plan: start now
                         tg.create_task(self._download(request, origin, job))
                     devices, budgets = await asyncio.wrap_future(self._handoff.devices)
-                    plan = _plan(request, manifest, headers, devices, budgets)
+                    plan = plan_from_headers(
+                        manifest,
+                        headers,
+                        request.device_map,
+                        devices=devices,
+                        budgets=budgets,
+                        no_split=request.no_split,
+                    )
                     self._handoff.go = asyncio.Event()
                     self._handoff.messages.put(("plan", (manifest, headers, plan)))
                     if request.gated:
@@ -492,30 +422,6 @@ def _lease(config: Config, source: str, token: str | None) -> Lease:
     return Leases(CacheStore(config.cache_dir)).hold(repo, owner=f"load {repo.name}")
 
 
-def _plan(
-    request: _Request,
-    manifest: Manifest,
-    headers: Mapping[str, Header],
-    devices: Sequence[str],
-    budgets: Mapping[str | int, int | str],
-) -> DevicePlan | None:
-    """The device plan from the headers; None for pickle checkpoints (placed shard by shard)."""
-    if not headers:
-        return None
-    sizes = [
-        TensorSize(t.name, t.nbytes)
-        for entry in manifest.shards
-        for t in headers[entry.path].tensors
-    ]
-    return plan_device_map(
-        sizes,
-        request.device_map,
-        devices=devices,
-        max_memory=budgets or None,
-        no_split=request.no_split,
-    )
-
-
 def _is_pickle(manifest: Manifest) -> bool:
     return any(not e.path.endswith(".safetensors") for e in manifest.shards)
 
@@ -552,86 +458,6 @@ def _header_from_file(path: Path, shard: str) -> Header:
     with path.open("rb") as f:
         n = header_length(f.read(8), shard=shard, file_size=size)
         return parse_header(f.read(n), shard=shard, file_size=size)
-
-
-def _default_budgets(devices: Sequence[str]) -> dict[str | int, int | str]:
-    """Free memory of each GPU now, minus a reserve; the CPU is unbounded (tensors are mmapped)."""
-    import torch
-
-    budgets: dict[str | int, int | str] = {}
-    for device in devices:
-        free, _total = torch.cuda.mem_get_info(torch.device(device))
-        budgets[device] = max(int(free) - max(_CUDA_RESERVE, int(free) // 10), 0)
-    return budgets
-
-
-def _map_file(path: Path, size: int) -> torch.Tensor:
-    """The whole file as a uint8 tensor over a private read-only mapping (no bytes read yet)."""
-    import torch
-
-    storage: Any = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=size)
-    return torch.empty(0, dtype=torch.uint8).set_(storage)
-
-
-def _tensor_view(base: torch.Tensor, info: TensorInfo) -> torch.Tensor:
-    import torch
-
-    dtype = getattr(torch, _TORCH_DTYPES.get(info.dtype, ""), None)
-    if dtype is None:
-        raise HeaderError(
-            f"{info.shard}: {info.name}: dtype {info.dtype} is not supported by torch"
-        )
-    raw = base[info.start : info.end]
-    try:
-        flat = raw.view(dtype)
-    except RuntimeError:  # offset not aligned for the dtype: one copy of this tensor only
-        flat = raw.clone().view(dtype)
-    return flat.reshape(info.shape)
-
-
-class _CudaPlacer:
-    """Pinned staging ring + side stream for one GPU: host->device copies overlap CPU memcpy."""
-
-    def __init__(self, device: str, *, buffers: int = 4, size: int = 64 << 20) -> None:
-        import torch
-
-        self._cuda: Any = torch.cuda  # Stream/Event are untyped in torch's stubs
-        self._device = torch.device(device)
-        self._stream = self._cuda.Stream(device=self._device)
-        self._ring = [torch.empty(size, dtype=torch.uint8).pin_memory() for _ in range(buffers)]
-        self._ready: list[Any] = [None] * buffers
-        self._next = 0
-
-    def place(self, view: torch.Tensor, dtype: torch.dtype | None) -> tuple[torch.Tensor, Any]:
-        import torch
-
-        out = torch.empty(view.shape, dtype=view.dtype, device=self._device)
-        src = view.reshape(-1).view(torch.uint8)
-        dst = out.reshape(-1).view(torch.uint8)
-        size = self._ring[0].numel()
-        event = None
-        for start in range(0, src.numel(), size):
-            n = min(size, src.numel() - start)
-            slot = self._next
-            self._next = (slot + 1) % len(self._ring)
-            if self._ready[slot] is not None:
-                self._ready[slot].synchronize()  # the DMA that used this buffer is done
-            staging = self._ring[slot][:n]
-            staging.copy_(src[start : start + n])
-            with torch.cuda.stream(self._stream):
-                dst[start : start + n].copy_(staging, non_blocking=True)
-                event = self._cuda.Event()
-                event.record(self._stream)
-            self._ready[slot] = event
-        out.record_stream(self._stream)  # the allocator must not reuse it under the copy
-        if dtype is not None and out.dtype != dtype and out.is_floating_point():
-            current = self._cuda.current_stream(self._device)
-            if event is not None:
-                current.wait_event(event)
-            out = out.to(dtype)  # cast on the device, allocated on the consumer's stream
-            event = self._cuda.Event()
-            event.record(current)
-        return out, event
 
 
 def stream(
@@ -787,51 +613,10 @@ def load(
 
 
 def _fill_model(model: torch.nn.Module, tensors: TensorStream, *, strict: bool) -> LoadResult:
-    expected = set(model.state_dict().keys())
+    known = None
     if tensors.plan is not None:  # safetensors: every name is known before the download
-        names = {t.name for h in tensors.headers.values() for t in h.tensors}
-        _compare_keys(expected, names, strict=strict)
-    seen: set[str] = set()
-    batch: dict[str, torch.Tensor] = {}
-    shard_of = tensors.manifest.weight_map
-    current: str | None = None
-    for name, tensor in tensors:
-        seen.add(name)
-        shard = shard_of.get(name, "")
-        if batch and shard != current:
-            _assign(model, batch)
-            batch = {}
-        current = shard
-        if name in expected:
-            batch[name] = tensor
-    missing, unexpected = _compare_keys(expected, seen, strict=strict)
-    if batch:
-        _assign(model, batch)
+        known = {t.name for h in tensors.headers.values() for t in h.tensors}
+    missing, unexpected = fill_model(
+        model, tensors, tensors.manifest.weight_map, known=known, strict=strict
+    )
     return LoadResult(missing, unexpected, tensors.plan, tensors.statistics())
-
-
-def _compare_keys(
-    expected: set[str], names: set[str], *, strict: bool
-) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    missing = tuple(sorted(expected - names))
-    unexpected = tuple(sorted(names - expected))
-    if strict and (missing or unexpected):
-        raise LoadError(
-            f"checkpoint does not match the model: missing {_few(missing)}, "
-            f"unexpected {_few(unexpected)}"
-        )
-    return missing, unexpected
-
-
-def _assign(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> None:
-    try:
-        model.load_state_dict(batch, strict=False, assign=True)
-    except RuntimeError as exc:
-        raise LoadError(f"checkpoint does not fit the model: {exc}") from exc
-
-
-def _few(names: Sequence[str], n: int = 5) -> str:
-    if not names:
-        return "none"
-    more = f" and {len(names) - n} more" if len(names) > n else ""
-    return ", ".join(names[:n]) + more

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Literal
 
 from shardsync.errors import CacheError, ConfigError
 
 __all__ = [
+    "OriginKind",
     "S3Location",
     "check_commit",
     "check_etag",
@@ -26,6 +28,9 @@ __all__ = [
     "split_revision",
     "validate_revision",
 ]
+
+OriginKind = Literal["hub", "url", "local", "s3"]
+"""What kind of place a snapshot comes from; its cache folder name says it."""
 
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")

@@ -24,7 +24,8 @@ from shardsync.cache import CacheStore
 from shardsync.config import Config
 from shardsync.errors import CacheError, OfflineError, raise_first
 from shardsync.events import Verified
-from shardsync.fetch import BlobRequest, Fetcher, Sleep, Throttle
+from shardsync.fetch.fetcher import Fetcher
+from shardsync.fetch.request import BlobRequest, Sleep, Throttle
 from shardsync.manifest import (
     Listing,
     Manifest,

@@ -37,8 +37,8 @@ from shardsync.prune_plan import (
     matches,
     plan_prune,
 )
-from shardsync.removal import CacheRemoval
-from shardsync.slot import remove_abandoned, remove_idle_locks
+from shardsync.removal import CacheRemoval, remove_idle_locks
+from shardsync.slot import remove_abandoned
 from shardsync.snapshot_use import AccessLog, Clock, Leases, prune_gate, wait_lock
 
 __all__ = [
@@ -97,7 +97,7 @@ class PruneReport:
         return {repo: (n, b) for repo, (n, b) in sorted(out.items())}
 
     def to_json(self) -> dict[str, Any]:
-        """``shardsync prune --json``; documented in the README (fields are only added)."""
+        """``shardsync prune --json``; documented in docs/cache.md (fields are only added)."""
         return {
             "dry_run": self.dry_run,
             "skipped": self.skipped,

@@ -22,6 +22,7 @@ from shardsync import strict_json
 from shardsync.errors import CacheError, ConfigError, UnsafeNameError
 from shardsync.manifest import validate_name
 from shardsync.names import (
+    OriginKind,
     check_commit,
     check_etag,
     check_hub_repo,
@@ -36,7 +37,6 @@ __all__ = [
     "FetchStatistics",
     "FileOutcome",
     "FileRecord",
-    "OriginKind",
     "PrefetchResult",
     "ProgressSink",
     "RepoRef",
@@ -53,9 +53,6 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 # --------------------------------------------------------------------------- snapshots
-
-
-OriginKind = Literal["hub", "url", "local", "s3"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -319,7 +316,7 @@ class ProgressSink(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class FetchConfig:
-    """Transfer tuning. Defaults come from ``bench/download.py`` (see README)."""
+    """Transfer tuning. Defaults come from ``bench/download.py`` (bench/README.md)."""
 
     connections_per_file: int = 16
     chunk_size: int = 16 * MiB

@@ -18,21 +18,18 @@ another, so both produce the same jobs and the same events. What it adds to the 
 from __future__ import annotations
 
 import asyncio
-import bisect
 import contextlib
 import logging
 import secrets
 import shutil
-import threading
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AbstractAsyncContextManager
-from dataclasses import asdict, dataclass, field, replace
-from typing import Any, TypeVar
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
 
 from shardsync.api import JobRequest, error_code, error_info, result_to_json
-from shardsync.checkpoint import CheckpointPlan, CheckpointResult, checkpoint_result, selector
 from shardsync.errors import (
     ConfigError,
     DaemonStoppingError,
@@ -42,7 +39,6 @@ from shardsync.errors import (
 from shardsync.events import (
     FINISHED,
     JOB_STATES,
-    TERMINAL_EVENTS,
     ErrorInfo,
     FileFailed,
     FileStarted,
@@ -54,257 +50,40 @@ from shardsync.events import (
     Pruning,
     Resolved,
     ResolvedFile,
-    Verified,
     transition,
 )
+from shardsync.job_log import EventLog, JobCounters
 from shardsync.journal import Journal
-from shardsync.manifest import Manifest, ManifestEntry
+from shardsync.limits import Histogram, PriorityGate
+from shardsync.manifest import Listing, Manifest, ManifestEntry
 from shardsync.origins import Origin
 from shardsync.prefetch import Engine, FileGate, Job
 from shardsync.prune import ensure_free, limits_from_config, needs_prune, prune_cache
 from shardsync.records import FileOutcome, PrefetchResult, RepoRef
 
-__all__ = [
-    "EventLog",
-    "Histogram",
-    "JobCounters",
-    "PriorityGate",
-    "Scheduler",
-    "SchedulerStatistics",
-    "SharedJob",
-    "TokenBucket",
-]
+__all__ = ["Scheduler", "SchedulerStatistics", "Selection", "Selections", "SharedJob"]
 
 log = logging.getLogger("shardsync.scheduler")
 
-_Event = TypeVar("_Event", bound=JobEvent)
+
+class Selection(Protocol):
+    """A job's own files in place of the weights index (``checkpoint.CheckpointSelection``:
+    one rank's part of a training checkpoint), and what its result says."""
+
+    async def select(self, listing: Listing) -> Manifest:
+        """The files to download, from the origin's listing (``Job.prepare``'s hook)."""
+
+    def result_json(self, result: PrefetchResult) -> dict[str, Any]:
+        """The finished job's ``job_done`` result."""
+
+
+Selections = Callable[[JobRequest, Origin, Engine], Selection | None]
+"""Gives a request its ``Selection`` (None: the weights its index names)."""
+
 _PROGRESS_INTERVAL = 0.2  # seconds between progress events of one file
 
 
-# ------------------------------------------------------------------------------ limits
-
-
-class TokenBucket:
-    """The daemon's global bandwidth cap: each body read is charged its bytes and answered
-    how long its reader pauses (a ``fetch.Throttle``).
-
-    Thread-safe, so the pump threads charge it directly. Awaited on the event loop instead,
-    the round trip each read took (with no cap set, too) held every file's reads behind the
-    loop's other work: in the daemon, 40% more bytes waited in socket buffers, lost to a
-    ``kill -9``. Reads reserve their tokens in arrival order and a read that finds the
-    bucket in debt pauses until the debt before it is paid, so connections share the rate
-    fairly; a short burst is allowed so small reads do not each pay a pause.
-    """
-
-    def __init__(self, rate: float, *, clock: Callable[[], float] = time.monotonic) -> None:
-        self._lock = threading.Lock()
-        self._clock = clock
-        self._rate = 0.0
-        self._burst = 0.0
-        self._tokens = 0.0
-        self._stamp = clock()
-        self.set_rate(rate)
-        self._tokens = self._burst
-
-    @property
-    def rate(self) -> float:
-        return self._rate
-
-    def set_rate(self, rate: float) -> None:
-        """Change the cap (a config reload); 0 removes it."""
-        with self._lock:
-            self._rate = max(float(rate), 0.0)
-            self._burst = max(self._rate / 10, 256 * 1024.0)
-            self._tokens = min(self._tokens, self._burst)
-
-    def __call__(self, nbytes: int) -> float:
-        """Charge ``nbytes``; the seconds the reader pauses before reading on."""
-        if self._rate <= 0:
-            return 0.0
-        with self._lock:
-            now = self._clock()
-            self._tokens = min(self._burst, self._tokens + (now - self._stamp) * self._rate)
-            self._stamp = now
-            self._tokens -= nbytes
-            return max(0.0, -self._tokens / self._rate)
-
-
-@dataclass(slots=True)
-class _Waiter:
-    key: Callable[[], Any]  # the waiter's current sort key
-    future: asyncio.Future[None]
-
-
-class PriorityGate:
-    """``slots`` files at a time across all jobs, each freed slot going to the best waiter.
-
-    Keys are read when a slot is handed out, so a job whose priority was raised (another
-    client asked for it with a higher one) moves ahead of files that were waiting before.
-    A freed slot is handed out on the next loop turn, not at once: the worker that freed it
-    asks again for its job's next file synchronously, so that file competes too, and a
-    high-priority job keeps its slots instead of losing each one to whoever waited longest.
-    """
-
-    def __init__(self, slots: int) -> None:
-        self._free = slots
-        self._waiters: list[_Waiter] = []
-        self._wake_scheduled = False
-
-    @property
-    def waiting(self) -> int:
-        return len(self._waiters)
-
-    @contextlib.asynccontextmanager
-    async def admit(self, key: Callable[[], Any]) -> AsyncIterator[None]:
-        """Hold a slot for the body; ``key()`` orders waiters (smallest first)."""
-        if self._free > 0 and not self._waiters:
-            self._free -= 1
-        else:
-            waiter = _Waiter(key, asyncio.get_running_loop().create_future())
-            self._waiters.append(waiter)
-            self._schedule_wake()
-            try:
-                await waiter.future
-            except asyncio.CancelledError:
-                if waiter.future.done() and not waiter.future.cancelled():
-                    self._release()  # the slot was handed over just as we were cancelled
-                else:
-                    self._waiters.remove(waiter)
-                raise
-        try:
-            yield
-        finally:
-            self._release()
-
-    def _release(self) -> None:
-        self._free += 1
-        self._schedule_wake()
-
-    def _schedule_wake(self) -> None:
-        if self._free > 0 and self._waiters and not self._wake_scheduled:
-            self._wake_scheduled = True
-            asyncio.get_running_loop().call_soon(self._wake)
-
-    def _wake(self) -> None:
-        self._wake_scheduled = False
-        while self._free > 0 and self._waiters:
-            best = min(self._waiters, key=lambda w: w.key())
-            self._waiters.remove(best)
-            if not best.future.done():
-                best.future.set_result(None)
-                self._free -= 1
-
-
-class Histogram:
-    """Cumulative buckets for Prometheus (job latency); a value lands in every bucket >= it."""
-
-    def __init__(self, bounds: Sequence[float]) -> None:
-        self.bounds = tuple(sorted(bounds))
-        self._counts = [0] * len(self.bounds)
-        self.count = 0
-        self.sum = 0.0
-
-    def observe(self, value: float) -> None:
-        i = bisect.bisect_left(self.bounds, value)
-        if i < len(self._counts):
-            self._counts[i] += 1
-        self.count += 1
-        self.sum += value
-
-    def cumulative(self) -> list[tuple[float, int]]:
-        total, out = 0, []
-        for bound, n in zip(self.bounds, self._counts, strict=True):
-            total += n
-            out.append((bound, total))
-        return out
-
-
-# ------------------------------------------------------------------------------ events
-
-
-class EventLog:
-    """Every event of one job, replayed to late subscribers, then live.
-
-    The log stamps what it takes with the job's id, the event's number and the time, so an
-    event mirrored from another job (``Scheduler._follow``) becomes this job's own.
-    Progress events are compacted: a new one for a file replaces the previous one in place,
-    so a subscriber joining a long download replays the files' current progress, not every
-    step of it, and the log stays small.
-    """
-
-    def __init__(self, job_id: str, *, clock: Callable[[], float] = time.time) -> None:
-        self.job_id = job_id
-        self._clock = clock
-        self._events: list[JobEvent | None] = []
-        self._progress_at: dict[str, int] = {}
-        self._changed = asyncio.Event()
-        self.closed = False
-
-    def __len__(self) -> int:
-        return len(self._events)
-
-    def append(self, event: _Event) -> _Event:
-        """Stamp ``event`` and log it; returns it as logged."""
-        if self.closed:
-            raise RuntimeError("the job's event log is closed")
-        event = replace(event, job=self.job_id, seq=len(self._events), time=self._clock())
-        if isinstance(event, Progress):
-            old = self._progress_at.get(event.path)
-            if old is not None:
-                self._events[old] = None
-            self._progress_at[event.path] = event.seq
-        self._events.append(event)
-        if isinstance(event, TERMINAL_EVENTS):
-            self.closed = True
-        self._changed.set()
-        self._changed = asyncio.Event()
-        return event
-
-    def past(self) -> list[JobEvent]:
-        return [e for e in self._events if e is not None]
-
-    async def follow(self, since: int = 0) -> AsyncIterator[JobEvent]:
-        """Events with ``seq >= since``, then new ones until the job's terminal event."""
-        pos = max(since, 0)
-        while True:
-            while pos < len(self._events):
-                event = self._events[pos]
-                pos += 1
-                if event is not None:
-                    yield event
-            if self.closed:
-                return
-            await self._changed.wait()
-
-
 # ------------------------------------------------------------------------------ jobs
-
-
-@dataclass(slots=True)
-class JobCounters:
-    """A job's files and bytes as ``info`` reports them: a fold over the events it logs."""
-
-    files_total: int | None = None
-    bytes_total: int | None = None
-    files_verified: int = 0
-    bytes_downloaded: int = 0
-    done_by_path: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def bytes_done(self) -> int:
-        return sum(self.done_by_path.values())
-
-    def observe(self, event: JobEvent) -> None:
-        match event:
-            case Resolved():
-                self.files_total = len(event.files)
-                self.bytes_total = event.total_size
-            case Progress():
-                self.done_by_path[event.path] = event.done
-            case Verified(outcome=outcome):
-                self.done_by_path[outcome.path] = outcome.size
-                self.files_verified += 1
-                self.bytes_downloaded += outcome.downloaded
 
 
 @dataclass(eq=False, slots=True)
@@ -334,7 +113,7 @@ class SharedJob:
     error: ErrorInfo | None = None
     task: asyncio.Task[None] | None = None
     stop_error: ShardsyncError | None = None  # why we cancelled the task ourselves
-    checkpoint: CheckpointResult | None = None  # a training checkpoint job's outcome
+    selection: Selection | None = None  # the job's own files, in place of the index
     engine_job: Job | None = None  # the engine's run of it, once it started
 
     def __post_init__(self) -> None:
@@ -465,7 +244,10 @@ _LATENCY_BUCKETS = (1, 5, 15, 60, 300, 900, 1800, 3600, 3 * 3600, 12 * 3600)
 
 
 class Scheduler:
-    """Runs jobs on one engine; use as ``async with Scheduler(engine) as scheduler``.
+    """Runs jobs on one engine; use as ``async with Scheduler(engine, selections=...)``.
+
+    ``selections`` gives each request its own choice of files, if it has one
+    (``checkpoint.selection_for``); the scheduler never asks what kind of job it runs.
 
     Every job task lives in the scheduler's task group. Leaving the block stops the jobs
     still running (their partial files are kept and, with a journal, they resume next time).
@@ -475,12 +257,14 @@ class Scheduler:
         self,
         engine: Engine,
         *,
+        selections: Selections,
         journal: Journal | None = None,
         history: int = 100,
         allow_local: bool = True,
         on_change: Callable[[], object] | None = None,
     ) -> None:
         self.engine = engine
+        self._selections = selections
         self._on_change = on_change
         self.gate = PriorityGate(engine.config.max_files)
         self.latency = Histogram(_LATENCY_BUCKETS)
@@ -621,7 +405,7 @@ class Scheduler:
         submitted_at: float | None = None,
     ) -> SharedJob:
         if self._tg is None:
-            raise RuntimeError("use the scheduler as 'async with Scheduler(engine)'")
+            raise RuntimeError("use the scheduler as 'async with Scheduler(...)'")
         self._seq += 1
         job = SharedJob(
             id=job_id or secrets.token_hex(8),
@@ -687,18 +471,9 @@ class Scheduler:
             gate=self._gate_for(job, sink),
         )
         sink.engine_job = job.engine_job = engine_job
-        plan: CheckpointPlan | None = None
-        if job.request.checkpoint is not None:  # a training checkpoint, or one rank's part
-            plan = CheckpointPlan()
-            select = selector(
-                job.origin,
-                self.engine.fetcher,
-                job.request.checkpoint,
-                job.request.rank,
-                job.request.world_size,
-                plan,
-            )
-            manifest = await engine_job.prepare(select=select)
+        job.selection = self._selections(job.request, job.origin, self.engine)
+        if job.selection is not None:
+            manifest = await engine_job.prepare(select=job.selection.select)
         else:
             manifest = await engine_job.prepare(job.request.include, job.request.exclude)
         sink.resolved(manifest)
@@ -726,8 +501,6 @@ class Scheduler:
         files = await engine_job.download()
         now = time.time()
         job.result = engine_job.result(files, now - (job.started_at or now), counters=False)
-        if plan is not None and plan.choice is not None and plan.selection is not None:
-            job.checkpoint = checkpoint_result(job.result, plan.choice, plan.selection)
         try:
             await self._auto_prune(job)
         except ShardsyncError as exc:  # the job is done; a failed prune is the cache's problem
@@ -781,7 +554,7 @@ class Scheduler:
         async for event in other.events.follow():
             match event:
                 case JobDone():
-                    job.result, job.checkpoint = other.result, other.checkpoint
+                    job.result, job.selection = other.result, other.selection
                     self._finish_done(job)
                     return
                 case JobFailed(error=error):
@@ -821,7 +594,8 @@ class Scheduler:
         job.finished_at = time.time()
         self._release(job)
         self.latency.observe(job.finished_at - job.submitted_at)
-        result = job.checkpoint.to_json() if job.checkpoint else result_to_json(job.result)
+        selection = job.selection
+        result = selection.result_json(job.result) if selection else result_to_json(job.result)
         job.emit(JobDone(result=result))
 
     def _finish_failed(self, job: SharedJob, state: JobState, error: ErrorInfo) -> None:

@@ -30,12 +30,11 @@ from typing import IO, Any, Literal
 import xxhash
 
 from shardsync import layout, strict_json
-from shardsync.cache import BlobLock, CacheStore
+from shardsync.cache import CacheStore
 from shardsync.errors import CacheError, disk_error
 from shardsync.layout import CacheLayout, temp_name
 from shardsync.ranges import RangeSet
 from shardsync.records import Verification
-from shardsync.removal import CacheRemoval
 
 __all__ = [
     "OpenPartial",
@@ -47,8 +46,6 @@ __all__ = [
     "VerifiedFile",
     "in_progress",
     "remove_abandoned",
-    "remove_idle_locks",
-    "sweep_orphans",
 ]
 
 _RECORD_VERSION = 3
@@ -554,51 +551,3 @@ def remove_abandoned(cache: CacheStore, key: str, cutoff: float) -> bool:
     finally:
         slot.lock.release()
     return True
-
-
-def sweep_orphans(cache: CacheStore) -> int:
-    """Remove ``tmp/`` entries left by crashed processes of this host; how many went.
-
-    Safe without a lock: the writer is gone. One is often a slot's private name, a second
-    name of its partial, which would otherwise look like a live download and never resume.
-    Entries of other hosts sharing the cache are left to prune's stale age, as a pid means
-    nothing across hosts.
-    """
-    orphans = [
-        name for name in _names(cache.layout.path(*layout.TMP)) if layout.temp_owner(name) == "gone"
-    ]
-    removal = CacheRemoval(cache)
-    for name in orphans:
-        removal.remove_junk("tmp", name)
-    return len(orphans)
-
-
-def remove_idle_locks(cache: CacheStore) -> int:
-    """Unlink the lock files of downloads nobody holds (one per blob ever fetched would pile
-    up otherwise); how many went. Each is removed while held (see ``BlobLock``)."""
-    removed = 0
-    for name in _names(cache.layout.path(*layout.LOCKS)):
-        if not layout.is_download_lock(name):
-            continue  # the prune gate and the access log's lock stay
-        lock = BlobLock(cache.layout.path(*layout.LOCKS, name))
-        if not lock.try_acquire():
-            continue
-        try:
-            os.unlink(lock.path)
-            removed += 1
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            raise disk_error(exc, f"remove {lock.path}") from exc
-        finally:
-            lock.release()
-    return removed
-
-
-def _names(path: Path) -> list[str]:
-    try:
-        return os.listdir(path)
-    except FileNotFoundError:
-        return []
-    except OSError as exc:
-        raise disk_error(exc, f"list {path}") from exc

@@ -44,8 +44,9 @@ from types import TracebackType
 from typing import Self, TypeVar
 
 from shardsync import strict_json
-from shardsync.cache import BlobLock, CacheStore
+from shardsync.cache import CacheStore
 from shardsync.errors import CacheError
+from shardsync.locks import BlobLock
 from shardsync.records import RepoRef
 
 __all__ = [

@@ -18,7 +18,8 @@ from shardsync.errors import CacheError
 from shardsync.layout import CacheLayout
 from shardsync.manifest import ManifestEntry
 from shardsync.records import RepoRef, SnapshotRecord
-from shardsync.slot import Slot, VerifiedFile, sweep_orphans
+from shardsync.removal import sweep_orphans
+from shardsync.slot import Slot, VerifiedFile
 
 __all__ = ["AsyncStore"]
 

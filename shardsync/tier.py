@@ -18,9 +18,9 @@ Single flight: a host that misses creates the claim with a conditional PUT
 (``If-None-Match: *``) and renews it (``If-Match``) while it downloads and uploads; the
 others wait for the blob to appear, watching the claim. A claim whose ETag a waiter has not
 seen change for ``claim_lease`` by its own clock (its holder died) is taken over, and so is
-one whose holder's own stamp is ``_SKEW_S`` past its expiry (clocks may differ by that much);
-one that is renewed but makes no progress for ``claim_stall`` makes the waiter download from
-the origin itself. The taker resumes from the blocks the dead holder published
+one whose holder's own stamp is ``tier_claims.SKEW_S`` past its expiry (clocks may differ
+by that much); one that is renewed but makes no progress for ``claim_stall`` makes the
+waiter download from the origin itself. The taker resumes from the blocks the dead holder published
 (``tier_parts``), so a holder's death costs the fleet what it had in flight.
 """
 
@@ -30,7 +30,6 @@ import asyncio
 import contextlib
 import contextvars
 import dataclasses
-import json
 import logging
 import os
 import secrets
@@ -50,34 +49,32 @@ from shardsync.errors import (
     ShardsyncError,
     TransferError,
 )
-from shardsync.fetch import BlobRequest, Located
+from shardsync.fetch.request import BlobRequest, Located
 from shardsync.names import S3Location, parse_s3_url
 from shardsync.records import TierStatistics
 from shardsync.s3 import ObjectInfo, PreconditionFailed, S3Client
 from shardsync.slot import Slot, VerifiedFile
+from shardsync.tier_claims import (
+    MAX_CLAIM,
+    blob_key,
+    claim_body,
+    claim_key,
+    expired,
+    parse_claim,
+)
 from shardsync.tier_parts import delete_parts, publish_parts, seed_from_parts
 
-__all__ = ["Tier", "TierCounters", "Upload", "blob_key", "claim_key"]
+__all__ = ["Tier", "TierCounters", "Upload"]
 
 log = logging.getLogger("shardsync.tier")
 
 Progress = Callable[[int], None]
-_MAX_CLAIM = 64 * 1024
 _MAX_ROUNDS = 4  # miss -> wait -> (taken over | released) -> ... before going to the origin
 _POLL_FIRST, _POLL_MAX = 0.2, 2.0  # and at most a quarter of the lease apart
-_SKEW_S = 60.0  # how far the hosts' clocks may disagree (only the expiry stamps use them)
 _ANSWER_S = 5.0  # the longest a tier request but an upload may take (S3 answers in ms)
 _EXIT_LOOK = 0.1  # seconds between looks at a tier that may have died, while leaving
 _RENEWALS_PER_LEASE = 5
 _COOLDOWN = 60.0  # seconds the tier is skipped after it could not be reached
-
-
-def blob_key(prefix: str, sha256: str) -> str:
-    return f"{prefix}sha256/{sha256[:2]}/{sha256}"
-
-
-def claim_key(prefix: str, sha256: str) -> str:
-    return f"{prefix}claims/{sha256}"
 
 
 @dataclass(slots=True)
@@ -458,19 +455,9 @@ class Tier:
     # ------------------------------------------------------------------ claims
 
     def _claim_body(self, claim: _Claim) -> bytes:
-        now = time.time()
-        return json.dumps(
-            {
-                "version": 1,
-                "holder": self._host,
-                "token": claim.token,
-                "size": claim.size,
-                "done": claim.done,
-                "phase": claim.phase,
-                "renewed": now,
-                "expires": now + self.config.claim_lease,
-            }
-        ).encode()
+        return claim_body(
+            self._host, claim.token, claim.size, claim.done, claim.phase, self.config.claim_lease
+        )
 
     async def _claim(self, sha256: str, size: int, stale: str | None = None) -> _Claim | None:
         """Win the claim (``If-None-Match: *``), take over a dead one (expired by its own
@@ -489,14 +476,14 @@ class Tier:
         if existing is None:
             return None  # released just now: the blob is probably there; round again
         body, etag = existing
-        if etag != stale and not _expired(body, time.time()):
+        if etag != stale and not expired(body, time.time()):
             return None
         return await self._take_over(claim, etag)
 
     async def _read_claim(self, sha256: str) -> tuple[bytes, str] | None:
         key = claim_key(self.location.prefix, sha256)
         try:
-            return await self._client.get_small(self.location.bucket, key, max_size=_MAX_CLAIM)
+            return await self._client.get_small(self.location.bucket, key, max_size=MAX_CLAIM)
         except EntryNotFoundError:
             return None
 
@@ -563,10 +550,10 @@ class Tier:
                     return "released", None
                 body, etag = answer
                 now = self._clock()
-                state = _parse_claim(body)
+                state = parse_claim(body)
                 if etag != seen.etag:
                     seen.etag, seen.changed_at = etag, now
-                if now - seen.changed_at > cfg.claim_lease or _expired(body, time.time()):
+                if now - seen.changed_at > cfg.claim_lease or expired(body, time.time()):
                     return "dead", etag
                 reported = state.get("done")  # another host's word: a number, or nothing
                 done = (
@@ -696,21 +683,3 @@ class _Failed:
 
 
 _FAILED: Any = _Failed()
-
-
-def _parse_claim(body: bytes) -> dict[str, Any]:
-    try:
-        value = json.loads(body)
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
-
-
-def _expired(body: bytes, now: float) -> bool:
-    """By the holder's own clock stamp, with ``_SKEW_S`` of allowance for clock skew (so a
-    claim left by a holder that died long ago is taken over at once); a claim that cannot be
-    read is treated as expired (whoever wrote it cannot renew it either)."""
-    expires = _parse_claim(body).get("expires")
-    if not isinstance(expires, int | float):
-        return True
-    return bool(now > expires + _SKEW_S)

@@ -12,7 +12,7 @@ writes the parts into a seeded partial (``Slot.seed``) and downloads only the re
 origin. Nothing of a part is trusted: the taker's download hashes the whole file, parts
 included, and a mismatch deletes the parts and costs one more download from the origin, never
 a wrong blob. The parts are deleted by whoever uploads the blob; a lifecycle rule on ``parts/``
-collects those of a fleet that died entirely (README: Fleet).
+collects those of a fleet that died entirely (docs/fleet.md).
 """
 
 from __future__ import annotations

@@ -69,7 +69,7 @@ class VerifyReport:
         return not self.problems
 
     def to_json(self) -> dict[str, Any]:
-        """``shardsync verify --json``; documented in the README (fields are only added)."""
+        """``shardsync verify --json``; documented in docs/cache.md (fields are only added)."""
         return {
             "ok": self.ok,
             "full": self.full,

@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING
 import pytest
 
 from shardsync.config import Config, DaemonConfig
-from shardsync.fetch import Fetcher
+from shardsync.fetch.fetcher import Fetcher
 from shardsync.manifest import Listing, ManifestEntry
-from shardsync.origins import LocalOrigin, Slot
+from shardsync.origins import LocalOrigin
 from shardsync.origins.base import Entry, Forget, Progress
 from shardsync.records import FetchConfig, FileOutcome, RepoRef
 from shardsync.retry import RetryPolicy
-from shardsync.slot import VerifiedFile
+from shardsync.slot import Slot, VerifiedFile
 from shardsync.testing import Checkpoint, FakeHub, serve_in_thread
 
 if TYPE_CHECKING:

@@ -20,12 +20,13 @@ import pytest
 import xxhash
 from helpers import tmpfs
 
-from shardsync.cache import BlobLock, CacheStore
+from shardsync.cache import CacheStore
 from shardsync.checkpoint_cache import RangeCache
 from shardsync.errors import CacheError, ConfigError, DiskFullError, UnsafeNameError
 from shardsync.layout import is_live_temp, temp_name
+from shardsync.locks import BlobLock
 from shardsync.records import FileRecord, RepoRef, SnapshotRecord
-from shardsync.slot import remove_idle_locks, sweep_orphans
+from shardsync.removal import remove_idle_locks, sweep_orphans
 
 COMMIT_A = "a" * 40
 COMMIT_B = "b" * 40
@@ -806,7 +807,7 @@ def test_idle_kept_range_locks_are_removed_and_a_held_one_stays(store: CacheStor
 def test_a_lock_file_removed_between_open_and_flock_is_not_held(
     store: CacheStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import shardsync.cache as cache_module
+    import shardsync.locks as locks_module
 
     key = "c" * 64
     path = store.root / "locks" / f"{key}.lock"
@@ -819,7 +820,7 @@ def test_a_lock_file_removed_between_open_and_flock_is_not_held(
             path.unlink()
         real(fd, op)
 
-    monkeypatch.setattr(cache_module.fcntl, "flock", collector_first)
+    monkeypatch.setattr(locks_module.fcntl, "flock", collector_first)
     lock = store.lock(key)
     assert lock.try_acquire() and raced
     monkeypatch.undo()

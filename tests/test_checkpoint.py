@@ -27,7 +27,7 @@ from shardsync.cache import CacheStore, RepoRef
 from shardsync.checkpoint import prefetch_checkpoint
 from shardsync.checkpoint_cache import RangeCache
 from shardsync.dcp_reader import DCPReader
-from shardsync.fetch import Fetcher
+from shardsync.fetch.fetcher import Fetcher
 from shardsync.origins import LocalOrigin
 from shardsync.origins.base import Entry
 from shardsync.training import parse_dcp_metadata

@@ -14,7 +14,8 @@ from aiohttp import web
 from helpers import fast_config
 
 from shardsync.errors import ProtocolError
-from shardsync.fetch import Fetcher, _follow
+from shardsync.fetch.answers import follow as _follow
+from shardsync.fetch.fetcher import Fetcher
 from shardsync.prefetch import prefetch
 from shardsync.testing import Bandwidth, FakeHub, serve_in_thread
 

@@ -244,9 +244,9 @@ def test_cuda_auto_map_with_dtype(hub: FakeHub, checkpoint: Checkpoint, tmp_path
 def test_cuda_staging_ring_reuse_never_corrupts_a_copy() -> None:
     """Many chunks through two tiny pinned buffers, no sync between tensors: a staging buffer
     refilled before its DMA finished would show up as wrong bytes on the device."""
-    from shardsync.loader import _CudaPlacer
+    from shardsync.placement import CudaPlacer
 
-    placer = _CudaPlacer("cuda:0", buffers=2, size=4096)
+    placer = CudaPlacer("cuda:0", buffers=2, size=4096)
     generator = torch.Generator().manual_seed(0)
     sources = [
         torch.randint(0, 256, (n,), dtype=torch.uint8, generator=generator)

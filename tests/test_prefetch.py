@@ -134,7 +134,7 @@ async def test_a_shard_located_ahead_is_not_handed_to_another_token(
     another token's download uses."""
     import aiohttp
 
-    from shardsync.fetch import Fetcher
+    from shardsync.fetch.fetcher import Fetcher
     from shardsync.origins.hub import HubOrigin
 
     shard = checkpoint.shards[0]
@@ -478,7 +478,7 @@ async def test_cancels_during_a_downloads_cleanup_leave_no_thread_or_descriptor(
     import aiohttp
 
     from shardsync.cache import CacheStore
-    from shardsync.fetch import Fetcher
+    from shardsync.fetch.fetcher import Fetcher
     from shardsync.origins.hub import HubOrigin
 
     def open_in_cache() -> list[str]:

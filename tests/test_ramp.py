@@ -154,7 +154,8 @@ async def test_a_finished_file_hands_its_connections_to_one_still_climbing(
     import aiohttp
 
     from shardsync.cache import CacheStore
-    from shardsync.fetch import BlobRequest, Fetcher
+    from shardsync.fetch.fetcher import Fetcher
+    from shardsync.fetch.request import BlobRequest
     from shardsync.store import AsyncStore
 
     link = asyncio.Lock()

@@ -14,7 +14,7 @@ import pytest
 from aiohttp.client_reqrep import ConnectionKey
 
 from shardsync.errors import ConfigError, ProtocolError
-from shardsync.fetch import is_retryable_exception
+from shardsync.fetch.answers import is_retryable_exception
 from shardsync.ranges import (
     ContentRange,
     RangeSet,

@@ -23,6 +23,7 @@ from shardsync.api import (
     result_to_json,
 )
 from shardsync.cache import CacheStore
+from shardsync.checkpoint import selection_for
 from shardsync.config import Config
 from shardsync.events import (
     ErrorInfo,
@@ -35,18 +36,13 @@ from shardsync.events import (
     Resolved,
     Verified,
 )
+from shardsync.job_log import EventLog
 from shardsync.journal import Journal
+from shardsync.limits import Histogram, PriorityGate, TokenBucket
 from shardsync.manifest import SMALL_FILE
 from shardsync.prefetch import Engine, prefetch
 from shardsync.records import RepoRef
-from shardsync.scheduler import (
-    EventLog,
-    Histogram,
-    PriorityGate,
-    Scheduler,
-    SharedJob,
-    TokenBucket,
-)
+from shardsync.scheduler import Scheduler, SharedJob
 from shardsync.store import AsyncStore
 from shardsync.testing import Bandwidth, Checkpoint, FakeHub, Status, build_checkpoint
 
@@ -93,7 +89,7 @@ async def scheduler(
     fake_hub.add_checkpoint(REPO, checkpoint)
     async with (
         Engine(fast_config(tmp_path / "cache", fake_hub.endpoint)) as engine,
-        Scheduler(engine) as running,
+        Scheduler(engine, selections=selection_for) as running,
     ):
         yield running
 
@@ -305,7 +301,7 @@ async def test_small_files_take_no_slot(
 ) -> None:
     fake_hub.add_checkpoint("acme/held", checkpoint)
     config = replace(fast_config(tmp_path / "cache", fake_hub.endpoint), max_files=1)
-    async with Engine(config) as engine, Scheduler(engine) as scheduler:
+    async with Engine(config) as engine, Scheduler(engine, selections=selection_for) as scheduler:
         hold = scheduler.gate.admit(lambda: (-(10**9),))
         await hold.__aenter__()  # the one slot is taken: no shard can start
         job, _ = await scheduler.submit(JobRequest("acme/held"))
@@ -329,7 +325,7 @@ async def test_files_of_the_highest_priority_job_go_first(
     fake_hub.add_checkpoint("acme/low", checkpoint)
     fake_hub.add_checkpoint("acme/high", other)
     config = replace(fast_config(tmp_path / "cache", fake_hub.endpoint), max_files=1)
-    async with Engine(config) as engine, Scheduler(engine) as scheduler:
+    async with Engine(config) as engine, Scheduler(engine, selections=selection_for) as scheduler:
         hold = scheduler.gate.admit(lambda: (-(10**9),))
         await hold.__aenter__()  # every file waits until both jobs are queued
         low, _ = await scheduler.submit(JobRequest("acme/low", priority=0))
@@ -418,7 +414,7 @@ async def test_origin_errors_fail_the_job_not_the_submission(scheduler: Schedule
 async def test_local_sources_can_be_refused(checkpoint: Checkpoint, tmp_path: Path) -> None:
     async with (
         Engine(fast_config(tmp_path / "cache")) as engine,
-        Scheduler(engine, allow_local=False) as scheduler,
+        Scheduler(engine, selections=selection_for, allow_local=False) as scheduler,
     ):
         with pytest.raises(errors.ConfigError, match="local directories"):
             await scheduler.submit(JobRequest(str(checkpoint.directory)))
@@ -448,7 +444,10 @@ async def test_journaled_jobs_resume_from_their_partial_files(
         tmp_path / "cache", fake_hub.endpoint, sidecar_interval=0.05, write_size=16 * 1024
     )
     journal = Journal(AsyncStore(CacheStore(config.cache_dir)))
-    async with Engine(config) as engine, Scheduler(engine, journal=journal) as scheduler:
+    async with (
+        Engine(config) as engine,
+        Scheduler(engine, selections=selection_for, journal=journal) as scheduler,
+    ):
         job, _ = await scheduler.submit(JobRequest(REPO, priority=4))
         assert [r["id"] for r in await journal.load()] == [job.id]
         async for event in job.events.follow():
@@ -457,7 +456,10 @@ async def test_journaled_jobs_resume_from_their_partial_files(
     records = await journal.load()
     assert [(r["id"], r["priority"]) for r in records] == [(job.id, 4)]
     fake_hub.faults.remove(rule)
-    async with Engine(config) as engine, Scheduler(engine, journal=journal) as scheduler:
+    async with (
+        Engine(config) as engine,
+        Scheduler(engine, selections=selection_for, journal=journal) as scheduler,
+    ):
         assert await scheduler.restore() == 1
         resumed = scheduler.get(job.id)
         assert resumed is not None and resumed.priority == 4
@@ -513,7 +515,10 @@ async def test_the_bandwidth_hook_sees_every_body_byte(
         return 0.0
 
     config = fast_config(tmp_path / "cache", fake_hub.endpoint)
-    async with Engine(config, throttle=throttle) as engine, Scheduler(engine) as scheduler:
+    async with (
+        Engine(config, throttle=throttle) as engine,
+        Scheduler(engine, selections=selection_for) as scheduler,
+    ):
         job, _ = await scheduler.submit(JobRequest(REPO))
         await _done(job)
         assert sum(charged) == engine.fetcher.statistics().bytes_downloaded > 0
@@ -531,7 +536,10 @@ async def test_the_bandwidth_cap_holds_for_bodies_read_by_the_pump_threads(
     bucket = TokenBucket(rate)
     config = fast_config(tmp_path / "cache", fake_hub.endpoint, chunk_size=1 << 20)
     began = time.monotonic()
-    async with Engine(config, throttle=bucket) as engine, Scheduler(engine) as scheduler:
+    async with (
+        Engine(config, throttle=bucket) as engine,
+        Scheduler(engine, selections=selection_for) as scheduler,
+    ):
         job, _ = await scheduler.submit(JobRequest(REPO))
         await _done(job)
         body_bytes = engine.fetcher.statistics().bytes_downloaded
@@ -559,7 +567,7 @@ async def test_the_daemon_prunes_past_the_high_water_mark(
     limit = int(1.5 * _shard_bytes(checkpoint))
     async with (
         Engine(_prune_config(config, max_size=limit)) as engine,
-        Scheduler(engine) as scheduler,
+        Scheduler(engine, selections=selection_for) as scheduler,
     ):
         job, _ = await scheduler.submit(JobRequest(REPO))
         await _done(job)
@@ -581,7 +589,10 @@ async def test_a_download_that_would_not_fit_prunes_first(
         await prefetch("acme/old", config)
         if pinned:
             config = _prune_config(config, pin=("acme/old",))
-        async with Engine(config) as engine, Scheduler(engine) as scheduler:
+        async with (
+            Engine(config) as engine,
+            Scheduler(engine, selections=selection_for) as scheduler,
+        ):
             job, _ = await scheduler.submit(JobRequest(REPO))
             outcome = await _outcome(job)
             assert any(isinstance(e, Pruning) for e in job.events.past())

@@ -15,6 +15,7 @@ PURE = [
     "shardsync.api",
     "shardsync.checksums",
     "shardsync.config",
+    "shardsync.config_access",
     "shardsync.devicemap",
     "shardsync.errors",
     "shardsync.events",
@@ -57,7 +58,7 @@ def test_pure_modules_import_without_io_libraries(module: str) -> None:
 
 def test_the_blocker_does_block() -> None:
     done = subprocess.run(
-        [sys.executable, "-c", _IMPORT_BLOCKED, "shardsync.fetch", ",".join(HEAVY)],
+        [sys.executable, "-c", _IMPORT_BLOCKED, "shardsync.fetch.fetcher", ",".join(HEAVY)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -123,3 +124,169 @@ def test_only_the_consumers_import_torch_and_nothing_imports_the_dcp_reader() ->
                 dcp_users.add(path.name)
     assert torch_users <= TORCH_MODULES, sorted(torch_users - TORCH_MODULES)
     assert not dcp_users, sorted(dcp_users)
+
+
+# ------------------------------------------------------------------------ the import graph
+# Layers from the bottom up. A module imports its own layer or a lower one, never a higher
+# one; a new module gets a line here (the test below names one that has none).
+LAYERS: dict[str, set[str]] = {
+    "core": {  # values and decisions, no I/O (see PURE for those that import without it)
+        "errors", "strict_json", "names", "manifest", "records", "retry", "ranges", "ramp",
+        "checksums", "devicemap", "safetensors_header", "training", "prune_plan", "events",
+        "layout", "version", "limits", "api", "network", "config", "config_access",
+    },
+    "cache": {
+        "digest", "cache", "removal", "slot", "store", "snapshot_use", "inventory", "verify",
+        "prune", "checkpoint_cache", "locks",
+    },
+    "transfer": {
+        "fetch", "fetch.request", "fetch.answers", "fetch.body", "fetch.body_aiohttp",
+        "fetch.body_wire", "fetch.disk", "fetch.pump", "fetch.wire", "fetch.transfer",
+        "fetch.fetcher", "fetch.session", "s3", "tier", "tier_claims", "tier_parts", "origins",
+        "origins.base", "origins.http", "origins.hub", "origins.local", "origins.s3",
+    },
+    "engine": {"prefetch", "checkpoint"},
+    "service": {
+        "scheduler", "job_log", "journal", "daemon", "daemon_transport", "listeners", "notify",
+        "client",
+    },
+    "consume": {"loader", "placement", "dcp_reader", "vllm_plugin"},
+    "interface": {
+        "cli", "cli_output", "progress", "shardsync", "testing", "testing.__main__",
+        "testing.checkpoints", "testing.fakehub", "testing.faults", "testing.relay",
+    },
+}  # fmt: skip
+MAX_CHAIN = 13  # modules in the longest chain of imports (17 before issue 26)
+
+
+def import_graph(package: Path) -> dict[str, set[str]]:
+    """Each module of ``package`` (``fetch.request``; the package itself is its name) and
+    the package's modules it imports: at the top, in functions, under ``TYPE_CHECKING``."""
+    top = package.name
+    names = {}
+    for path in package.rglob("*.py"):
+        parts = path.relative_to(package).with_suffix("").parts
+        name = ".".join(p for p in parts if p != "__init__") or top
+        names[name] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in names.items():
+        out: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                raise AssertionError(f"{name}: relative import (the graph would miss it)")
+            if isinstance(node, ast.Import):
+                wanted = [(a.name, None) for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                wanted = [(node.module, a.name) for a in node.names]
+            else:
+                continue
+            for module, member in wanted:
+                if module != top and not module.startswith(f"{top}."):
+                    continue
+                local = module.removeprefix(top).removeprefix(".") or top
+                sub = member and (f"{local}.{member}" if local != top else member)
+                out.add(sub if sub in names else local)  # ``from pkg import mod`` names mod
+        graph[name] = {m for m in out if m in names and m != name}
+    return graph
+
+
+def longest_chain(graph: dict[str, set[str]]) -> list[str]:
+    """The longest path of imports (assumes no circle)."""
+    memo: dict[str, list[str]] = {}
+
+    def chain(name: str) -> list[str]:
+        if name not in memo:
+            memo[name] = [name, *max((chain(d) for d in graph[name]), key=len, default=[])]
+        return memo[name]
+
+    return max((chain(n) for n in graph), key=len, default=[])
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One circle per strongly connected group of modules (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(n: str) -> None:
+        index[n] = low[n] = len(index)
+        stack.append(n)
+        for d in graph[n]:
+            if d not in index:
+                visit(d)
+                low[n] = min(low[n], low[d])
+            elif d in stack:
+                low[n] = min(low[n], index[d])
+        if low[n] == index[n]:
+            group = []
+            while (m := stack.pop()) != n:
+                group.append(m)
+            if group or n in graph[n]:
+                found.append([n, *group])
+
+    for n in graph:
+        if n not in index:
+            visit(n)
+    return found
+
+
+def _layer_of() -> dict[str, int]:
+    return {m: i for i, members in enumerate(LAYERS.values()) for m in members}
+
+
+def test_every_module_has_one_layer() -> None:
+    placed = [m for members in LAYERS.values() for m in members]
+    assert len(placed) == len(set(placed)), sorted({m for m in placed if placed.count(m) > 1})
+    graph = import_graph(PACKAGE)
+    assert set(graph) <= set(placed), sorted(set(graph) - set(placed))
+
+
+def test_no_module_imports_from_a_higher_layer() -> None:
+    layer, names = _layer_of(), list(LAYERS)
+    upward = [
+        f"{m} ({names[layer[m]]}) imports {d} ({names[layer[d]]})"
+        for m, deps in import_graph(PACKAGE).items()
+        for d in deps
+        if layer[d] > layer[m]
+    ]
+    assert not upward, upward
+
+
+def test_the_import_graph_has_no_circle() -> None:
+    assert not circles(import_graph(PACKAGE))
+
+
+def test_the_longest_chain_of_imports_is_short() -> None:
+    chain = longest_chain(import_graph(PACKAGE))
+    assert len(chain) <= MAX_CHAIN, " > ".join(chain)
+
+
+def test_the_graph_sees_every_kind_of_import(tmp_path: Path) -> None:
+    """A lazy import, one under TYPE_CHECKING and ``from pkg import module`` are edges, and a
+    circle and a chain are found (the checks above would pass on a graph that saw nothing)."""
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    files = {
+        "__init__.py": "from pkg.a import x\n",
+        "a.py": "def f():\n    from pkg import b\n",
+        "b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import pkg.sub.c\n",
+        "sub/__init__.py": "",
+        "sub/c.py": "from pkg.sub import d\nimport os\n",
+        "sub/d.py": "x = 1\n",
+    }
+    for rel, text in files.items():
+        (pkg / rel).write_text(text)
+    graph = import_graph(pkg)
+    assert graph == {
+        "pkg": {"a"},
+        "a": {"b"},
+        "b": {"sub.c"},
+        "sub": set(),
+        "sub.c": {"sub.d"},
+        "sub.d": set(),
+    }
+    assert longest_chain(graph) == ["pkg", "a", "b", "sub.c", "sub.d"]
+    assert not circles(graph)
+    (pkg / "sub" / "d.py").write_text("from pkg.a import f\n")
+    assert [sorted(c) for c in circles(import_graph(pkg))] == [["a", "b", "sub.c", "sub.d"]]

@@ -41,7 +41,7 @@ from shardsync.daemon import Daemon
 from shardsync.prefetch import Engine, prefetch
 from shardsync.records import PrefetchResult, TierStatistics
 from shardsync.testing import Bandwidth, Checkpoint, FakeHub, build_checkpoint
-from shardsync.tier import blob_key, claim_key
+from shardsync.tier_claims import blob_key, claim_key
 
 REPO = "acme/fleet"
 PREFIX = "fleet/"

@@ -30,7 +30,7 @@ from shardsync.prefetch import Engine, prefetch
 from shardsync.ranges import RangeSet
 from shardsync.records import PrefetchResult
 from shardsync.testing import Bandwidth, Checkpoint, FakeHub, build_checkpoint
-from shardsync.tier import blob_key, claim_key
+from shardsync.tier_claims import blob_key, claim_key
 from shardsync.tier_parts import next_pieces, parts_prefix
 
 REPO = "acme/parts"

@@ -27,17 +27,11 @@ from helpers import fast_config, range_server
 
 from shardsync.digest import Digest, MappedFile
 from shardsync.errors import ConfigError, ProtocolError
+from shardsync.fetch.disk import write_all
+from shardsync.fetch.pump import _WAKE_EVERY, _set_lowat, _track_rate, _Transfer
+from shardsync.fetch.wire import BodyTruncated, RangeReader
 from shardsync.prefetch import prefetch
 from shardsync.testing import Bandwidth, FakeHub, serve_in_thread
-from shardsync.wire import (
-    _WAKE_EVERY,
-    BodyTruncated,
-    RangeReader,
-    _set_lowat,
-    _track_rate,
-    _Transfer,
-    write_all,
-)
 
 Answer = Callable[[bytes], bytes]
 """Given a request's bytes, the raw bytes a connection answers (then it waits for the next)."""
@@ -341,16 +335,16 @@ async def test_writeback_starts_as_the_hash_passes(
     """Hashed bytes are sent to the disk in 8 MiB steps while the download runs
     (``sync_file_range``), so the fsync before publishing finds them written: on this VM a
     512 MiB file's final fsync took 0.16-0.19 s without, 0.00 s with."""
-    import shardsync.fetch
+    import shardsync.fetch.transfer
 
-    real = shardsync.fetch.start_writeback
+    real = shardsync.fetch.transfer.start_writeback
     asked: list[tuple[int, int]] = []
 
     def spy(fd: int, start: int, end: int) -> None:
         asked.append((start, end))
         real(fd, start, end)
 
-    monkeypatch.setattr(shardsync.fetch, "start_writeback", spy)
+    monkeypatch.setattr(shardsync.fetch.transfer, "start_writeback", spy)
     data = os.urandom(20 << 20)
 
     async def send(response: web.StreamResponse, first: int, last: int) -> None:

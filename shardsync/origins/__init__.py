@@ -16,14 +16,12 @@ from shardsync.origins.hub import HubOrigin
 from shardsync.origins.local import LocalOrigin
 from shardsync.origins.s3 import S3Origin
 from shardsync.s3 import S3Client
-from shardsync.slot import Slot
 
 __all__ = [
     "HubOrigin",
     "LocalOrigin",
     "Origin",
     "S3Origin",
-    "Slot",
     "UrlOrigin",
     "parse_source",
 ]

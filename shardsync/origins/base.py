@@ -14,18 +14,50 @@ from dataclasses import replace
 from functools import partial
 from typing import ClassVar, Protocol
 
-from shardsync.fetch import BlobRequest, Fetcher
+from shardsync.fetch.request import BlobRequest, Located, ProgressFn
 from shardsync.manifest import Listing, ManifestEntry, RemoteFile
 from shardsync.ranges import is_strong_etag
 from shardsync.records import RepoRef
 from shardsync.slot import Slot, VerifiedFile
 
-__all__ = ["Origin", "Progress", "RequestOrigin", "Slot", "bearer_headers"]
+__all__ = ["Http", "Origin", "Progress", "RequestOrigin", "bearer_headers"]
 
 Progress = Callable[[int], None]
 Entry = ManifestEntry | RemoteFile
 Forget = Callable[[], None]
 """Drops what ``Origin.locate_ahead`` started, if no download took it."""
+
+
+class Http(Protocol):
+    """What an origin asks of the fetcher (``fetch.fetcher.Fetcher``). Origins name this,
+    not the class, so they sit beside the transfer machinery instead of on top of it."""
+
+    async def get_bytes(
+        self, url: str, headers: Mapping[str, str], *, max_size: int, label: str
+    ) -> bytes:
+        """A small metadata answer's body (an API listing), at most ``max_size`` bytes."""
+
+    async def get_page(
+        self, url: str, headers: Mapping[str, str], *, max_size: int, label: str
+    ) -> tuple[bytes, str | None]:
+        """One page of a paginated answer, and the next page's URL if any."""
+
+    async def read_range(self, request: BlobRequest, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of a file, short at its end."""
+
+    async def locate(self, request: BlobRequest) -> Located:
+        """Where the file's bytes are served (redirects followed), its size and validators."""
+
+    def locate_ahead(self, request: BlobRequest) -> None:
+        """Start ``locate`` now, for the file's download to take the answer."""
+
+    def forget_ahead(self, request: BlobRequest | None = None) -> None:
+        """Drop what ``locate_ahead`` started (all of it without ``request``)."""
+
+    async def fetch(
+        self, request: BlobRequest, slot: Slot, on_progress: ProgressFn = ...
+    ) -> VerifiedFile:
+        """The whole file into ``slot``, verified; the caller commits the slot."""
 
 
 class Origin(Protocol):
@@ -44,24 +76,24 @@ class Origin(Protocol):
         """True when only the calling process may read it (a local path): the daemon
         refuses such a source on a client's behalf, and the loader never hands it over."""
 
-    async def list_files(self, fetcher: Fetcher, revision: str, *, hidden: bool = False) -> Listing:
+    async def list_files(self, fetcher: Http, revision: str, *, hidden: bool = False) -> Listing:
         """Every file at ``revision``: the commit (None when the origin has none), sizes,
         and sha256 where the origin publishes one. Folder-like origins leave out names
         starting with ``.`` unless ``hidden`` (a DCP checkpoint's ``.metadata``)."""
 
-    async def version(self, fetcher: Fetcher, entry: Entry) -> str | None:
+    async def version(self, fetcher: Http, entry: Entry) -> str | None:
         """What the origin calls the current version of ``entry`` (a strong ETag, a stat
         stamp), or None when it has none worth trusting. A cached copy recorded under this
         version is reused only while the origin still says the same."""
 
     async def read_range(
-        self, fetcher: Fetcher, commit: str | None, entry: Entry, start: int, end: int
+        self, fetcher: Http, commit: str | None, entry: Entry, start: int, end: int
     ) -> bytes:
         """Bytes ``[start, end)`` of one file (a safetensors header), short at its end."""
 
     async def download(
         self,
-        fetcher: Fetcher,
+        fetcher: Http,
         commit: str | None,
         entry: ManifestEntry,
         slot: Slot,
@@ -71,7 +103,7 @@ class Origin(Protocol):
         the origin's hash when it has one; ``VerifiedFile.etag`` is ``version`` at download
         time (recorded, so later runs can reuse the copy)."""
 
-    def locate_ahead(self, fetcher: Fetcher, commit: str | None, entry: Entry) -> Forget:
+    def locate_ahead(self, fetcher: Http, commit: str | None, entry: Entry) -> Forget:
         """Start finding where ``entry`` lives (its redirects and ``HEAD``) now, for its
         download to take the answer instead of asking then; returns what drops an answer no
         download took. Nothing to do where there is nothing to find (a local directory)."""
@@ -103,18 +135,18 @@ class RequestOrigin(ABC):
         """The request that reads ``entry`` at ``commit`` (None: the origin has no commits)."""
 
     async def read_range(
-        self, fetcher: Fetcher, commit: str | None, entry: Entry, start: int, end: int
+        self, fetcher: Http, commit: str | None, entry: Entry, start: int, end: int
     ) -> bytes:
         return await fetcher.read_range(self.request_for(commit, entry), start, end)
 
-    def locate_ahead(self, fetcher: Fetcher, commit: str | None, entry: Entry) -> Forget:
+    def locate_ahead(self, fetcher: Http, commit: str | None, entry: Entry) -> Forget:
         request = self.request_for(commit, entry)
         fetcher.locate_ahead(request)
         return partial(fetcher.forget_ahead, request)
 
     async def download(
         self,
-        fetcher: Fetcher,
+        fetcher: Http,
         commit: str | None,
         entry: ManifestEntry,
         slot: Slot,

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from urllib.parse import quote, urlsplit
 
 from shardsync.errors import ConfigError, EntryNotFoundError, ManifestError, first_error
-from shardsync.fetch import BlobRequest, Fetcher
+from shardsync.fetch.request import BlobRequest
 from shardsync.manifest import Listing, RemoteFile, validate_name
-from shardsync.origins.base import Entry, RequestOrigin, bearer_headers
+from shardsync.origins.base import Entry, Http, RequestOrigin, bearer_headers
 from shardsync.ranges import is_strong_etag
 from shardsync.records import RepoRef
 
@@ -59,7 +59,7 @@ class UrlOrigin(RequestOrigin):
     def url_for(self, path: str) -> str:
         return self.base + quote(validate_name(path))
 
-    async def list_files(self, fetcher: Fetcher, revision: str, *, hidden: bool = False) -> Listing:
+    async def list_files(self, fetcher: Http, revision: str, *, hidden: bool = False) -> Listing:
         """HEAD the usual file names; the index (fetched later) names the shards."""
         if revision != self.default_revision:
             raise ConfigError("a plain URL origin has no revisions")
@@ -91,6 +91,6 @@ class UrlOrigin(RequestOrigin):
             sha256=entry.sha256,
         )
 
-    async def version(self, fetcher: Fetcher, entry: Entry) -> str | None:
+    async def version(self, fetcher: Http, entry: Entry) -> str | None:
         located = await fetcher.locate(self.request_for(None, entry))
         return located.etag if is_strong_etag(located.etag) else None

@@ -12,7 +12,7 @@ from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
 from shardsync.errors import ConfigError, ManifestError
-from shardsync.fetch import BlobRequest, Fetcher
+from shardsync.fetch.request import BlobRequest
 from shardsync.manifest import (
     SMALL_FILE,
     Listing,
@@ -21,7 +21,7 @@ from shardsync.manifest import (
     parse_hub_tree,
 )
 from shardsync.names import validate_revision
-from shardsync.origins.base import Entry, RequestOrigin, bearer_headers
+from shardsync.origins.base import Entry, Http, RequestOrigin, bearer_headers
 from shardsync.records import RepoRef
 
 __all__ = ["DEFAULT_ENDPOINT", "HubOrigin"]
@@ -68,7 +68,7 @@ class HubOrigin(RequestOrigin):
     def auth_headers(self) -> Mapping[str, str]:
         return bearer_headers(self.token)
 
-    async def list_files(self, fetcher: Fetcher, revision: str, *, hidden: bool = False) -> Listing:
+    async def list_files(self, fetcher: Http, revision: str, *, hidden: bool = False) -> Listing:
         """Commit hash plus every file with size and LFS sha256: one API call, or for a large
         repo (whose ``siblings`` the Hub may cut short) the paginated tree at that commit."""
         validate_revision(revision)
@@ -114,5 +114,5 @@ class HubOrigin(RequestOrigin):
             direct=known and entry.size is not None and entry.size <= SMALL_FILE,
         )
 
-    async def version(self, fetcher: Fetcher, entry: Entry) -> str | None:
+    async def version(self, fetcher: Http, entry: Entry) -> str | None:
         return None  # the Hub names every version by its sha256 or git blob id

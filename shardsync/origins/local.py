@@ -9,9 +9,8 @@ from pathlib import Path
 
 from shardsync.digest import Digest
 from shardsync.errors import ConfigError, EntryNotFoundError, disk_error
-from shardsync.fetch import Fetcher
 from shardsync.manifest import Listing, ManifestEntry, RemoteFile, validate_name
-from shardsync.origins.base import Entry, Forget, Progress
+from shardsync.origins.base import Entry, Forget, Http, Progress
 from shardsync.records import RepoRef
 from shardsync.slot import Slot, VerifiedFile
 
@@ -42,7 +41,7 @@ class LocalOrigin:
     def caller_only(self) -> bool:
         return True
 
-    async def list_files(self, fetcher: Fetcher, revision: str, *, hidden: bool = False) -> Listing:
+    async def list_files(self, fetcher: Http, revision: str, *, hidden: bool = False) -> Listing:
         if revision != self.default_revision:
             raise ConfigError("a local directory has no revisions")
         return await asyncio.to_thread(self._walk, hidden)
@@ -70,15 +69,15 @@ class LocalOrigin:
             raise EntryNotFoundError(f"{path}: not found under {self.root}")
         return full
 
-    async def version(self, fetcher: Fetcher, entry: Entry) -> str | None:
+    async def version(self, fetcher: Http, entry: Entry) -> str | None:
         st = await asyncio.to_thread(self.source(entry.path).stat)
         return f"{st.st_ino}-{st.st_size}-{st.st_mtime_ns}"
 
-    def locate_ahead(self, fetcher: Fetcher, commit: str | None, entry: Entry) -> Forget:
+    def locate_ahead(self, fetcher: Http, commit: str | None, entry: Entry) -> Forget:
         return _nothing  # a path is where it is
 
     async def read_range(
-        self, fetcher: Fetcher, commit: str | None, entry: Entry, start: int, end: int
+        self, fetcher: Http, commit: str | None, entry: Entry, start: int, end: int
     ) -> bytes:
         return await asyncio.to_thread(self._read, entry.path, start, end)
 
@@ -89,7 +88,7 @@ class LocalOrigin:
 
     async def download(
         self,
-        fetcher: Fetcher,
+        fetcher: Http,
         commit: str | None,
         entry: ManifestEntry,
         slot: Slot,

@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 
 from shardsync.config import S3Config
 from shardsync.errors import ConfigError, ManifestError
-from shardsync.fetch import BlobRequest, Fetcher, Located
+from shardsync.fetch.request import BlobRequest, Located
 from shardsync.manifest import Listing, RemoteFile, validate_name
 from shardsync.names import S3Location, parse_s3_url
-from shardsync.origins.base import Entry, RequestOrigin
+from shardsync.origins.base import Entry, Http, RequestOrigin
 from shardsync.records import RepoRef
 from shardsync.s3 import ObjectInfo, S3Client
 
@@ -61,7 +61,7 @@ class S3Origin(RequestOrigin):
     def repo(self) -> RepoRef:
         return RepoRef(kind="s3", name=self.location.url)
 
-    async def list_files(self, fetcher: Fetcher, revision: str, *, hidden: bool = False) -> Listing:
+    async def list_files(self, fetcher: Http, revision: str, *, hidden: bool = False) -> Listing:
         """Every object under the prefix; SHA-256 from the store where it keeps one."""
         if revision != self.default_revision:
             raise ConfigError("an S3 prefix has no revisions")
@@ -132,7 +132,7 @@ class S3Origin(RequestOrigin):
             connections=self.client.config.connections_per_file,
         )
 
-    async def version(self, fetcher: Fetcher, entry: Entry) -> str | None:
+    async def version(self, fetcher: Http, entry: Entry) -> str | None:
         key = self.location.key_for(validate_name(entry.path))
         return (await self.client.head(self.location.bucket, key, checksum=False)).etag or None
 

@@ -333,7 +333,7 @@ def install(hook: Hook) -> None:
     for name, function in replacements.items():
         setattr(os, name, function)
 
-    from shardsync import wire  # after the swap: it binds none of them at import
+    from shardsync.fetch import wire  # after the swap: it binds none of them at import
 
     received = wire.Stream.readinto
 

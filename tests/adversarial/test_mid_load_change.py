@@ -47,7 +47,7 @@ from yarl import URL
 from shardsync.config import Config, S3Config
 from shardsync.dcp_reader import DCPReader
 from shardsync.errors import ShardsyncError
-from shardsync.fetch import Fetcher
+from shardsync.fetch.fetcher import Fetcher
 from shardsync.origins import LocalOrigin
 from shardsync.origins.base import Entry
 from shardsync.training import parse_dcp_metadata

@@ -73,7 +73,7 @@ from shardsync.testing import (
     build_checkpoint,
 )
 from shardsync.testing.faults import Fault, Rule
-from shardsync.tier import blob_key
+from shardsync.tier_claims import blob_key
 
 REPO = "acme/secret-model"
 S3_PREFIX = "models/secret/"

@@ -1,0 +1,332 @@
+"""What an HTTP answer means: the error it is, whether a retry, a fresh URL or a restart may
+help, where a redirect or a next page leads, and the resume proof.
+
+The resume proof is both halves here: what a Range request carries (``range_headers``: the
+ETag first seen, in ``If-Range`` or ``If-Match``) and what its answer must show
+(``check_range_answer``: a ``206`` for exactly the asked bytes of that object). Both body
+paths pass every answer through these same functions. No I/O: each function decides from a
+status, headers and at most a few bytes of the body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Mapping
+from typing import Protocol
+from urllib.parse import urljoin, urlsplit
+
+import aiohttp
+
+from shardsync.errors import (
+    AuthError,
+    EntryNotFoundError,
+    OriginError,
+    ProtocolError,
+    RepoNotFoundError,
+    RevisionNotFoundError,
+    StalledError,
+    TransferError,
+    redact,
+)
+from shardsync.fetch.request import Header, Validator, redact_url
+from shardsync.ranges import (
+    format_range,
+    is_strong_etag,
+    parse_content_range,
+    parse_unsatisfied_range,
+)
+from shardsync.retry import classify_status, parse_retry_after
+
+__all__ = [
+    "ERROR_BODY",
+    "MAX_REDIRECTS",
+    "REDIRECTS",
+    "TRANSIENT",
+    "Bound",
+    "Relocate",
+    "Restart",
+    "RetryLater",
+    "check_encoding",
+    "check_range_answer",
+    "describe",
+    "error_message",
+    "follow",
+    "int_or_none",
+    "is_retryable_exception",
+    "malformed",
+    "next_page",
+    "proxy_refused",
+    "range_headers",
+    "retry_cause",
+    "status_error",
+    "unquote_etag",
+]
+
+REDIRECTS = frozenset({301, 302, 303, 307, 308})
+MAX_REDIRECTS = 5
+ERROR_BODY = 4096  # bytes of an error answer read for its message
+_CREDENTIAL_HEADERS = ("authorization", "cookie", "proxy-authorization", "x-amz-security-token")
+
+TRANSIENT = (aiohttp.ClientError, OSError, StalledError, ProtocolError)
+"""What a failed Range request may raise that a connection's retry loop hands to the
+fetcher's backoff, which decides (``is_retryable_exception``) whether another try may help."""
+
+
+class RetryLater(TransferError):
+    """A retryable HTTP status, with the server's Retry-After when it sent one."""
+
+    def __init__(self, message: str, *, after: float | None, status: int) -> None:
+        super().__init__(message)
+        self.after = after
+        self.status = status
+
+
+class Restart(Exception):
+    """The object changed or Range support failed: discard the partial and start over."""
+
+    def __init__(self, reason: str, *, etag: str | None, single_stream: bool) -> None:
+        super().__init__(reason)
+        self.etag = etag
+        self.single_stream = single_stream
+
+
+class Relocate(Exception):
+    """The data URL stopped working (expired signature): ask the origin again."""
+
+
+class Bound(Protocol):
+    """The object a file's Range requests are bound to: its size and the ETag first seen
+    (set by the first answer with a strong one when none was known). Answers are checked on
+    the event loop and in worker threads: ``etag`` is read and set under ``etag_lock``."""
+
+    size: int
+    etag: str | None
+    etag_lock: threading.Lock
+
+
+def is_retryable_exception(exc: BaseException) -> bool:
+    """Whether a failed request is worth another attempt.
+
+    Connection drops, truncated bodies and timeouts are; TLS certificate or
+    handshake failures, bad URLs and everything else are not.
+    """
+    if isinstance(exc, aiohttp.ClientSSLError | ssl.SSLCertVerificationError):
+        return False
+    return isinstance(
+        exc,
+        aiohttp.ClientPayloadError
+        | aiohttp.ClientConnectionError
+        | asyncio.TimeoutError
+        | ConnectionError
+        | socket.gaierror  # a name lookup that failed may succeed in a moment
+        | ssl.SSLEOFError,  # the peer dropped a TLS connection
+    )
+
+
+def range_headers(
+    headers: Mapping[str, str], start: int, end: int, state: Bound, validator: Validator
+) -> dict[str, str]:
+    """``headers`` with a Range for bytes ``[start, end)`` of the object first seen: its ETag
+    goes in ``validator``, so another object answers 200 (``If-Range``) or 412
+    (``If-Match``) instead of its own bytes. ``check_range_answer`` checks the answer."""
+    headers = dict(headers)
+    headers["Range"] = format_range(start, end - 1)
+    if state.etag is not None:
+        headers[validator] = state.etag
+    return headers
+
+
+def check_range_answer(
+    status: int, header: Header, label: str, state: Bound, start: int, end: int
+) -> None:
+    """Accept a 206 for exactly ``[start, end)`` of the object first seen; a 200 or 416 to a
+    Range request means start over (``Restart``), as does a changed ETag."""
+    if status == 200:
+        # Range ignored (same object: fall back to one stream) or If-Range failed (a new
+        # object: start over with ranges).
+        new_etag = header("ETag")
+        raise Restart(
+            "200 to a Range request",
+            etag=new_etag,
+            single_stream=state.etag is None or new_etag == state.etag,
+        )
+    if status == 416:
+        total = parse_unsatisfied_range(header("Content-Range") or "")
+        raise Restart(
+            f"416: object is now {total} bytes, expected {state.size}",
+            etag=None,
+            single_stream=False,
+        )
+    cr = parse_content_range(header("Content-Range") or "")
+    if cr is None or cr.start != start or cr.end >= end or cr.total != state.size:
+        raise ProtocolError(
+            f"{label}: asked for bytes {start}-{end - 1}/{state.size}, "
+            f"got Content-Range {header('Content-Range')!r}"
+        )
+    etag = header("ETag")
+    with state.etag_lock:  # heads are checked on the loop and in wire threads
+        if state.etag is not None and etag is not None and etag != state.etag:
+            raise Restart("ETag changed", etag=etag, single_stream=False)
+        if state.etag is None and is_strong_etag(etag):
+            state.etag = etag
+
+
+def check_encoding(header: Header, label: str) -> None:
+    encoding = (header("Content-Encoding") or "identity").lower()
+    if encoding not in ("identity", ""):
+        raise ProtocolError(f"{label}: server applied Content-Encoding {encoding}")
+
+
+def status_error(
+    status: int, header: Header, body: bytes, label: str, *, relocatable: bool
+) -> Exception:
+    """What a non-success answer means: the error to raise (``RetryLater`` when a retry may
+    help, ``Relocate`` when a fresh URL may, ``Restart`` when the object changed)."""
+    code = header("X-Error-Code") or ""
+    message = error_message(body)
+    detail = (
+        f"{label}: HTTP {status}{' ' + code if code else ''}{': ' + message if message else ''}"
+    )
+    if code == "RepoNotFound":
+        return RepoNotFoundError(detail)
+    if code == "RevisionNotFound":
+        return RevisionNotFoundError(detail)
+    if code == "EntryNotFound":
+        return EntryNotFoundError(detail)
+    if code == "GatedRepo":
+        return AuthError(detail)
+    if status == 407:
+        return AuthError(f"{detail}: {proxy_refused(None)}")
+    verdict = classify_status(status)
+    if verdict == "retry":
+        after = parse_retry_after(header("Retry-After"), now=time.time())
+        return RetryLater(detail, after=after, status=status)
+    if verdict == "restart" and relocatable:
+        return Restart(detail, etag=None, single_stream=False)
+    if verdict == "relocate":
+        return Relocate(detail) if relocatable else AuthError(detail)
+    if status == 404:
+        return EntryNotFoundError(detail)
+    return OriginError(detail)
+
+
+def proxy_refused(sent: bool | None) -> str:
+    """What a 407 means, told whether the request carried the proxy URL's credentials."""
+    if sent:
+        return "the proxy refused the credentials in the proxy URL (HTTP 407): check them"
+    if sent is None:
+        return (
+            "the proxy wants credentials, or refused the ones given (HTTP 407); they go in the "
+            "proxy URL, http://USER:PASS@HOST:PORT"
+        )
+    return "the proxy wants credentials (HTTP 407): give them in the proxy URL, http://USER:PASS@HOST:PORT"
+
+
+def error_message(body: bytes) -> str:
+    """The server's own words about an error (a JSON ``error``, or short plain text), at
+    most 300 characters. Redacted first (``errors.redact``): a server may quote the request
+    it refused, and that is the signed URL, query, signature and session token all."""
+
+    with contextlib.suppress(ValueError, UnicodeDecodeError):
+        parsed = json.loads(body)
+        if isinstance(parsed, dict) and isinstance(parsed.get("error"), str):
+            return redact(str(parsed["error"]))[:300]
+    text = body.decode("utf-8", "replace").strip()
+    if text and not text.lstrip().startswith("<"):
+        return redact(text)[:300]
+    return ""
+
+
+def malformed(exc: aiohttp.ClientResponseError, label: str) -> ProtocolError:
+    """aiohttp's parser refused an answer (two lengths, a length beside chunked, a chunk
+    whose size lies): the server broke HTTP, as when the pump refuses one. Its message
+    quotes the offending bytes and names the URL, query and all: keep the first line."""
+    first_line = exc.message.split("\n", 1)[0].rstrip(":")[:200]
+    return ProtocolError(f"{label}: malformed answer: {first_line}")
+
+
+def retry_cause(exc: BaseException) -> str:
+    """The name a retry is counted under (``FetchStatistics.retries``)."""
+    if isinstance(exc, RetryLater):
+        return f"http_{exc.status}"
+    if isinstance(exc, StalledError):
+        return "stalled"
+    if isinstance(exc, ProtocolError):
+        return "protocol"
+    if isinstance(exc, TimeoutError):
+        return "timeout"
+    return "connection"
+
+
+def describe(exc: BaseException) -> str:
+    """The error in a user's words: aiohttp's own text for a refused connection shows its
+    connection key (``ssl:default``, even for plain http); say what failed instead. Any
+    other text is redacted (``errors.redact``): a library may name the signed URL it failed
+    on (``InvalidURL`` is the whole URL), and this text goes into messages and logs."""
+    if isinstance(exc, aiohttp.ClientConnectorError) and not isinstance(
+        exc, aiohttp.ClientConnectorCertificateError | aiohttp.ClientSSLError
+    ):
+        what = "the proxy " if isinstance(exc, aiohttp.ClientProxyConnectionError) else ""
+        code = exc.os_error.errno
+        reason = os.strerror(code) if code and code > 0 else (exc.strerror or str(exc.os_error))
+        return f"cannot connect to {what}{exc.host}:{exc.port}: {reason}"
+
+    return redact(str(exc))
+
+
+# ---------------------------------------------------------------------- where an answer leads
+
+
+def _origin_of(url: str) -> tuple[str, str, int | None]:
+    parts = urlsplit(url)
+    port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
+    return parts.scheme, (parts.hostname or "").lower(), port
+
+
+def follow(url: str, headers: dict[str, str], location: str | None) -> tuple[str, dict[str, str]]:
+    """Resolve a redirect; drop credentials when it leaves the origin; refuse https->http."""
+    if not location:
+        raise ProtocolError(f"redirect without Location from {redact_url(url)}")
+    target = urljoin(url, location)
+    old, new = _origin_of(url), _origin_of(target)
+    if new[0] not in ("http", "https"):
+        raise ProtocolError(f"refusing redirect to {new[0]!r} URL")
+    if old[0] == "https" and new[0] == "http":
+        raise ProtocolError(f"refusing https -> http redirect to {redact_url(target)}")
+    if old != new:
+        headers = {k: v for k, v in headers.items() if k.lower() not in _CREDENTIAL_HEADERS}
+    return target, headers
+
+
+def next_page(url: str, resp: aiohttp.ClientResponse, label: str) -> str | None:
+    """The next page of a listing (``Link: <...>; rel="next"``), on the same origin only."""
+    link = resp.links.get("next")
+    if link is None:
+        return None
+    target = urljoin(str(resp.url), str(link["url"]))
+    if _origin_of(target) != _origin_of(url):
+        raise ProtocolError(
+            f"{label}: refusing a next page on another origin: {redact_url(target)}"
+        )
+    return target
+
+
+def unquote_etag(value: str | None) -> str | None:
+    if not value:
+        return None
+    value = value.removeprefix("W/")
+    return value.strip('"') or None
+
+
+def int_or_none(value: str | None) -> int | None:
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None

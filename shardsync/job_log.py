@@ -1,0 +1,99 @@
+"""One job's events as the scheduler keeps them: the log late subscribers replay, and the
+counters ``info`` folds from it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field, replace
+from typing import TypeVar
+
+from shardsync.events import TERMINAL_EVENTS, JobEvent, Progress, Resolved, Verified
+
+__all__ = ["EventLog", "JobCounters"]
+
+_Event = TypeVar("_Event", bound=JobEvent)
+
+
+class EventLog:
+    """Every event of one job, replayed to late subscribers, then live.
+
+    The log stamps what it takes with the job's id, the event's number and the time, so an
+    event mirrored from another job (``Scheduler._follow``) becomes this job's own.
+    Progress events are compacted: a new one for a file replaces the previous one in place,
+    so a subscriber joining a long download replays the files' current progress, not every
+    step of it, and the log stays small.
+    """
+
+    def __init__(self, job_id: str, *, clock: Callable[[], float] = time.time) -> None:
+        self.job_id = job_id
+        self._clock = clock
+        self._events: list[JobEvent | None] = []
+        self._progress_at: dict[str, int] = {}
+        self._changed = asyncio.Event()
+        self.closed = False
+
+    def __len__(self) -> int:
+        return len(self._events)
+
+    def append(self, event: _Event) -> _Event:
+        """Stamp ``event`` and log it; returns it as logged."""
+        if self.closed:
+            raise RuntimeError("the job's event log is closed")
+        event = replace(event, job=self.job_id, seq=len(self._events), time=self._clock())
+        if isinstance(event, Progress):
+            old = self._progress_at.get(event.path)
+            if old is not None:
+                self._events[old] = None
+            self._progress_at[event.path] = event.seq
+        self._events.append(event)
+        if isinstance(event, TERMINAL_EVENTS):
+            self.closed = True
+        self._changed.set()
+        self._changed = asyncio.Event()
+        return event
+
+    def past(self) -> list[JobEvent]:
+        return [e for e in self._events if e is not None]
+
+    async def follow(self, since: int = 0) -> AsyncIterator[JobEvent]:
+        """Events with ``seq >= since``, then new ones until the job's terminal event."""
+        pos = max(since, 0)
+        while True:
+            while pos < len(self._events):
+                event = self._events[pos]
+                pos += 1
+                if event is not None:
+                    yield event
+            if self.closed:
+                return
+            await self._changed.wait()
+
+
+@dataclass(slots=True)
+class JobCounters:
+    """A job's files and bytes as ``info`` reports them: a fold over the events it logs."""
+
+    files_total: int | None = None
+    bytes_total: int | None = None
+    files_verified: int = 0
+    bytes_downloaded: int = 0
+    done_by_path: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def bytes_done(self) -> int:
+        return sum(self.done_by_path.values())
+
+    def observe(self, event: JobEvent) -> None:
+        match event:
+            case Resolved():
+                self.files_total = len(event.files)
+                self.bytes_total = event.total_size
+            case Progress():
+                self.done_by_path[event.path] = event.done
+            case Verified(outcome=outcome):
+                self.done_by_path[outcome.path] = outcome.size
+                self.files_verified += 1
+                self.bytes_downloaded += outcome.downloaded

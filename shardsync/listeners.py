@@ -1,0 +1,109 @@
+"""The daemon's listening sockets: the Unix socket and the optional TCP listener.
+
+The Unix socket lives in a directory only the daemon's user (and, with ``daemon.group``,
+that group) can traverse; it gets the configured mode and group before anyone can connect.
+A socket left by a dead daemon is cleared, a live daemon's is never stolen, and at exit only
+the file this daemon bound is removed. Every failure is a ``ConfigError`` naming the key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import socket
+import stat
+from pathlib import Path
+
+from shardsync.config import Config
+from shardsync.errors import ConfigError
+
+__all__ = ["bind_tcp", "bind_unix", "host_port", "unlink_socket"]
+
+log = logging.getLogger("shardsync.daemon")  # what it warns of is the daemon's to say
+
+
+def bind_unix(path: Path, config: Config) -> tuple[socket.socket, int]:
+    """A bound (not yet listening) socket with its mode and group set, in a private directory,
+    and the inode of its file (so that only this file is removed at exit)."""
+    daemon = config.daemon
+    directory = path.parent
+    try:
+        if not directory.exists():
+            directory.parent.mkdir(parents=True, exist_ok=True)
+            directory.mkdir(mode=0o700)
+            mode = 0o710 if daemon.group is not None else 0o700
+            if daemon.group is not None:
+                os.chown(directory, -1, daemon.group)
+            os.chmod(directory, mode)
+        st = os.lstat(directory)
+    except OSError as exc:
+        raise ConfigError(f"daemon.socket: cannot create {directory}: {exc.strerror}") from None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        raise ConfigError(
+            f"daemon.socket: {directory} must be a directory owned by uid {os.geteuid()} "
+            "(not a symlink)"
+        )
+    if st.st_mode & 0o027:
+        raise ConfigError(
+            f"daemon.socket: {directory} has mode {stat.S_IMODE(st.st_mode):04o}; other users "
+            "could reach the socket. Use a directory of mode 0700 (0710 with daemon.group)"
+        )
+    if daemon.group is not None and not st.st_mode & 0o010:
+        log.warning("%s is not searchable by its group; group members cannot connect", directory)
+    _clear_stale(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        sock.bind(str(path))
+        os.chmod(path, daemon.socket_mode)
+        if daemon.group is not None:
+            os.chown(path, -1, daemon.group)
+        inode = os.lstat(path).st_ino
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"daemon.socket: cannot listen on {path}: {exc}") from None
+    return sock, inode
+
+
+def _clear_stale(path: Path) -> None:
+    """Remove a socket left by a dead daemon; refuse to steal a live one's."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise ConfigError(f"daemon.socket: {path} exists and is not a socket")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        probe.connect(str(path))
+    except OSError as exc:
+        if exc.errno not in (errno.ECONNREFUSED, errno.ENOENT):
+            raise ConfigError(f"daemon.socket: cannot check {path}: {exc.strerror}") from None
+        path.unlink(missing_ok=True)
+        return
+    finally:
+        probe.close()
+    raise ConfigError(f"another shardsync daemon is already listening on {path}")
+
+
+def unlink_socket(path: Path, inode: int) -> None:
+    """Remove our socket file, not one a successor has bound meanwhile."""
+    with contextlib.suppress(OSError):
+        if os.lstat(path).st_ino == inode:
+            path.unlink()
+
+
+def bind_tcp(host: str, port: int) -> socket.socket:
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        return socket.create_server((host, port), family=family, reuse_port=False)
+    except OSError as exc:
+        raise ConfigError(f"daemon.tcp: cannot listen on {host}:{port}: {exc.strerror}") from None
+
+
+def host_port(address: tuple[str, int] | None) -> str:
+    if address is None:
+        return ""
+    host, port = address
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
