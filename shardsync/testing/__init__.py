@@ -10,7 +10,7 @@ Run ``python -m shardsync.testing --help`` to serve or build checkpoints from a 
 from __future__ import annotations
 
 from shardsync.testing.checkpoints import Checkpoint, build_checkpoint
-from shardsync.testing.fakehub import FakeHub, RequestRecord, serve_in_thread
+from shardsync.testing.fakehub import FakeHub, serve_in_thread
 from shardsync.testing.faults import (
     Bandwidth,
     ChangeEtag,
@@ -31,6 +31,7 @@ from shardsync.testing.faults import (
     Status,
     WrongContentRange,
 )
+from shardsync.testing.hub_http import RequestRecord
 
 __all__ = [
     "Bandwidth",
