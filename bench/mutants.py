@@ -368,7 +368,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "taker-ignores-parts",
         "shardsync/tier.py",
-        (("            seeded = await self._seed(claim, slot)", "            seeded = 0"),),
+        (("            there = await self._seed(claim, slot)", "            there = RangeSet()"),),
         ("tests/test_tier_parts.py::test_a_taker_resumes_from_the_dead_holders_parts",),
         "a host taking over a dead holder's claim downloads the whole blob again",
     ),
@@ -378,6 +378,18 @@ MUTANTS: tuple[Mutant, ...] = (
         (("                    seeded  # bound to the content", "                    False  #"),),
         ("tests/test_tier_parts.py::test_a_taker_resumes_from_the_dead_holders_parts",),
         "a seeded partial (bound to its sha256 alone) is never resumed",
+    ),
+    Mutant(
+        "seeded-parts-uploaded-again",
+        "shardsync/tier_parts.py",
+        (
+            (
+                "    published = RangeSet() if there is None else there.copy()",
+                "    published = RangeSet()",
+            ),
+        ),
+        ("tests/test_tier_parts.py::test_a_taker_never_uploads_again_the_parts_it_resumed_from",),
+        "a taker uploads the parts it resumed from a second time",
     ),
     Mutant(
         "bad-part-fails-the-job",

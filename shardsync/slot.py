@@ -193,8 +193,10 @@ class Seeding:
             self._record.write(self._record.encode(self._what, self._done))
 
     @property
-    def written(self) -> int:
-        return self._done.total()
+    def written(self) -> RangeSet:
+        """The ranges written so far (a copy)."""
+        with self._lock:
+            return self._done.copy()
 
     def close(self) -> None:
         os.close(self._fd)

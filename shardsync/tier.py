@@ -51,6 +51,7 @@ from shardsync.errors import (
 )
 from shardsync.fetch.request import BlobRequest, Located
 from shardsync.names import S3Location, parse_s3_url
+from shardsync.ranges import RangeSet
 from shardsync.records import TierStatistics
 from shardsync.s3 import ObjectInfo, PreconditionFailed, S3Client
 from shardsync.slot import Slot, VerifiedFile
@@ -382,8 +383,9 @@ class Tier:
         upload.renewal = self._spawn(self._renew(claim))
         seeded, publisher = 0, None
         if slot is not None and self.config.part_size:
-            seeded = await self._seed(claim, slot)
-            publisher = self._spawn(self._publish(claim, slot))
+            there = await self._seed(claim, slot)
+            seeded = there.total()
+            publisher = self._spawn(self._publish(claim, slot, there))
 
         def counted(n: int) -> None:
             claim.done += n
@@ -397,6 +399,9 @@ class Tier:
                     raise
                 await self._discard_parts(claim.sha256)  # the download was abandoned: afresh
                 seeded = 0
+                if publisher is not None and slot is not None:  # those parts are gone now
+                    publisher.cancel()
+                    publisher = self._spawn(self._publish(claim, slot, RangeSet()))
                 fetched = await from_origin(counted)
         except BaseException:
             await self._release(upload)
@@ -411,7 +416,7 @@ class Tier:
             return fetched, Upload(claim.sha256, claim.size, None, None)
         return fetched, upload
 
-    async def _seed(self, claim: _Claim, slot: Slot) -> int:
+    async def _seed(self, claim: _Claim, slot: Slot) -> RangeSet:
         """What a dead holder left, in our partial: the tier's failure costs a warning and
         what was not seeded yet; the disk's is the job's own error."""
         allowed = _ANSWER_S + claim.size / self.config.upload_floor  # many requests, not one
@@ -424,15 +429,17 @@ class Tier:
             raise
         except TimeoutError:
             self._failed("read", TransferError(f"the tier's parts took over {allowed:.0f} s"))
-            return 0
+            return RangeSet()
         except ShardsyncError as exc:
             self._failed("read", exc)
-            return 0
-        if seeded:
-            log.info("%s: resumed from %d bytes of parts", claim.sha256[:12], seeded)
+            return RangeSet()
+        if seeded.total():
+            log.info("%s: resumed from %d bytes of parts", claim.sha256[:12], seeded.total())
         return seeded
 
-    async def _publish(self, claim: _Claim, slot: Slot) -> None:
+    async def _publish(self, claim: _Claim, slot: Slot, there: RangeSet) -> None:
+        """Our parts as they land, but for what the tier holds already (``there``)."""
+
         def downloading() -> bool:
             return claim.phase == "download" and not claim.lost and self._usable()
 
@@ -444,6 +451,7 @@ class Tier:
             self.config.part_size,
             slot,
             downloading,
+            there=there,
         )
 
     async def _discard_parts(self, sha256: str) -> None:

@@ -51,6 +51,8 @@ async def publish_parts(
     part_size: int,
     slot: Slot,
     downloading: Callable[[], bool],
+    *,
+    there: RangeSet | None = None,
 ) -> None:
     """While ``downloading()``: upload what the slot's partial holds that is not published
     yet, in pieces of ``part_size`` (each connection fills its own range from its start, so
@@ -58,8 +60,9 @@ async def publish_parts(
     has published all but less than a piece per connection, where the tier keeps pace with the
     origin; bench/README.md: Under faults). A run that cannot grow any
     more (it reaches a published piece or the end) goes out whatever its length. Runs until
-    cancelled or the download ends; a failed request ends it (the caller counts it)."""
-    published = RangeSet()
+    cancelled or the download ends; a failed request ends it (the caller counts it). ``there``
+    is what the tier holds already (the parts a taker seeded from): never uploaded again."""
+    published = RangeSet() if there is None else there.copy()
     gate = asyncio.Semaphore(_WRITERS)
 
     async def put(first: int, stop: int) -> None:
@@ -111,9 +114,9 @@ def _minus(start: int, end: int, done: RangeSet) -> list[tuple[int, int]]:
 
 async def seed_from_parts(
     client: S3Client, where: S3Location, sha256: str, size: int, slot: Slot
-) -> int:
+) -> RangeSet:
     """Write the parts another holder left for ``sha256`` into a seeded partial in ``slot``;
-    the bytes seeded (0 when there are none, or the slot has a partial of its own)."""
+    the ranges seeded (none when there are no parts, or the slot has a partial of its own)."""
     listing = S3Location(where.bucket, parts_prefix(where.prefix, sha256))
     found = await client.list(listing, max_keys=_MAX_PARTS)
     parts: list[tuple[int, int, str]] = []
@@ -125,10 +128,10 @@ async def seed_from_parts(
         if start < end <= size and info.size == end - start:
             parts.append((start, end, info.key))
     if not parts:
-        return 0
+        return RangeSet()
     seeding = await asyncio.to_thread(slot.seed, size, sha256)
     if seeding is None:
-        return 0
+        return RangeSet()
     chosen, reached = [], 0  # parts overlapping one chosen are skipped: one copy of a byte
     for start, end, key in sorted(parts):
         if start >= reached:

@@ -154,6 +154,41 @@ async def test_a_taker_resumes_from_the_dead_holders_parts(
     assert not {k for k in keys(s3server, s3bucket) if "/parts/" in k or "/claims/" in k}
 
 
+async def test_a_taker_never_uploads_again_the_parts_it_resumed_from(
+    s3server: S3Server, s3bucket: str, model: Checkpoint, aws_env: None, tmp_path: Path
+) -> None:
+    """The dead holder's parts stay as it left them while the taker downloads the rest: the
+    tier holds those bytes already, and the takeover is when its uploads matter most."""
+    shard = model.shards[0]
+    data = model.path(shard).read_bytes()
+    prefix = parts_prefix(PREFIX, dead_holder(s3server, s3bucket, data, parts=2))
+    seeded = {f"{prefix}0-{PART}", f"{prefix}{PART}-{2 * PART}"}
+
+    def stamps() -> dict[str, Any]:
+        pages = (
+            s3(s3server).get_paginator("list_objects_v2").paginate(Bucket=s3bucket, Prefix=prefix)
+        )
+        return {o["Key"]: o["LastModified"] for page in pages for o in page.get("Contents", ())}
+
+    before = stamps()
+    await asyncio.sleep(1.1)  # a PUT now would change LastModified (one second's resolution)
+    seen: list[dict[str, Any]] = []
+    async with FakeHub() as hub:
+        hub.add_checkpoint(REPO, model)
+        hub.faults.add(Bandwidth(1_000_000, path=shard))  # the rest takes a second or more
+        task = asyncio.create_task(
+            prefetch(REPO, host(tmp_path / "taker", hub, s3server, s3bucket))
+        )
+        while not task.done():
+            seen.append(await asyncio.to_thread(stamps))
+            await asyncio.sleep(0.1)
+        result = await task
+    assert_snapshot_matches(result.snapshot_path, model)
+    assert outcome(result, shard)[1] == 2 * PART
+    assert len(seen) >= 8  # the publisher looked several times while the rest downloaded
+    assert all(s.get(key, before[key]) == before[key] for s in seen for key in seeded)
+
+
 async def test_a_corrupt_part_costs_one_download_and_never_a_wrong_blob(
     s3server: S3Server, s3bucket: str, model: Checkpoint, aws_env: None, tmp_path: Path
 ) -> None:
