@@ -13,13 +13,16 @@ from pathlib import Path
 from typing import Any
 
 from shardsync import errors
-from shardsync.errors import ConfigError, ShardsyncError
+from shardsync.errors import ConfigError, DaemonError, ShardsyncError
 from shardsync.events import ErrorInfo
 from shardsync.names import validate_revision
 from shardsync.records import FileOutcome, PrefetchResult, RepoRef
+from shardsync.training import Format, Skipped
 
 __all__ = [
+    "CheckpointResult",
     "JobRequest",
+    "checkpoint_result_from_json",
     "error_class",
     "error_code",
     "error_info",
@@ -131,6 +134,54 @@ def result_from_json(obj: Mapping[str, Any]) -> PrefetchResult:
 
 
 # ------------------------------------------------------------------------------ requests
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointResult:
+    """A training checkpoint (or one rank's part of it) complete in the cache.
+
+    ``path`` is the local folder a framework is pointed at, laid out like the remote one
+    (the checkpoint folder; for DeepSpeed and Megatron the run folder with the pointer file).
+    """
+
+    prefetch: PrefetchResult
+    checkpoint: str
+    format: Format
+    step: int | None
+    path: Path
+    skipped: tuple[Skipped, ...]
+    notes: tuple[str, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        """``prefetch --json`` plus ``checkpoint``, ``format``, the checkpoint's folder as
+        ``snapshot_path`` (the whole snapshot as ``snapshot_root``), and what was skipped."""
+        return {
+            **result_to_json(self.prefetch),
+            "checkpoint": self.checkpoint,
+            "format": self.format,
+            "step": self.step,
+            "snapshot_path": str(self.path),
+            "snapshot_root": str(self.prefetch.snapshot_path),
+            "skipped": [{"name": s.name, "reason": s.reason} for s in self.skipped],
+            "notes": list(self.notes),
+        }
+
+
+def checkpoint_result_from_json(obj: Mapping[str, Any]) -> CheckpointResult:
+    """Inverse of ``CheckpointResult.to_json`` (a daemon job's ``job_done`` result)."""
+    try:
+        prefetch = result_from_json({**obj, "snapshot_path": obj["snapshot_root"]})
+        return CheckpointResult(
+            prefetch=prefetch,
+            checkpoint=str(obj["checkpoint"]),
+            format=obj["format"],
+            step=None if obj["step"] is None else int(obj["step"]),
+            path=Path(obj["snapshot_path"]),
+            skipped=tuple(Skipped(str(s["name"]), str(s["reason"])) for s in obj["skipped"]),
+            notes=tuple(str(n) for n in obj["notes"]),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise DaemonError(f"malformed checkpoint result from the daemon: {exc!r}") from exc
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,13 +12,12 @@ import asyncio
 import posixpath
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shardsync.api import JobRequest, result_from_json, result_to_json
+from shardsync.api import CheckpointResult, JobRequest
 from shardsync.config import Config, load_config
-from shardsync.errors import DaemonError, EntryNotFoundError
+from shardsync.errors import EntryNotFoundError
 from shardsync.fetch.fetcher import Fetcher
 from shardsync.fetch.request import Sleep
 from shardsync.manifest import Listing, Manifest, ManifestEntry, RemoteFile
@@ -27,72 +26,20 @@ from shardsync.prefetch import Engine
 from shardsync.records import PrefetchResult, ProgressSink
 from shardsync.training import (
     Choice,
-    Format,
     Need,
     RankSelection,
-    Skipped,
     choose,
     select_rank,
 )
 
 __all__ = [
-    "CheckpointResult",
     "CheckpointSelection",
     "alatest",
-    "checkpoint_result_from_json",
     "latest",
     "prefetch_checkpoint",
     "resolve",
     "selection_for",
 ]
-
-
-@dataclass(frozen=True, slots=True)
-class CheckpointResult:
-    """A training checkpoint (or one rank's part of it) complete in the cache.
-
-    ``path`` is the local folder a framework is pointed at, laid out like the remote one
-    (the checkpoint folder; for DeepSpeed and Megatron the run folder with the pointer file).
-    """
-
-    prefetch: PrefetchResult
-    checkpoint: str
-    format: Format
-    step: int | None
-    path: Path
-    skipped: tuple[Skipped, ...]
-    notes: tuple[str, ...]
-
-    def to_json(self) -> dict[str, Any]:
-        """``prefetch --json`` plus ``checkpoint``, ``format``, the checkpoint's folder as
-        ``snapshot_path`` (the whole snapshot as ``snapshot_root``), and what was skipped."""
-        return {
-            **result_to_json(self.prefetch),
-            "checkpoint": self.checkpoint,
-            "format": self.format,
-            "step": self.step,
-            "snapshot_path": str(self.path),
-            "snapshot_root": str(self.prefetch.snapshot_path),
-            "skipped": [{"name": s.name, "reason": s.reason} for s in self.skipped],
-            "notes": list(self.notes),
-        }
-
-
-def checkpoint_result_from_json(obj: Mapping[str, Any]) -> CheckpointResult:
-    """Inverse of ``CheckpointResult.to_json`` (a daemon job's ``job_done`` result)."""
-    try:
-        prefetch = result_from_json({**obj, "snapshot_path": obj["snapshot_root"]})
-        return CheckpointResult(
-            prefetch=prefetch,
-            checkpoint=str(obj["checkpoint"]),
-            format=obj["format"],
-            step=None if obj["step"] is None else int(obj["step"]),
-            path=Path(obj["snapshot_path"]),
-            skipped=tuple(Skipped(str(s["name"]), str(s["reason"])) for s in obj["skipped"]),
-            notes=tuple(str(n) for n in obj["notes"]),
-        )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise DaemonError(f"malformed checkpoint result from the daemon: {exc!r}") from exc
 
 
 ReadSmall = Callable[[Need], Awaitable[bytes | None]]

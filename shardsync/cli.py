@@ -28,7 +28,7 @@ from shardsync.progress import format_bytes, make_progress
 from shardsync.records import PrefetchResult, ProgressSink
 
 if TYPE_CHECKING:  # the other commands' modules are imported when they run: not for prefetch
-    from shardsync.client import Client
+    from shardsync.jobs import JobClient
 
 _T = TypeVar("_T")
 
@@ -239,7 +239,8 @@ def _prefetch(args: argparse.Namespace) -> int:
 
 def _prefetch_checkpoint(args: argparse.Namespace, config: Config) -> int:
     """``--checkpoint``: a training checkpoint (or one rank's files of it), in-process."""
-    from shardsync.checkpoint import CheckpointResult, prefetch_checkpoint
+    from shardsync.api import CheckpointResult
+    from shardsync.checkpoint import prefetch_checkpoint
 
     if args.checkpoint is None:
         raise errors.ConfigError("--rank and --world-size go with --checkpoint latest|NAME")
@@ -259,7 +260,7 @@ def _prefetch_checkpoint(args: argparse.Namespace, config: Config) -> int:
         """Through the daemon when one serves this source and cache (one download per host
         however many ranks ask), else in-process."""
 
-        async def by_daemon(client: Client) -> CheckpointResult:
+        async def by_daemon(client: JobClient) -> CheckpointResult:
             job = await client.prefetch(
                 args.source,
                 priority=args.priority,
@@ -311,7 +312,7 @@ async def _prefetch_somewhere(
     result returned has the job's final tier counters, after the uploads it owes the fleet
     (the daemon goes on with them; a job's record says when they ended)."""
 
-    async def by_daemon(client: Client) -> PrefetchResult:
+    async def by_daemon(client: JobClient) -> PrefetchResult:
         job = await client.prefetch(
             args.source,
             revision=args.revision,
@@ -342,7 +343,7 @@ async def _prefetch_somewhere(
 
 
 async def _via_daemon(
-    args: argparse.Namespace, config: Config, run: Callable[[Client], Awaitable[_T]]
+    args: argparse.Namespace, config: Config, run: Callable[[JobClient], Awaitable[_T]]
 ) -> _T | None:
     """``run`` with a client of the daemon; None to run in-process instead: ``--no-daemon``,
     ``--offline``, a source the daemon never reads (a client's directories), no daemon
@@ -352,7 +353,7 @@ async def _via_daemon(
         return None
     if parse_source(args.source, endpoint=config.endpoint).caller_only:
         return None
-    from shardsync.client import daemon_for
+    from shardsync.jobs import daemon_for
 
     client = await daemon_for(config, cache_dir=_named_cache(args), endpoint=args.endpoint)
     if client is None:
@@ -373,12 +374,12 @@ def _named_cache(args: argparse.Namespace) -> Path | None:
 
 def _status(args: argparse.Namespace) -> int:
     """The daemon's counters, jobs and cache usage; exit 11 when none answers."""
-    from shardsync.client import Client
+    from shardsync.jobs import JobClient
 
     config = load_config(args.config, os.environ)
 
     async def gather() -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any]]:
-        async with Client(config, fallback="error") as client:
+        async with JobClient(config, fallback="error") as client:
             jobs = [dict(j) for j in await client.jobs()]
             return await client.status(), jobs, await client.cache()
 

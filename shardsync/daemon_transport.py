@@ -13,7 +13,7 @@ import errno
 import json
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import aiohttp
 
@@ -40,6 +40,8 @@ def error_from(error: ErrorInfo) -> ShardsyncError:
 
 class DaemonTransport:
     """The daemon's JSON API over its Unix socket."""
+
+    mode: Literal["daemon"] = "daemon"
 
     def __init__(self, socket: Path) -> None:
         self.socket = socket
@@ -80,6 +82,15 @@ class DaemonTransport:
     async def cancel(self, job_id: str) -> Mapping[str, Any]:
         _, info = await self.request("DELETE", f"/v1/jobs/{job_id}")
         return dict(info)
+
+    async def jobs(self) -> list[Mapping[str, Any]]:
+        return list((await self.request("GET", "/v1/jobs"))[1]["jobs"])
+
+    async def status(self) -> dict[str, Any]:
+        return dict((await self.request("GET", "/v1/status"))[1])
+
+    async def cache(self) -> dict[str, Any]:
+        return dict((await self.request("GET", "/v1/cache"))[1])
 
     async def events(self, job_id: str, since: int) -> AsyncIterator[JobEvent]:
         url = f"{_BASE}/v1/jobs/{job_id}/events"

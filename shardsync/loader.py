@@ -392,7 +392,7 @@ class TensorStream:
 
         The commit our headers came from is pinned, so the daemon fetches those exact shards.
         """
-        from shardsync.client import daemon_for
+        from shardsync.jobs import daemon_for
 
         client = await daemon_for(
             request.config, cache_dir=request.named_cache, endpoint=request.named_endpoint

@@ -4,7 +4,7 @@ Every integrity and hostile-server test takes ``body_path`` and so runs on each 
 new path is one more entry in ``BODY_PATHS``:
 
 - ``direct``: the body is framed by ``Content-Length`` and shardsync's pump reads it
-  (``shardsync.wire``);
+  (``shardsync.fetch.wire``);
 - ``chunked``: the server sends ``Transfer-Encoding: chunked``, which only the aiohttp path
   reads (the pump hands such an answer over);
 - ``proxy``: every request goes through a forward proxy (``shardsync.testing.relay.Relay``,

@@ -148,7 +148,7 @@ LAYERS: dict[str, set[str]] = {
     "engine": {"prefetch", "checkpoint"},
     "service": {
         "scheduler", "job_log", "journal", "daemon", "daemon_transport", "listeners", "notify",
-        "client",
+        "jobs", "client",
     },
     "consume": {"loader", "placement", "dcp_reader", "vllm_plugin"},
     "interface": {
@@ -157,7 +157,7 @@ LAYERS: dict[str, set[str]] = {
         "testing.hub_http", "testing.hub_repos",
     },
 }  # fmt: skip
-MAX_CHAIN = 13  # modules in the longest chain of imports (17 before issue 26)
+MAX_CHAIN = 12  # modules in the longest chain of imports (17 before issue 26)
 
 
 def import_graph(package: Path) -> dict[str, set[str]]:

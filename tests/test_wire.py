@@ -1,4 +1,4 @@
-"""The body-transfer path (``shardsync.wire``) against servers that answer raw bytes.
+"""The body-transfer path (``shardsync.fetch.wire``) against servers that answer raw bytes.
 
 The whole suite downloads through it (every loopback server without a proxy); these tests
 aim at what only it parses: the response head, the body framing, keep-alive reuse, and the

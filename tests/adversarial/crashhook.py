@@ -223,7 +223,7 @@ class Hook:
             self._die(f"KILL at byte {action.n} in write partial")
 
     def receive(self, view: memoryview, read: Callable[[memoryview], int]) -> int:
-        """Body bytes received straight into a partial file's mapping (``shardsync.wire``):
+        """Body bytes received straight into a partial file's mapping (``shardsync.fetch.wire``):
         a ``write partial`` step like a ``pwrite``; ``killbytes`` cuts the one crossing N."""
         action = self.action
         if action is None or action.mode != "killbytes":
