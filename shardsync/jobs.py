@@ -112,21 +112,29 @@ class Transport(Protocol):
     this process (``client.LocalTransport``)."""
 
     @property
-    def mode(self) -> Mode: ...
+    def mode(self) -> Mode:
+        """Which kind of transport this is."""
 
-    async def submit(self, request: JobRequest) -> tuple[Mapping[str, Any], bool]: ...
+    async def submit(self, request: JobRequest) -> tuple[Mapping[str, Any], bool]:
+        """The job for ``request`` (started or joined) and whether this started it."""
 
-    async def info(self, job_id: str) -> Mapping[str, Any]: ...
+    async def info(self, job_id: str) -> Mapping[str, Any]:
+        """The job as ``GET /v1/jobs/{id}`` shows it."""
 
-    async def cancel(self, job_id: str) -> Mapping[str, Any]: ...
+    async def cancel(self, job_id: str) -> Mapping[str, Any]:
+        """Cancel the job for every client; its record afterwards."""
 
-    def events(self, job_id: str, since: int) -> AsyncIterator[JobEvent]: ...
+    def events(self, job_id: str, since: int) -> AsyncIterator[JobEvent]:
+        """The job's events from ``since`` until its terminal one."""
 
-    async def jobs(self) -> list[Mapping[str, Any]]: ...
+    async def jobs(self) -> list[Mapping[str, Any]]:
+        """Every job the scheduler keeps, unfinished ones first."""
 
-    async def status(self) -> dict[str, Any]: ...
+    async def status(self) -> dict[str, Any]:
+        """The scheduler's and fetcher's counters (``GET /v1/status``, less ``mode``)."""
 
-    async def cache(self) -> dict[str, Any]: ...
+    async def cache(self) -> dict[str, Any]:
+        """The cache's summary (``GET /v1/cache``)."""
 
 
 class JobHandle:

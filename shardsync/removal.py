@@ -298,9 +298,7 @@ def sweep_orphans(cache: CacheStore) -> int:
     Entries of other hosts sharing the cache are left to prune's stale age, as a pid means
     nothing across hosts.
     """
-    orphans = [
-        name for name in _names(cache.layout.path(*layout.TMP)) if layout.temp_owner(name) == "gone"
-    ]
+    orphans = [name for name in cache.fs.list_area(layout.TMP) if layout.temp_owner(name) == "gone"]
     removal = CacheRemoval(cache)
     for name in orphans:
         removal.remove_junk("tmp", name)
@@ -311,7 +309,7 @@ def remove_idle_locks(cache: CacheStore) -> int:
     """Unlink the lock files of downloads nobody holds (one per blob ever fetched would pile
     up otherwise); how many went. Each is removed while held (see ``BlobLock``)."""
     removed = 0
-    for name in _names(cache.layout.path(*layout.LOCKS)):
+    for name in cache.fs.list_area(layout.LOCKS):
         if not layout.is_download_lock(name):
             continue  # the prune gate and the access log's lock stay
         lock = BlobLock(cache.layout.path(*layout.LOCKS, name))
@@ -327,12 +325,3 @@ def remove_idle_locks(cache: CacheStore) -> int:
         finally:
             lock.release()
     return removed
-
-
-def _names(path: Path) -> list[str]:
-    try:
-        return os.listdir(path)
-    except FileNotFoundError:
-        return []
-    except OSError as exc:
-        raise disk_error(exc, f"list {path}") from exc

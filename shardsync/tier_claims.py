@@ -41,12 +41,10 @@ def claim_body(
     done: int,
     phase: Literal["download", "upload"],
     lease: float,
-    *,
-    now: float | None = None,
 ) -> bytes:
     """A claim as its holder writes it: who, how far (waiting hosts show ``done``), and
     until when by the holder's clock unless renewed."""
-    now = time.time() if now is None else now
+    now = time.time()
     return json.dumps(
         {
             "version": 1,

@@ -48,17 +48,14 @@ class Body(Protocol):
         byte. Returns the bytes written: fewer when the body ends short (the caller asks for
         the rest). Raises what a refused answer means (``answers``: ``RetryLater``,
         ``Restart``, ``Relocate``, ``ProtocolError``...) or why the connection failed."""
-        ...
 
     @property
     def bytes_read(self) -> int | None:
         """Body bytes read so far, all connections together, for the connection ramp to
         follow (``ramp.ConnectionRamp``); None: this path opens all connections at once."""
-        ...
 
     def close(self) -> None:
         """Let go of what the file's bodies held (threads, sockets); called once none runs."""
-        ...
 
 
 @dataclass(frozen=True, slots=True)
