@@ -197,6 +197,7 @@ class JobRequest:
     checkpoint: str | None = None  # a training checkpoint: "latest" or its folder's name
     rank: int | None = None  # with checkpoint: only this rank's files ...
     world_size: int | None = None  # ... of this many
+    in_order: bool = False  # a stream reads the shards in order: fetch them in their turn
 
     def __post_init__(self) -> None:
         _check_text("source", self.source)
@@ -215,8 +216,9 @@ class JobRequest:
             raise ConfigError(f"priority must be an integer (got {self.priority!r})")
         if not -_MAX_PRIORITY <= self.priority <= _MAX_PRIORITY:
             raise ConfigError(f"priority must be within +-{_MAX_PRIORITY} (got {self.priority})")
-        if not isinstance(self.allow_pickle, bool):
-            raise ConfigError(f"allow_pickle must be true or false (got {self.allow_pickle!r})")
+        for flag in ("allow_pickle", "in_order"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ConfigError(f"{flag} must be true or false (got {getattr(self, flag)!r})")
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -226,6 +228,7 @@ class JobRequest:
             "exclude": list(self.exclude),
             "priority": self.priority,
             "allow_pickle": self.allow_pickle,
+            "in_order": self.in_order,
             **(
                 {"checkpoint": self.checkpoint, "rank": self.rank, "world_size": self.world_size}
                 if self.checkpoint is not None
@@ -256,6 +259,7 @@ class JobRequest:
             checkpoint=obj.get("checkpoint"),
             rank=obj.get("rank"),
             world_size=obj.get("world_size"),
+            in_order=obj.get("in_order", False),
         )
 
 

@@ -223,6 +223,7 @@ class SyncClient:
         exclude: Sequence[str] = (),
         priority: int = 0,
         allow_pickle: bool = False,
+        in_order: bool = False,
     ) -> SyncJobHandle:
         job = self._call(
             self._client.prefetch(
@@ -232,6 +233,7 @@ class SyncClient:
                 exclude=exclude,
                 priority=priority,
                 allow_pickle=allow_pickle,
+                in_order=in_order,
             )
         )
         return SyncJobHandle(self, job)

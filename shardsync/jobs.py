@@ -369,10 +369,14 @@ class JobClient:
         checkpoint: str | None = None,
         rank: int | None = None,
         world_size: int | None = None,
+        in_order: bool = False,
     ) -> JobHandle:
         """Start (or join) the job making ``source`` complete in the cache; with
         ``checkpoint`` (``"latest"`` or a folder name) a training checkpoint of the run at
-        ``source``, or rank ``rank``'s files of it (``JobHandle.wait_checkpoint``)."""
+        ``source``, or rank ``rank``'s files of it (``JobHandle.wait_checkpoint``).
+        ``in_order``: the caller reads the shards in index order as each is verified, so
+        they come one after another with every connection (side by side they would all
+        land at the end)."""
         request = JobRequest(
             source=source,
             revision=revision,
@@ -383,6 +387,7 @@ class JobClient:
             checkpoint=checkpoint,
             rank=rank,
             world_size=world_size,
+            in_order=in_order,
         )
         info, created = await self._connection.submit(request)
         return JobHandle(self._connection, info, created=created)

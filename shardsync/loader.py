@@ -347,6 +347,7 @@ class TensorStream:
                 revision=request.revision,
                 allow_pickle=request.allow_pickle,
                 sink=sink,
+                in_order=True,
             )
             sink.engine_job = job
             manifest = await job.prepare(include=())
@@ -405,6 +406,7 @@ class TensorStream:
                 revision=job.commit or request.revision,
                 include=(),
                 allow_pickle=request.allow_pickle,
+                in_order=True,
             )
             async for event in remote.events():
                 if isinstance(event, Verified):

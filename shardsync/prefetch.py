@@ -24,8 +24,8 @@ from shardsync.cache import CacheStore
 from shardsync.config import Config
 from shardsync.errors import CacheError, OfflineError, raise_first
 from shardsync.events import Verified
-from shardsync.fetch.fetcher import Fetcher
-from shardsync.fetch.request import BlobRequest, Sleep, Throttle
+from shardsync.fetch.fetcher import Fetcher, InTurn
+from shardsync.fetch.request import BlobRequest, Sleep, Throttle, Turn
 from shardsync.manifest import (
     Listing,
     Manifest,
@@ -201,6 +201,7 @@ class Engine:
         allow_pickle: bool = False,
         sink: ProgressSink | None = None,
         gate: FileGate | None = None,
+        in_order: bool = False,
     ) -> Job:
         return Job(
             origin,
@@ -212,6 +213,7 @@ class Engine:
             allow_pickle=allow_pickle,
             gate=gate,
             tier=self.tier,
+            in_order=in_order,
         )
 
 
@@ -276,7 +278,14 @@ def _from_cache(cache: CacheStore, repo: RepoRef, revision: str, started: float)
 
 
 class Job:
-    """One (origin, revision) snapshot being made complete: ``prepare`` then ``download``."""
+    """One (origin, revision) snapshot being made complete: ``prepare`` then ``download``.
+
+    ``in_order``: for a consumer that reads the shards in index order as each is verified
+    (a stream, a serving engine). The large files then come one after another, each with
+    the connections of ``max_files`` files, the next starting at the tail of the one before:
+    side by side at equal rates, four shards would all be verified at the end. It may be
+    set while the job runs (a stream joining a prefetch); the next file started obeys it.
+    """
 
     def __init__(
         self,
@@ -290,8 +299,10 @@ class Job:
         allow_pickle: bool,
         gate: FileGate | None = None,
         tier: Tier | None = None,
+        in_order: bool = False,
     ) -> None:
         self.origin = origin
+        self.in_order = in_order
         self.tier = tier
         self.store = store
         self.cache = store.sync  # for paths; every disk call goes through ``store``
@@ -482,19 +493,34 @@ class Job:
                     self._hints.setdefault(f.path, f)
 
     async def _obtain_all(self, entries: Sequence[ManifestEntry]) -> None:
-        """``max_files`` workers for the large files and ``_SMALL_AT_ONCE`` more for the
-        small ones (``ManifestEntry.small``), which never wait behind the shards."""
+        """``max_files`` workers for the large files, in manifest order (each file in its
+        turn while ``in_order``), and ``_SMALL_AT_ONCE`` more for the small ones
+        (``ManifestEntry.small``), which never wait behind the shards."""
         small: asyncio.Queue[ManifestEntry] = asyncio.Queue()
         large: asyncio.Queue[ManifestEntry] = asyncio.Queue()
         for entry in entries:
             (small if entry.small else large).put_nowait(entry)
         positions = {e.path: i for i, e in enumerate(self.manifest.entries)}
+        at_tail = asyncio.Event()  # the large file before is at its tail (or ended)
+        at_tail.set()
 
         async def worker(queue: asyncio.Queue[ManifestEntry]) -> None:
+            nonlocal at_tail
             while not queue.empty():
-                entry = queue.get_nowait()
-                async with self.gate(entry, positions[entry.path]):
-                    record, outcome = await self._obtain(entry)
+                entry, turn = queue.get_nowait(), None
+                before, mine = at_tail, asyncio.Event()
+                if queue is large:
+                    at_tail = mine
+                try:
+                    if queue is large and self.in_order:
+                        await before.wait()
+                        turn = Turn(self.max_files, mine.set)
+                    # no await between a file's end and the next one's gate otherwise: the
+                    # job's next file competes for the slot it frees (``PriorityGate``)
+                    async with self.gate(entry, positions[entry.path]):
+                        record, outcome = await self._obtain(entry, turn)
+                finally:
+                    mine.set()
                 self._records[entry.path], self._outcomes[entry.path] = record, outcome
 
         try:
@@ -505,7 +531,9 @@ class Job:
         except BaseExceptionGroup as group:
             raise_first(group)
 
-    async def _obtain(self, entry: ManifestEntry) -> tuple[FileRecord, FileOutcome]:
+    async def _obtain(
+        self, entry: ManifestEntry, turn: Turn | None = None
+    ) -> tuple[FileRecord, FileOutcome]:
         """Reuse a cached blob or download one, holding the blob's download slot."""
         hit = await self._cached(entry)
         slot = await self.store.slot(self._blob_key(entry))
@@ -516,7 +544,7 @@ class Job:
             hit = await self._cached(entry)  # another process may have finished it meanwhile
             if hit is not None:
                 return hit
-            record, outcome = await self._download(entry, slot)
+            record, outcome = await self._download(entry, slot, turn)
         await self._link(record)
         self.sink.file_done(outcome)
         return record, outcome
@@ -575,17 +603,19 @@ class Job:
     def _hf_etag(self, entry: ManifestEntry, sha256: str) -> str:
         return entry.blob_id if entry.sha256 is None and entry.blob_id else sha256
 
-    async def _download(self, entry: ManifestEntry, slot: Slot) -> tuple[FileRecord, FileOutcome]:
+    async def _download(
+        self, entry: ManifestEntry, slot: Slot, turn: Turn | None
+    ) -> tuple[FileRecord, FileOutcome]:
+        http = self.fetcher if turn is None else InTurn(self.fetcher, turn)
+
         def progress(n: int) -> None:
             self.sink.advance(entry.path, n)
 
         async def from_origin(report: Progress) -> VerifiedFile:
-            return await self.origin.download(
-                self.fetcher, self.commit or None, entry, slot, report
-            )
+            return await self.origin.download(http, self.commit or None, entry, slot, report)
 
         async def from_tier(request: BlobRequest, report: Progress) -> VerifiedFile:
-            return await self.fetcher.fetch(request, slot, report)
+            return await http.fetch(request, slot, report)
 
         upload: Upload | None = None
         if self.tier is not None and entry.sha256 is not None and entry.size is not None:

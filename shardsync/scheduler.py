@@ -115,9 +115,16 @@ class SharedJob:
     stop_error: ShardsyncError | None = None  # why we cancelled the task ourselves
     selection: Selection | None = None  # the job's own files, in place of the index
     engine_job: Job | None = None  # the engine's run of it, once it started
+    in_order: bool = False  # a client streams it: shards in their turn (``prefetch.Job``)
 
     def __post_init__(self) -> None:
         self.events = EventLog(self.id)
+
+    def stream_in_order(self) -> None:
+        """A client reads the shards in index order: the next file started obeys it."""
+        self.in_order = True
+        if self.engine_job is not None:
+            self.engine_job.in_order = True
 
     @property
     def repo(self) -> RepoRef:
@@ -157,6 +164,7 @@ class SharedJob:
             "include": None if self.request.include is None else list(self.request.include),
             "exclude": list(self.request.exclude),
             "allow_pickle": self.request.allow_pickle,
+            "in_order": self.in_order,
             **(
                 {
                     "checkpoint": self.request.checkpoint,
@@ -341,6 +349,8 @@ class Scheduler:
         if existing is not None:
             self._deduplicated += 1
             existing.clients += 1
+            if request.in_order:
+                self._follow_chain(existing, SharedJob.stream_in_order)
             if self._raise_priority(existing, request.priority):
                 await self._save_journal()
             return existing, False
@@ -415,6 +425,7 @@ class Scheduler:
             revision=revision,
             priority=request.priority if priority is None else priority,
             submitted_at=time.time() if submitted_at is None else submitted_at,
+            in_order=request.in_order,
         )
         self._jobs[job.id] = job
         self._by_request[_request_key(origin, revision, request)] = job
@@ -422,6 +433,13 @@ class Scheduler:
         self._forget_old()
         self._changed()
         return job
+
+    def _follow_chain(self, job: SharedJob, change: Callable[[SharedJob], None]) -> None:
+        """``change`` the job and every job it follows (whose download it waits on)."""
+        current: SharedJob | None = job
+        while current is not None:
+            change(current)
+            current = self._jobs.get(current.merged_into) if current.merged_into else None
 
     def _raise_priority(self, job: SharedJob, priority: int) -> bool:
         """A client asking with a higher priority raises it for the job (and the job it
@@ -469,6 +487,7 @@ class Scheduler:
             allow_pickle=job.request.allow_pickle,
             sink=sink,
             gate=self._gate_for(job, sink),
+            in_order=job.in_order,
         )
         sink.engine_job = job.engine_job = engine_job
         job.selection = self._selections(job.request, job.origin, self.engine)
@@ -493,6 +512,8 @@ class Scheduler:
             key = _commit_key(job, engine_job.commit)
             other = self._by_commit.get(key)
             if other is not None and not other.finished:
+                if job.in_order:
+                    self._follow_chain(other, SharedJob.stream_in_order)
                 await self._follow(job, other)
                 return
             self._by_commit[key] = job

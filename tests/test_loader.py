@@ -355,6 +355,25 @@ def test_pickle_checkpoints_need_allow_pickle(tmp_path: Path) -> None:
     _assert_bit_exact(got, state)
 
 
+def test_a_stream_gets_the_first_shard_before_the_last_one_downloads(tmp_path: Path) -> None:
+    """Loading overlaps downloading only if the shards land in the order they are read:
+    side by side at equal rates, all four were verified at the end (``bench/overlap.py``)."""
+    model = build_checkpoint(tmp_path / "ckpt", total_bytes=8 << 20, n_shards=4, seed=9)
+    shard_of = json.loads(model.path(model.index).read_text())["weight_map"]
+    first, last = model.shards[0], model.shards[-1]
+    fake = FakeHub()
+    fake.add_checkpoint("acme/turns", model)
+    fake.faults.add(Bandwidth(1_000_000, path="*.safetensors"))  # per connection
+    served_then: dict[str, int] = {}
+    with serve_in_thread(fake) as hub:
+        config = fast_config(tmp_path / "cache", hub.endpoint)
+        with shardsync.stream("acme/turns", device_map="cpu", config=config) as tensors:
+            for name, _tensor in tensors:
+                served_then.setdefault(shard_of[name], hub.bytes_served(last))
+    # at most the last shard's header, read before any download to plan the placement
+    assert served_then[first] < model.path(last).stat().st_size // 10, served_then
+
+
 async def test_load_goes_through_a_running_daemon(
     fake_hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path
 ) -> None:
@@ -364,6 +383,7 @@ async def test_load_goes_through_a_running_daemon(
     from daemons import daemon_in_loop, short_tmp
 
     from shardsync.config import DaemonConfig
+    from shardsync.jobs import daemon_for
 
     fake_hub.add_checkpoint(REPO, checkpoint)
     with short_tmp() as work:
@@ -376,10 +396,17 @@ async def test_load_goes_through_a_running_daemon(
             )
             got = await asyncio.to_thread(shardsync.load, REPO, device_map="cpu", config=mine)
             jobs = daemon.statistics()
+            client = await daemon_for(mine, cache_dir=None, endpoint=None)
+            assert client is not None
+            try:
+                asked = [job["in_order"] for job in await client.jobs()]
+            finally:
+                await client.close()
         assert isinstance(got, dict)
         _assert_bit_exact(got, _originals(checkpoint))
         # the daemon downloaded the shards into its cache; ours only got the index
         assert jobs.jobs_submitted == 1
+        assert asked == [True]  # the shards in their turn: the stream reads them in order
         assert len(list((tmp_path / "mine" / "store").glob("sha256/*/*"))) == 1
         shard_bytes = sum(checkpoint.path(s).stat().st_size for s in checkpoint.shards)
         header_probes = len(checkpoint.shards) * 65536

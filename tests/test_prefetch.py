@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
@@ -30,7 +31,7 @@ from shardsync.errors import (
     UnsafeNameError,
 )
 from shardsync.manifest import RemoteFile
-from shardsync.prefetch import prefetch
+from shardsync.prefetch import Engine, prefetch
 from shardsync.records import FileOutcome
 from shardsync.store import AsyncStore
 from shardsync.testing import (
@@ -446,6 +447,75 @@ async def test_small_files_do_not_wait_behind_the_shards(
     small = [p for p in finished.order if p not in shards]
     assert small and all(finished.order.index(p) < first_shard for p in small), finished.order
     assert_snapshot_matches(result.snapshot_path, checkpoint)
+
+
+class _Turns:
+    """A progress sink that notes, as each file is verified, the bytes every file has got."""
+
+    def __init__(self) -> None:
+        self.got: dict[str, int] = {}
+        self.at_verified: list[tuple[str, dict[str, int]]] = []
+
+    def add_file(self, path: str, size: int | None) -> None:
+        return None
+
+    def advance(self, path: str, nbytes: int) -> None:
+        self.got[path] = self.got.get(path, 0) + nbytes
+
+    def file_done(self, outcome: FileOutcome) -> None:
+        self.at_verified.append((outcome.path, dict(self.got)))
+
+
+@pytest.mark.parametrize("in_order", [True, False])
+async def test_a_stream_gets_each_shard_in_its_turn_with_every_connection(
+    tmp_path: Path, in_order: bool
+) -> None:
+    """For a consumer that reads the shards in index order: side by side at equal rates
+    every shard was verified at the end, and a stream could place none before. In their turn
+    they are verified in index order, shard k before any byte of shard k+2 arrived, and a
+    shard holds more than ``connections_per_file`` connections (those of ``max_files``
+    files). The next shard starts at the tail of the one before, on the connections it lets
+    go of. Without ``in_order`` the files keep going side by side, each within its own
+    connections (a prefetch's fastest way on a host with many cores)."""
+    model = build_checkpoint(tmp_path / "ckpt", total_bytes=8 << 20, n_shards=4, seed=7)
+    turns = _Turns()
+    most: Counter[str] = Counter()
+    config = fast_config(tmp_path / "cache", connections_per_file=2)
+    async with FakeHub() as hub:
+        hub.add_checkpoint(REPO, model)
+        hub.faults.add(Bandwidth(1_000_000, path="*.safetensors"))  # per connection
+        config = replace(config, endpoint=hub.endpoint)
+
+        async def watch() -> None:
+            while True:
+                for path, n in hub.in_flight().items():
+                    most[path] = max(most[path], n)
+                await asyncio.sleep(0.01)
+
+        async with Engine(config) as engine:
+            job = engine.job(engine.origin(REPO), sink=turns, in_order=in_order)
+            watcher = asyncio.create_task(watch())
+            try:
+                await job.prepare()
+                await job.download()
+            finally:
+                watcher.cancel()
+        assert_snapshot_matches(job.snapshot_path, model)
+    shards = list(model.shards)
+    verified = [(path, got) for path, got in turns.at_verified if path in model.shards]
+    order = [path for path, _ in verified]
+    after_next = [got.get(shards[k + 2], 0) for k, (_, got) in enumerate(verified[:-2])]
+    early = not any(after_next)  # shard k verified before shard k+2 got a byte
+    # the next shard starts at the tail of the one before, not after it
+    overlapped = any(got.get(shards[k + 1], 0) for k, (_, got) in enumerate(verified[:-1]))
+    cap = config.fetch.connections_per_file
+    if in_order:
+        assert order == list(model.shards)
+        assert early and overlapped, turns.at_verified
+        assert max(most[s] for s in model.shards) > cap, most
+    else:
+        assert not early  # all four side by side: the test can tell the two apart
+        assert max(most[s] for s in model.shards) <= cap, most
 
 
 async def test_a_small_file_is_one_get_that_follows_its_redirect(tmp_path: Path) -> None:

@@ -205,6 +205,7 @@ def test_histogram_is_cumulative() -> None:
         ({"source": REPO, "priority": True}, "priority must be an integer"),
         ({"source": REPO, "priority": 10**6}, "priority must be within"),
         ({"source": REPO, "allow_pickle": "yes"}, "allow_pickle must be true or false"),
+        ({"source": REPO, "in_order": 1}, "in_order must be true or false"),
         ({"source": "a\0b"}, "source must be"),
     ],
 )
@@ -316,6 +317,28 @@ async def test_small_files_take_no_slot(
         assert not started & set(checkpoint.shards)
         await hold.__aexit__(None, None, None)
         await _outcome(job)
+
+
+async def test_a_stream_joining_a_job_makes_its_next_files_come_in_order(
+    fake_hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    """A stream joins the prefetch already running for its snapshot (one download), and the
+    files not started yet come in their turn: it reads them in index order."""
+    fake_hub.add_checkpoint("acme/joined", checkpoint)
+    config = replace(fast_config(tmp_path / "cache", fake_hub.endpoint), max_files=1)
+    async with Engine(config) as engine, Scheduler(engine, selections=selection_for) as scheduler:
+        hold = scheduler.gate.admit(lambda: (-(10**9),))
+        await hold.__aenter__()  # the job starts, its shards wait for the slot
+        job, _ = await scheduler.submit(JobRequest("acme/joined"))
+        await until(lambda: job.engine_job is not None)
+        assert job.engine_job is not None and not job.engine_job.in_order
+        assert job.info()["in_order"] is False
+        joined, created = await scheduler.submit(JobRequest("acme/joined", in_order=True))
+        assert joined is job and not created
+        assert job.engine_job.in_order and job.info()["in_order"] is True
+        await hold.__aexit__(None, None, None)
+        await _outcome(job)
+    assert JobRequest.from_json(JobRequest("acme/joined", in_order=True).to_json()).in_order
 
 
 async def test_files_of_the_highest_priority_job_go_first(

@@ -61,6 +61,7 @@ from shardsync.fetch.request import (
     ProgressFn,
     Sleep,
     Throttle,
+    Turn,
 )
 from shardsync.fetch.session import Session, default_timeout
 from shardsync.fetch.transfer import Climbers, FileDownload, Services, Tally
@@ -70,7 +71,7 @@ from shardsync.records import FetchConfig, FetchStatistics
 from shardsync.retry import Backoff
 from shardsync.slot import Slot, VerifiedFile
 
-__all__ = ["Fetcher"]
+__all__ = ["Fetcher", "InTurn"]
 
 _AheadKey = tuple[str, tuple[tuple[str, str], ...]]
 
@@ -284,12 +285,15 @@ class Fetcher:
         request: BlobRequest,
         slot: Slot,
         on_progress: ProgressFn = lambda n: None,
+        *,
+        turn: Turn | None = None,
     ) -> VerifiedFile:
         """Download ``request`` into ``slot``, resuming from a partial it proves is this object.
 
         Returns only when every byte is on disk and the hash matched (or was
         recorded, for origins that publish none); the caller commits the slot. The
-        partial is kept on error so the next run can resume.
+        partial is kept on error so the next run can resume. In its ``turn`` the file may
+        take the connections of several.
         """
         verify_failures = 0
         single_stream = request.direct
@@ -309,7 +313,7 @@ class Fetcher:
                 first = False
                 try:
                     result = await FileDownload(self._services).run(
-                        request, located, slot, progress, single_stream, tally
+                        request, located, slot, progress, single_stream, tally, turn
                     )
                 except (Restart, Relocate) as exc:
                     cause = "restart" if isinstance(exc, Restart) else "relocate"
@@ -417,3 +421,39 @@ async def _read_at_most(resp: aiohttp.ClientResponse, n: int) -> bytes:
             break
         body += piece
     return bytes(body)
+
+
+class InTurn:
+    """The fetcher as an origin or the tier sees it, for one file fetched in its ``turn``:
+    they call ``fetch`` as they always do, and the file gets the turn's connections."""
+
+    def __init__(self, fetcher: Fetcher, turn: Turn) -> None:
+        self._fetcher = fetcher
+        self._turn = turn
+
+    async def get_bytes(
+        self, url: str, headers: Mapping[str, str], *, max_size: int, label: str
+    ) -> bytes:
+        return await self._fetcher.get_bytes(url, headers, max_size=max_size, label=label)
+
+    async def get_page(
+        self, url: str, headers: Mapping[str, str], *, max_size: int, label: str
+    ) -> tuple[bytes, str | None]:
+        return await self._fetcher.get_page(url, headers, max_size=max_size, label=label)
+
+    async def read_range(self, request: BlobRequest, start: int, end: int) -> bytes:
+        return await self._fetcher.read_range(request, start, end)
+
+    async def locate(self, request: BlobRequest) -> Located:
+        return await self._fetcher.locate(request)
+
+    def locate_ahead(self, request: BlobRequest) -> None:
+        self._fetcher.locate_ahead(request)
+
+    def forget_ahead(self, request: BlobRequest | None = None) -> None:
+        self._fetcher.forget_ahead(request)
+
+    async def fetch(
+        self, request: BlobRequest, slot: Slot, on_progress: ProgressFn = lambda n: None
+    ) -> VerifiedFile:
+        return await self._fetcher.fetch(request, slot, on_progress, turn=self._turn)

@@ -24,6 +24,7 @@ __all__ = [
     "ProgressFn",
     "Sleep",
     "Throttle",
+    "Turn",
     "Validator",
     "redact_url",
 ]
@@ -81,6 +82,20 @@ class BlobRequest:
     verify_attempts: int | None = None  # full downloads after a mismatch (None: the config's)
     direct: bool = False
     connections: int | None = None  # most connections (an origin's own cap; None: the config's)
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """A file fetched in its turn, for a consumer that reads the files in order (a stream).
+
+    It may hold the connections of ``share`` files, so it lands sooner than it would beside
+    the others. ``at_tail`` is called when one of its connections finds no range left to
+    take (it may be called again): the caller then starts the next file, which takes the
+    connections this one lets go of as its last ranges end.
+    """
+
+    share: int
+    at_tail: Callable[[], None]
 
 
 def redact_url(url: str) -> str:

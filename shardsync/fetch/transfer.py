@@ -32,7 +32,7 @@ from shardsync.fetch.answers import (
 )
 from shardsync.fetch.body import Body, FileWork, Landing, OpenBody, Traffic
 from shardsync.fetch.disk import start_writeback
-from shardsync.fetch.request import BlobRequest, Located, ProgressFn
+from shardsync.fetch.request import BlobRequest, Located, ProgressFn, Turn
 from shardsync.ramp import ConnectionRamp
 from shardsync.ranges import RangeSet, is_strong_etag, split_ranges, split_tail
 from shardsync.records import FetchConfig, Verification
@@ -76,6 +76,7 @@ class FileState:
     wanted: int = 0  # what the ramp asks for: a connection beyond it takes no next range
     handed: int = 0  # connections a finished file handed on to this one, not yet taken
     drained: asyncio.Event = field(default_factory=asyncio.Event)  # every range is taken
+    at_tail: Callable[[], None] = lambda: None  # a connection found no range left (``Turn``)
     written_back: int = 0  # bytes [0, this) have been sent to the disk (``start_writeback``)
     keeper: RecordKeeper = field(init=False)  # the resume record, told first (on the thread)
 
@@ -132,6 +133,7 @@ class FileDownload:
         on_progress: ProgressFn,
         single_stream: bool,
         tally: Tally,
+        turn: Turn | None = None,
     ) -> VerifiedFile | None:
         size = located.size
         if size is None:
@@ -170,7 +172,7 @@ class FileDownload:
                     if record is not None:
                         tg.create_task(self._keep_record(state))
                     try:
-                        await self._run_connections(request, located, state)
+                        await self._run_connections(request, located, state, turn)
                     finally:
                         state.closing = True  # the keeper returns (no cancel to lose)
                         state.closed.set()
@@ -237,18 +239,21 @@ class FileDownload:
         )
 
     async def _run_connections(
-        self, request: BlobRequest, located: Located, state: FileState
+        self, request: BlobRequest, located: Located, state: FileState, turn: Turn | None
     ) -> None:
-        """Fetch every missing range over up to ``connections_per_file`` connections. On a
-        body path that counts what it reads (the pump) they start at a few and follow
-        ``ConnectionRamp`` (more only while more bring more bytes per second); the aiohttp
-        path opens them all at once."""
+        """Fetch every missing range over up to ``connections_per_file`` connections (those
+        of ``turn.share`` files in its turn). On a body path that counts what it reads (the
+        pump) they start at a few and follow ``ConnectionRamp`` (more only while more bring
+        more bytes per second); the aiohttp path opens them all at once."""
         missing = state.done.missing(state.size)
         most = self.config.connections_per_file
+        if request.connections is not None:
+            most = max(1, min(most, request.connections))
+        if turn is not None:
+            most *= max(1, turn.share)
+            state.at_tail = turn.at_tail
         if state.single_stream:
             most = 1
-        elif request.connections is not None:
-            most = max(1, min(most, request.connections))
         chunk = state.size if state.single_stream else self._chunk(missing, most)
         pieces = [
             (start + first, start + stop)
@@ -359,6 +364,8 @@ class FileDownload:
                         backoff,
                         None,
                     )
+        if queue.empty():
+            state.at_tail()  # this connection is free: the next file may have it
 
     def _progressed(self, delivered: int, wanted: int) -> bool:
         """Progress that earns a fresh retry budget: the whole range, or one ``read_size``.

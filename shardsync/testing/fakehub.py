@@ -44,6 +44,7 @@ import re
 import secrets
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -279,6 +280,14 @@ class FakeHub:
             for file, status, sent in done + answering
             if file is not None and status in (200, 206) and fnmatchcase(file, path_glob)
         )
+
+    def in_flight(self) -> Counter[str]:
+        """The file bodies being sent right now, per repository path: how many connections
+        a client holds on each file."""
+        with self._lock:
+            return Counter(
+                e.file for e in self._answering if e.file is not None and e.status in (200, 206)
+            )
 
     # --- serving -----------------------------------------------------------------------------
 
