@@ -40,35 +40,49 @@ delivered wrong bytes; a missed target is a result, reported as FAIL, not an err
 from __future__ import annotations
 
 import argparse
-import compileall
-import contextlib
 import dataclasses
-import hashlib
-import importlib.util
 import json
 import os
-import platform
-import re
 import resource
 import shlex
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 from typing import Literal
 
-from shardsync.config import load_config, parse_size
+from common import (  # bench/common.py, beside this script
+    REPO_ID,
+    RESULTS,
+    Invocation,
+    Origin,
+    Scenario,
+    Servers,
+    clean_env,
+    compile_shardsync,
+    cpu_model,
+    data_dir_for,
+    ensure_origin,
+    fs_type,
+    hash_costs,
+    last_line,
+    log,
+    machine_info,
+    process_cpu_s,
+    remove_tree,
+    serve_scenario,
+    sha256_file,
+    shardsync_invocation,
+    size_arg,
+)
 
-REPO_ID = "bench/model"
+from shardsync.config import load_config
+
 TOOLS = ("shardsync", "hf", "aria2", "aria2-sha256", "aria2-sync")
 TOOL_LABELS = {
     "shardsync": "shardsync",
@@ -83,76 +97,22 @@ DISK_TOOLS = ("shardsync", "aria2-sync")
 BASELINE = {"uncapped": "aria2", "capped": "aria2", "disk": "aria2-sync"}
 HASHED = {"shardsync": ("sha256", "xxh3_128"), "aria2-sha256": ("sha256",)}
 """The hashes each tool computes: its CPU beyond them is what the table's last column shows."""
-HASH_BUFFER = 256 << 20
-"""What shardsync's time is compared with in each scenario (the issue's targets)."""
 TARGET_RATIO = {"uncapped": 1.0, "capped": 1.0, "disk": 1.1}
+"""What shardsync's time is compared with in each scenario (the issue's targets)."""
 TARGET_CPU_S_PER_GB = 2.0
-RESULTS = Path(__file__).resolve().parent / "results"
 RUN_TIMEOUT_S = 900.0
-HUB_READY_TIMEOUT_S = 600.0
-"""The hub hashes every file before it listens: a few seconds per GB."""
 
-_DIGESTS_NAME = "sha256.json"
 _HF_SCRIPT = (
     "import sys\n"
     "from huggingface_hub import snapshot_download\n"
     "print(snapshot_download(sys.argv[1], endpoint=sys.argv[2], cache_dir=sys.argv[3]))\n"
 )
-_PROXY_VARS = ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY")
-_NGINX_FORMAT = '$msec $request_time $status $body_bytes_sent "$request_method $uri"'
-_LOG_LINE = re.compile(r'^(\S+) (\S+) (\d+) (\d+) "(\S+) (\S+)"$')
 _ARIA2 = ["aria2c", "--no-conf", "-x16", "-s16", "-j4", "--file-allocation=none"]
 _ARIA2 += ["--console-log-level=warn", "--summary-interval=0"]
 
 
 # ---------------------------------------------------------------------------------------------
 # Values
-
-
-@dataclass(frozen=True, slots=True)
-class Scenario:
-    """How the origin shapes every response, and where the tools write."""
-
-    name: str
-    bandwidth: float | None
-    """Bytes/s per connection (nginx ``limit_rate``), None for no cap."""
-    latency: float | None
-    """Seconds before each fake-Hub answer (API, resolve), None for none."""
-    disk: bool = False
-    """Destination on the real disk (``--disk-dir``) rather than the tmpfs."""
-
-
-@dataclass(frozen=True, slots=True)
-class Origin:
-    """The checkpoint on disk and the digest of each of its files, computed once."""
-
-    directory: Path
-    files: Mapping[str, tuple[int, str]]
-    """Relative path -> (size, sha256)."""
-
-    @property
-    def total_size(self) -> int:
-        return sum(size for size, _ in self.files.values())
-
-    @property
-    def required(self) -> frozenset[str]:
-        """What every tool must deliver: the weights and the JSON files (index, config)."""
-        return frozenset(p for p in self.files if p.endswith((".safetensors", ".json")))
-
-    @property
-    def lfs(self) -> dict[str, tuple[int, str]]:
-        """The files the Hub redirects to its CDN: the shards."""
-        return {p: v for p, v in self.files.items() if p.endswith(".safetensors")}
-
-
-@dataclass(frozen=True, slots=True)
-class Invocation:
-    """One tool run: the command, its environment, and where its files end up."""
-
-    argv: list[str]
-    env: dict[str, str]
-    locate: Callable[[str], Path]
-    """Maps the run's stdout to the directory holding the downloaded files."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,13 +204,6 @@ def _csv(allowed: Sequence[str]) -> Callable[[str], tuple[str, ...]]:
     return parse
 
 
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def parse_args(argv: Sequence[str] | None) -> Settings:
     parser = argparse.ArgumentParser(
         description="Time shardsync, huggingface_hub and aria2c on the same checkpoint, "
@@ -259,7 +212,7 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     parser.add_argument("--size", default="2GB", help="checkpoint size (default 2GB)")
     parser.add_argument("--shards", type=int, default=4, help="number of shards (default 4)")
     parser.add_argument(
-        "--bandwidth", type=_size, default="25MB", help="capped: nginx limit_rate per connection"
+        "--bandwidth", type=size_arg, default="25MB", help="capped: nginx limit_rate per connection"
     )
     parser.add_argument(
         "--latency", type=float, default=0.02, help="capped: delay of each fake-Hub answer (s)"
@@ -285,12 +238,11 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     )
     parser.add_argument("--shardsync-config", type=Path, help="TOML passed as shardsync --config")
     args = parser.parse_args(argv)
-    size = _size(args.size)
+    size = size_arg(args.size)
     if args.shards < 1 or args.repeat < 1 or size <= 0:
         parser.error("--size, --shards and --repeat must be positive")
     if args.shardsync_config is not None and not args.shardsync_config.is_file():
         parser.error(f"--shardsync-config {args.shardsync_config} is not a file")
-    label = f"{args.size.strip().replace(' ', '')}-{args.shards}"
     return Settings(
         size=size,
         size_label=args.size,
@@ -301,7 +253,7 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         out=args.out,
         tools=args.tools,
         scenarios=args.scenarios,
-        data_dir=args.data_dir or Path(tempfile.gettempdir()) / "shardsync-bench-data" / label,
+        data_dir=args.data_dir or data_dir_for(args.size, args.shards),
         shardsync_config=args.shardsync_config,
         tmpfs_dir=args.tmpfs_dir,
         disk_dir=args.disk_dir,
@@ -323,238 +275,7 @@ def scenario_tools(scenario: Scenario, tools: Sequence[str]) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------
-# The origin checkpoint
-
-
-def sha256_file(path: Path) -> str:
-    with path.open("rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def ensure_origin(settings: Settings) -> Origin:
-    """Build the checkpoint once per (size, shards) and reuse it: building 2 GB takes a while.
-
-    The digest file is written last, so a half-built directory is never mistaken for a
-    finished one. It lives beside the checkpoint, not in it: the hub serves every file there.
-    """
-    directory = settings.data_dir / "origin"
-    digests = settings.data_dir / _DIGESTS_NAME
-    if digests.is_file() and directory.is_dir():
-        raw = json.loads(digests.read_text())
-        return Origin(directory, {path: (int(s), str(h)) for path, (s, h) in raw.items()})
-    remove_tree(directory)
-    log(f"building a {settings.size_label} checkpoint in {settings.shards} shards: {directory}")
-    command = [sys.executable, "-m", "shardsync.testing", "build", "--out", str(directory)]
-    command += ["--total-bytes", str(settings.size), "--shards", str(settings.shards)]
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
-    files = {
-        path.relative_to(directory).as_posix(): (path.stat().st_size, sha256_file(path))
-        for path in sorted(directory.rglob("*"))
-        if path.is_file()
-    }
-    digests.write_text(json.dumps(files, indent=1) + "\n")
-    return Origin(directory, files)
-
-
-def cdn_directory(origin: Origin, root: Path) -> Path:
-    """A directory of the LFS files named by their sha256 (hard links, else copies)."""
-    remove_tree(root)
-    root.mkdir(parents=True)
-    for rel, (_, digest) in origin.lfs.items():
-        source = origin.directory / rel
-        try:
-            os.link(source, root / digest)
-        except OSError:
-            shutil.copyfile(source, root / digest)
-    return root
-
-
-# ---------------------------------------------------------------------------------------------
-# The servers: nginx for the bytes, the fake hub for the API and the resolves
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass(frozen=True, slots=True)
-class Nginx:
-    url: str
-    access_log: Path
-    pid: int
-
-
-@contextmanager
-def serve_nginx(root: Path, work: Path, bandwidth: float | None) -> Iterator[Nginx]:
-    """nginx in the foreground on a free loopback port serving ``root``: sendfile, a rate cap
-    per connection when ``bandwidth`` is set, an access log of the bytes each request sent.
-    Terminated (then killed) on the way out whatever happens."""
-    nginx = shutil.which("nginx") or "/usr/sbin/nginx"
-    if not os.access(nginx, os.X_OK):
-        raise RuntimeError("nginx is not installed (apt-get install nginx)")
-    remove_tree(work)
-    work.mkdir(parents=True)
-    port = _free_port()
-    user = "user root;\n" if os.geteuid() == 0 else ""
-    cap = f"limit_rate {int(bandwidth)};" if bandwidth else ""
-    conf = work / "nginx.conf"
-    conf.write_text(
-        f"""{user}daemon off;
-worker_processes 2;
-pid {work}/nginx.pid;
-error_log {work}/error.log;
-events {{ worker_connections 1024; }}
-http {{
-    log_format bench '{_NGINX_FORMAT}';
-    access_log {work}/access.log bench;
-    client_body_temp_path {work}/body;
-    proxy_temp_path {work}/proxy;
-    fastcgi_temp_path {work}/fastcgi;
-    uwsgi_temp_path {work}/uwsgi;
-    scgi_temp_path {work}/scgi;
-    default_type application/octet-stream;
-    sendfile on;
-    tcp_nopush on;
-    keepalive_requests 100000;
-    server {{
-        listen 127.0.0.1:{port};
-        root {root};
-        {cap}
-    }}
-}}
-"""
-    )
-    stderr_path = work / "stderr.log"
-    with stderr_path.open("wb") as stderr:
-        proc = subprocess.Popen(
-            [nginx, "-c", str(conf), "-p", str(work)],
-            stdout=subprocess.DEVNULL,
-            stderr=stderr,
-            start_new_session=True,
-        )
-    try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"nginx did not start: {tail(stderr_path)}") from None
-                time.sleep(0.05)
-        yield Nginx(f"http://127.0.0.1:{port}", work / "access.log", proc.pid)
-    finally:
-        _stop(proc)
-
-
-def read_cdn(access_log: Path, offset: int, digests: set[str]) -> tuple[int, int, int]:
-    """(requests, bytes sent) for LFS files that nginx logged after byte ``offset`` of its log,
-    and the new offset. nginx writes a line when a request ends, with what it really sent."""
-    try:
-        with access_log.open("rb") as f:
-            f.seek(offset)
-            data = f.read()
-    except FileNotFoundError:
-        return 0, 0, offset
-    complete = data[: data.rfind(b"\n") + 1]
-    requests = sent = 0
-    for line in complete.decode(errors="replace").splitlines():
-        match = _LOG_LINE.match(line)
-        if match is not None and match.group(6).strip("/") in digests:
-            requests += 1
-            sent += int(match.group(4))
-    return requests, sent, offset + len(complete)
-
-
-@contextmanager
-def serve_hub_cdn(
-    origin: Origin, cdn_url: str, latency: float | None, work: Path
-) -> Iterator[tuple[str, int]]:
-    """The fake Hub in its own process, redirecting LFS files to ``cdn_url``; yields
-    (endpoint, pid)."""
-    ready = work / "hub.ready"
-    ready.unlink(missing_ok=True)
-    command = [sys.executable, "-m", "shardsync.testing", "serve"]
-    command += ["--checkpoint", str(origin.directory), "--repo", REPO_ID]
-    command += ["--ready-file", str(ready), "--cdn-base", cdn_url]
-    if latency:
-        command += ["--latency", str(latency)]
-    stderr_path = work / "hub.log"
-    with stderr_path.open("wb") as stderr:
-        hub = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr)
-    try:
-        yield _wait_ready(hub, ready, stderr_path), hub.pid
-    finally:
-        _stop(hub)
-
-
-@contextmanager
-def serve_hub(origin: Origin, scenario: Scenario, scratch: Path) -> Iterator[str]:
-    """The fake Hub serving every byte itself, shaped by ``scenario`` (its own bandwidth cap
-    and first-byte latency); yields its endpoint. ``bench/load.py`` uses it; this benchmark
-    serves the LFS bytes from nginx instead (``serve_hub_cdn``)."""
-    ready = scratch / f"hub-{scenario.name}.ready"
-    ready.unlink(missing_ok=True)
-    command = [sys.executable, "-m", "shardsync.testing", "serve"]
-    command += ["--checkpoint", str(origin.directory), "--repo", REPO_ID]
-    command += ["--ready-file", str(ready)]
-    if scenario.bandwidth is not None:
-        command += ["--bandwidth", str(scenario.bandwidth)]
-    if scenario.latency is not None:
-        command += ["--latency", str(scenario.latency)]
-    stderr_path = scratch / f"hub-{scenario.name}.log"
-    with stderr_path.open("wb") as stderr:
-        hub = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr)
-        try:
-            yield _wait_ready(hub, ready, stderr_path)
-        finally:
-            _stop(hub)
-
-
-def _wait_ready(hub: subprocess.Popen[bytes], ready: Path, stderr_path: Path) -> str:
-    deadline = time.monotonic() + HUB_READY_TIMEOUT_S
-    while not ready.is_file():
-        if hub.poll() is not None:
-            raise RuntimeError(f"fake hub exited with {hub.returncode}: {tail(stderr_path)}")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"fake hub not ready after {HUB_READY_TIMEOUT_S:.0f} s")
-        time.sleep(0.05)
-    endpoint = json.loads(ready.read_text())["endpoint"]
-    if not isinstance(endpoint, str):
-        raise RuntimeError(f"fake hub ready line has no endpoint: {ready.read_text()!r}")
-    return endpoint
-
-
-def _stop(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is not None:
-        return
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-
-
-def process_cpu_s(pid: int) -> float | None:
-    """User + system CPU seconds of a live process and its live children (nginx's workers)."""
-    tick = os.sysconf("SC_CLK_TCK")
-
-    def own(p: int) -> float:
-        fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / tick
-
-    try:
-        total = own(pid)
-        children = Path(f"/proc/{pid}/task/{pid}/children")
-        for child in children.read_text().split() if children.exists() else ():
-            with contextlib.suppress(OSError, ValueError, IndexError):
-                total += own(int(child))
-        return total
-    except (OSError, ValueError, IndexError):
-        return None
+# The clock (the checkpoint, nginx and the fake Hub in front of it are in common.py)
 
 
 def children_cpu_s() -> float:
@@ -566,63 +287,6 @@ def children_cpu_s() -> float:
 # The tools
 
 
-def clean_env(home: Path, endpoint: str) -> dict[str, str]:
-    """An environment that keeps every tool on loopback and away from the user's settings.
-
-    Proxies are dropped (they would be asked for 127.0.0.x), HF_HOME points at the run's own
-    directory (no token file, no shared xet cache), and shardsync's env overrides are removed
-    so only ``--shardsync-config`` tunes it.
-    """
-    env = {
-        key: value
-        for key, value in os.environ.items()
-        if key not in _PROXY_VARS and not key.startswith(("HF_", "SHARDSYNC_", "HUGGING"))
-    }
-    env.update(
-        HF_HOME=str(home / "hf-home"),
-        HF_ENDPOINT=endpoint,
-        HF_HUB_DISABLE_TELEMETRY="1",
-        HF_HUB_DISABLE_PROGRESS_BARS="1",
-        HF_HUB_DISABLE_UPDATE_CHECK="1",
-        HF_HUB_DISABLE_IMPLICIT_TOKEN="1",
-        NO_PROXY="127.0.0.1,127.0.0.2,localhost",
-        no_proxy="127.0.0.1,127.0.0.2,localhost",
-    )
-    return env
-
-
-def _last_line(stdout: str) -> Path:
-    lines = stdout.strip().splitlines()
-    if not lines:
-        raise RuntimeError("the tool printed no output path")
-    return Path(lines[-1])
-
-
-def shardsync_invocation(
-    endpoint: str, work: Path, origin: Origin, config: Path | None
-) -> Invocation:
-    """``shardsync prefetch``: it verifies sha256 and publishes (fsync) into its cache, all
-    timed; ``--no-daemon`` so a daemon someone runs on the box cannot take the job."""
-    executable = Path(sys.executable).with_name("shardsync")
-    argv = [str(executable)] if executable.exists() else [sys.executable, "-m", "shardsync.cli"]
-    if config is not None:
-        argv += ["--config", str(config)]
-    argv += ["prefetch", REPO_ID, "--endpoint", endpoint, "--cache-dir", str(work / "cache")]
-    argv += ["--quiet", "--no-daemon"]
-    return Invocation(argv, clean_env(work, endpoint), _last_line)
-
-
-def compile_shardsync() -> None:
-    """Byte-compile shardsync's modules before any clock starts, as ``pip install`` does. An
-    editable checkout has no current bytecode for a module until a run writes it, and with
-    ``PYTHONDONTWRITEBYTECODE`` set (as on this VM) no run ever does: every timed ``shardsync``
-    compiled each such module again; all of them from a fresh clone, 0.35-0.38 s to import
-    against 0.25 s."""
-    spec = importlib.util.find_spec("shardsync")
-    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
-        compileall.compile_dir(folder, quiet=1)
-
-
 def hf_invocation(endpoint: str, work: Path, origin: Origin, config: Path | None) -> Invocation:
     """huggingface_hub's ``snapshot_download`` with its defaults (8 workers, one stream each).
 
@@ -632,7 +296,7 @@ def hf_invocation(endpoint: str, work: Path, origin: Origin, config: Path | None
     env = clean_env(work, endpoint)
     env["HF_HUB_DISABLE_XET"] = "1"
     argv = [sys.executable, "-c", _HF_SCRIPT, REPO_ID, endpoint, str(work / "hf-cache")]
-    return Invocation(argv, env, _last_line)
+    return Invocation(argv, env, last_line)
 
 
 def _aria2_argv(endpoint: str, work: Path, origin: Origin) -> tuple[list[str], Path]:
@@ -707,36 +371,6 @@ def available_tools(tools: Sequence[str]) -> tuple[str, ...]:
 
 # ---------------------------------------------------------------------------------------------
 # Running and checking
-
-
-@dataclass
-class Servers:
-    """One scenario's nginx and fake hub, and where the last run's log reading stopped."""
-
-    endpoint: str
-    hub_pid: int
-    nginx: Nginx
-    digests: set[str]
-    log_offset: int = 0
-
-    def cdn_since_last(self) -> tuple[int, int]:
-        requests, sent, self.log_offset = read_cdn(
-            self.nginx.access_log, self.log_offset, self.digests
-        )
-        return requests, sent
-
-
-@contextmanager
-def serve_scenario(origin: Origin, scenario: Scenario, settings: Settings) -> Iterator[Servers]:
-    cdn = cdn_directory(origin, settings.data_dir / "cdn")
-    work = settings.data_dir / "servers" / scenario.name
-    with contextlib.ExitStack() as stack:
-        nginx = stack.enter_context(serve_nginx(cdn, work / "nginx", scenario.bandwidth))
-        endpoint, hub_pid = stack.enter_context(
-            serve_hub_cdn(origin, nginx.url, scenario.latency, work)
-        )
-        digests = {digest for _, digest in origin.lfs.values()}
-        yield Servers(endpoint, hub_pid, nginx, digests)
 
 
 def run_once(
@@ -822,7 +456,7 @@ def run_all(origin: Origin, settings: Settings, tools: Sequence[str]) -> list[Ru
         mine = scenario_tools(scenario, tools)
         if not mine:
             continue
-        with serve_scenario(origin, scenario, settings) as servers:
+        with serve_scenario(origin, scenario, settings.data_dir) as servers:
             log(f"{scenario.name}: fake hub at {servers.endpoint}, nginx at {servers.nginx.url}")
             for repeat in range(settings.repeat):
                 for tool in mine:
@@ -917,35 +551,6 @@ def _cell(value: float | None, spec: str, width: int, suffix: str = "") -> str:
     return text.rjust(width)
 
 
-def hash_costs(
-    functions: Mapping[str, Callable[[bytes], object]] | None = None,
-) -> dict[str, float]:
-    """CPU-s per GB of each hash on this machine (sha256 and xxh3-128 unless told), one pass
-    over a 256 MiB buffer each: what a verified download cannot skip, measured in the same run."""
-    import xxhash
-
-    if functions is None:
-        functions = {
-            "sha256": lambda data: hashlib.sha256(data).digest(),
-            "xxh3_128": lambda data: xxhash.xxh3_128(data).digest(),
-        }
-    buffer = os.urandom(HASH_BUFFER)
-    costs = {}
-    for name, function in functions.items():
-        started = time.process_time()
-        function(buffer)
-        costs[name] = (time.process_time() - started) / (HASH_BUFFER / 1e9)
-    return costs
-
-
-def cpu_model() -> str | None:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    return None
-
-
 def beyond_hashes(
     tool: str, cpu_s_per_gb: float | None, costs: Mapping[str, float]
 ) -> float | None:
@@ -997,92 +602,6 @@ def print_report(
 
 # ---------------------------------------------------------------------------------------------
 # Results files
-
-
-def _version(package: str) -> str | None:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def _first_line(argv: list[str]) -> str | None:
-    if shutil.which(argv[0]) is None:
-        return None
-    out = subprocess.run(argv, capture_output=True, text=True, check=False)
-    lines = (out.stdout + out.stderr).strip().splitlines()
-    return lines[0].strip() if lines else None
-
-
-def _aria2_version() -> str | None:
-    first = _first_line(["aria2c", "--version"])
-    return first.removeprefix("aria2 version ").strip() if first else None
-
-
-def _git_revision() -> str | None:
-    """The commit measured: the checkout shardsync is imported from, with "+dirty" when its
-    shardsync/ has uncommitted changes; for an exported tree (``git archive``) without .git,
-    the commit named in its ``COMMIT`` file."""
-    import shardsync
-
-    root = Path(shardsync.__file__).resolve().parent.parent
-    if not (root / ".git").exists():
-        stamp = root / "COMMIT"
-        return stamp.read_text().strip() + " (exported tree)" if stamp.is_file() else None
-    head = subprocess.run(
-        ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=False
-    )
-    if head.returncode != 0:
-        return None
-    status = subprocess.run(
-        ["git", "status", "--porcelain", "--", "shardsync"],
-        cwd=root,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    return head.stdout.strip() + ("+dirty" if status.stdout.strip() else "")
-
-
-def machine_info() -> dict[str, object]:
-    return {
-        "git": _git_revision(),
-        "shardsync_from": _shardsync_location(),
-        "nproc": os.cpu_count(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "versions": {
-            "shardsync": _version("shardsync"),
-            "huggingface_hub": _version("huggingface_hub"),
-            "aiohttp": _version("aiohttp"),
-            "aria2c": _aria2_version(),
-            "nginx": _first_line(["nginx", "-v"]) or _first_line(["/usr/sbin/nginx", "-v"]),
-            "openssl": _first_line(["openssl", "version"]),
-        },
-    }
-
-
-def _shardsync_location() -> str:
-    import shardsync
-
-    return str(Path(shardsync.__file__).resolve().parent)
-
-
-def fs_type(path: Path) -> str | None:
-    """The file system type of the mount holding ``path`` (longest matching mount point)."""
-    path = path.resolve()
-    best, kind = "", None
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/mounts").read_text().splitlines():
-            fields = line.split()
-            if len(fields) < 3:
-                continue
-            mount = fields[1].replace("\\040", " ")
-            if (str(path) == mount or str(path).startswith(mount.rstrip("/") + "/")) and len(
-                mount
-            ) > len(best):
-                best, kind = mount, fields[2]
-    return kind
 
 
 def shardsync_settings(config: Path | None) -> dict[str, object]:
@@ -1211,14 +730,6 @@ def _scenario_label(name: str, settings: Settings) -> str:
 # Plumbing
 
 
-def log(message: str) -> None:
-    print(f"[bench] {message}", file=sys.stderr, flush=True)
-
-
-def tail(path: Path, limit: int = 2000) -> str:
-    return path.read_text(errors="replace")[-limit:] if path.is_file() else ""
-
-
 def scratch_dir(settings: Settings, scenario: Scenario | None = None) -> Path:
     """Where a scenario's runs write: the tmpfs, or the real disk for ``disk``; each run's
     directory is deleted after its check."""
@@ -1226,20 +737,6 @@ def scratch_dir(settings: Settings, scenario: Scenario | None = None) -> Path:
     path = path / "work"
     path.mkdir(parents=True, exist_ok=True)
     return path
-
-
-def remove_tree(path: Path) -> None:
-    """Delete a tree even where the tool made files or directories read-only."""
-
-    def make_writable(func: Callable[[str], object], name: str, _exc: object) -> None:
-        parent = os.path.dirname(name)
-        os.chmod(parent, 0o700)
-        if os.path.isdir(name) and not os.path.islink(name):
-            os.chmod(name, 0o700)
-        func(name)
-
-    if path.exists():
-        shutil.rmtree(path, onerror=make_writable)
 
 
 def check_directories(settings: Settings) -> None:
@@ -1262,7 +759,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     tools = available_tools(settings.tools)
     check_directories(settings)
-    origin = ensure_origin(settings)
+    origin = ensure_origin(settings.data_dir, settings.size, settings.shards, settings.size_label)
     log(f"checkpoint: {len(origin.files)} files, {origin.total_size / 1e6:.0f} MB")
     compile_shardsync()
     costs = hash_costs()

@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from common import RESULTS  # bench/common.py, beside this script
+
 from shardsync.client import Client
 from shardsync.config import parse_size
 from shardsync.events import Verified
@@ -104,7 +106,7 @@ def main() -> int:
     parser.add_argument("--shards", type=int, default=16)
     parser.add_argument("--bandwidth", default="20MB", help="per-connection cap (spreads files)")
     parser.add_argument("--subscribers", default="1,20", help="comma-separated client counts")
-    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--out", type=Path, default=RESULTS, help="default bench/results")
     args = parser.parse_args()
     counts = [int(n) for n in args.subscribers.split(",")]
     results: dict[str, Any] = {

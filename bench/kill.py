@@ -1,7 +1,8 @@
 """What a ``kill -9`` costs: bytes fetched again after a kill, as a fraction of the model.
 
     python bench/kill.py [--size 1GB] [--shards 4] [--bandwidth 25MB] [--latency 0.02]
-                         [--scenarios one,five,daemon] [--seed 0] [--json bench/kill.json]
+                         [--scenarios one,five,daemon] [--seed 0]
+                         [--json bench/results/kill.json]
 
     python bench/kill.py [--server nginx|fakehub] [--size 1GB] [--shards 4] ...
 
@@ -44,14 +45,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Protocol
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import download  # a sibling script: the checkpoint, nginx and the fake Hub in front of it
-from daemons import DaemonProcess, write_config
+import common  # bench/common.py, beside this script: the checkpoint, nginx and the fake Hub
 
 from shardsync.config import parse_size
 from shardsync.testing import Bandwidth, FakeHub, Latency, build_checkpoint, serve_in_thread
+from shardsync.testing.daemons import DaemonProcess, write_config
 
 
 class Server(Protocol):
@@ -95,8 +93,8 @@ class NginxServer:
     ``bytes_sent`` (from ``ss``) what the running ones have. A client keeps its connections
     for the whole run, so the live count of a run is the log up to its start plus those."""
 
-    def __init__(self, servers: download.Servers, port: int) -> None:
-        self.endpoint, self.repo = servers.endpoint, download.REPO_ID
+    def __init__(self, servers: common.Servers, port: int) -> None:
+        self.endpoint, self.repo = servers.endpoint, common.REPO_ID
         self._servers, self._port = servers, port
         self._logged = 0
 
@@ -247,12 +245,10 @@ def fakehub_server(args: argparse.Namespace, root: Path) -> Iterator[tuple[Serve
 
 @contextlib.contextmanager
 def nginx_server(args: argparse.Namespace, root: Path) -> Iterator[tuple[Server, int]]:
-    argv = ["--size", args.size, "--shards", str(args.shards)]
-    argv += ["--bandwidth", args.bandwidth, "--latency", str(args.latency)]
-    settings = download.parse_args(argv)
-    origin = download.ensure_origin(settings)
-    scenario = download.Scenario("kill", settings.bandwidth, settings.latency or None)
-    with download.serve_scenario(origin, scenario, settings) as servers:
+    data_dir = common.data_dir_for(args.size, args.shards)
+    origin = common.ensure_origin(data_dir, parse_size(args.size), args.shards, args.size)
+    scenario = common.Scenario("kill", float(parse_size(args.bandwidth)), args.latency or None)
+    with common.serve_scenario(origin, scenario, data_dir) as servers:
         port = int(servers.nginx.url.rsplit(":", 1)[1])
         yield NginxServer(servers, port), sum(size for size, _ in origin.lfs.values())
 
@@ -266,7 +262,9 @@ def main() -> int:
     parser.add_argument("--latency", type=float, default=0.02)
     parser.add_argument("--scenarios", default="one,five,daemon")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", type=Path)
+    parser.add_argument(
+        "--json", type=Path, default=common.RESULTS / "kill.json", help="default results/kill.json"
+    )
     args = parser.parse_args()
     rng = random.Random(args.seed)
     serve = nginx_server if args.server == "nginx" else fakehub_server
@@ -305,8 +303,8 @@ def main() -> int:
         "machine": machine,
         "results": results,
     }
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=2) + "\n")
     return 0
 
 

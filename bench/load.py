@@ -35,13 +35,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from download import (  # a sibling script, not a package
+from common import (  # bench/common.py, beside this script
     REPO_ID,
+    RESULTS,
     Origin,
     Scenario,
-    Settings,
     clean_env,
     ensure_origin,
     machine_info,
@@ -253,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--latency", type=float, default=0.02)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeat", type=int, default=3, help="rounds; the medians count")
-    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--out", type=Path, default=RESULTS, help="default bench/results")
     args = parser.parse_args(argv)
     if args.repeat < 1:
         parser.error("--repeat must be positive")
@@ -261,20 +259,7 @@ def main(argv: list[str] | None = None) -> int:
 
     size = parse_size(args.size)
     data_dir = Path(f"/tmp/shardsync-bench-data/{args.size}-{args.shards}")
-    settings = Settings(
-        size=size,
-        size_label=args.size,
-        shards=args.shards,
-        bandwidth=args.bandwidth,
-        latency=args.latency,
-        repeat=1,
-        out=args.out,
-        tools=(),
-        scenarios=("capped",),
-        data_dir=data_dir,
-        shardsync_config=None,
-    )
-    origin = ensure_origin(settings)
+    origin = ensure_origin(data_dir, size, args.shards, args.size)
     scenario = Scenario("capped", args.bandwidth or None, args.latency)
     with tempfile.TemporaryDirectory(prefix="shardsync-load-bench-") as tmp:
         scratch = Path(tmp)

@@ -2,9 +2,9 @@
 
     python bench/s3.py [--sizes 2GB,100MB] [--shards 4] [--prefixes sha256,default]
                        [--tools shardsync-prefetch,shardsync-load,s5cmd,boto3,runai,...]
-                       [--rounds 3] [--out DIR] [--work-dir /dev/shm/shardsync-s3bench]
+                       [--rounds 3] [--out bench/results] [--work-dir /dev/shm/shardsync-s3bench]
 
-Starts its own SeaweedFS on loopback (the helpers of ``tests/s3server.py``). For each size
+Starts its own SeaweedFS on loopback (``shardsync.testing.seaweedfs``). For each size
 it builds, once, a checkpoint of random bytes (``--shards`` shards
 ``model-0000i-of-0000N.safetensors``, each one U8 tensor, plus
 ``model.safetensors.index.json``; kept in ``<work-dir>/data-<size>``) and uploads it twice
@@ -53,8 +53,8 @@ count and bytes; then the destination is deleted. The machine's own cost of hash
 at the end, so shardsync's CPU can be read as "beyond sha256". ``--rounds`` interleave the
 tools (the order rotates each round); a row shows medians and the range. The table, the
 targets as PASS/FAIL, ``<out>/s3.json`` (every run, the machine, versions, commit, HEAD
-answers, hash costs) and ``<out>/s3.png`` (needs matplotlib) come out; ``--out`` defaults to a
-new temporary directory. SeaweedFS's data, the checkpoint and every destination live under
+answers, hash costs) and ``<out>/s3.png`` (needs matplotlib) come out; ``--out`` defaults to
+``bench/results``. SeaweedFS's data, the checkpoint and every destination live under
 ``--work-dir`` (a tmpfs by default), and SeaweedFS shares the machine's cores with the client.
 The exit status is 1 only if a run failed or delivered wrong bytes; a missed target is a FAIL
 line, not an error.
@@ -83,22 +83,22 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import Any, Literal
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from download import (  # sibling scripts, not a package
-    _git_revision,
-    _version,
+from common import (  # bench/common.py, beside this script
+    RESULTS,
     compile_shardsync,
+    cpu_model,
     fs_type,
+    git_revision,
+    package_version,
     remove_tree,
+    server_cpu_seconds,
     sha256_file,
+    weed_version,
 )
-from download import hash_costs as download_hash_costs
-from s3_client import _cpu_model, _weed_version, server_cpu_seconds
-from s3server import S3Server, run_seaweedfs  # a helper module of the tests
+from common import hash_costs as common_hash_costs
 
 from shardsync.config import parse_size
+from shardsync.testing.seaweedfs import S3Server, run_seaweedfs
 
 MiB = 1024 * 1024
 TOOLS = ("shardsync-prefetch", "shardsync-load", "s5cmd", "boto3", "runai", "s5cmd+load_file")
@@ -323,7 +323,7 @@ class Settings:
     prefixes: tuple[str, ...]
     tools: tuple[str, ...]
     rounds: int
-    out: Path | None
+    out: Path
     work_dir: Path
 
 
@@ -367,7 +367,9 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     )
     parser.add_argument("--tools", type=_csv(TOOLS), default=TOOLS, help=",".join(TOOLS))
     parser.add_argument("--rounds", type=int, default=3, help="rounds; medians count (default 3)")
-    parser.add_argument("--out", type=Path, help="results folder (default: a new temp dir)")
+    parser.add_argument(
+        "--out", type=Path, default=RESULTS, help="results folder (default bench/results)"
+    )
     parser.add_argument(
         "--work-dir",
         type=Path,
@@ -533,7 +535,7 @@ def hash_costs() -> dict[str, float]:
     from awscrt import checksums
     from isal import isal_zlib
 
-    return download_hash_costs(
+    return common_hash_costs(
         {
             "sha256": lambda data: hashlib.sha256(data).digest(),
             "xxh3_128": lambda data: xxhash.xxh3_128(data).digest(),
@@ -745,7 +747,7 @@ def run_size(
     runs_dir.mkdir(exist_ok=True)
     runs = []
     for round_no in range(settings.rounds):
-        compile_shardsync()  # shardsync's bytecode current before any clock (see download.py)
+        compile_shardsync()  # shardsync's bytecode current before any clock (see common.py)
         shift = round_no % len(tools)
         for tool in (*tools[shift:], *tools[:shift]):
             for prefix in settings.prefixes:
@@ -961,8 +963,8 @@ def machine_info(settings: Settings) -> dict[str, object]:
         "xxhash",
     ]
     return {
-        "git": _git_revision(),
-        "cpu": _cpu_model(),
+        "git": git_revision(),
+        "cpu": cpu_model(),
         "nproc": os.cpu_count(),
         "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9, 1),
         "platform": platform.platform(),
@@ -970,9 +972,9 @@ def machine_info(settings: Settings) -> dict[str, object]:
         "work_dir": str(settings.work_dir),
         "work_dir_fs": fs_type(settings.work_dir),
         "versions": {
-            **{name: _version(name) for name in packages},
+            **{name: package_version(name) for name in packages},
             "s5cmd": _tool_version(["s5cmd", "version"]),
-            "seaweedfs": _weed_version(),
+            "seaweedfs": weed_version(),
         },
     }
 
@@ -1123,7 +1125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = summarize(runs, settings, tools)
     checks = target_checks(rows, sha256_cost(costs))
     print_report(rows, checks, runs, costs, skipped)
-    out = settings.out or Path(tempfile.mkdtemp(prefix="shardsync-s3bench-"))
+    out = settings.out
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "s3.json", settings, checkpoints, heads, costs, runs, rows, checks, skipped)
     write_png(out / "s3.png", rows, settings)

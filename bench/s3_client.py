@@ -1,9 +1,10 @@
 """S3 client benchmark: which client should move a checkpoint's bytes out of S3?
 
-    python bench/s3_client.py [--size 1GB] [--files 4] [--rounds 3] [--json out.json]
+    python bench/s3_client.py [--size 1GB] [--files 4] [--rounds 3]
+                              [--json bench/results/s3_client.json]
                               [--variants shardsync,aiobotocore,...] [--work-dir DIR]
 
-Starts its own SeaweedFS on loopback (the helpers of ``tests/s3server.py``), uploads a
+Starts its own SeaweedFS on loopback (``shardsync.testing.seaweedfs``), uploads a
 random safetensors checkpoint (``--files`` shards of random bytes, each with a
 ``ChecksumSHA256``, plus ``model.safetensors.index.json``) under ``s3://BUCKET/bench/model/``,
 then downloads every object of that prefix with each variant, each in a fresh child process:
@@ -59,18 +60,21 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from importlib import metadata
 from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (  # bench/common.py, beside this script
+    RESULTS,
+    cpu_model,
+    git_revision,
+    package_version,
+    server_cpu_seconds,
+    size_arg,
+)
+from common import weed_version as seaweedfs_version
 
-from download import _git_revision  # a sibling script, not a package
-from s3server import S3Server, find_weed, run_seaweedfs  # a helper module of the tests
-
-from shardsync.config import parse_size
+from shardsync.testing.seaweedfs import S3Server, run_seaweedfs
 
 MiB = 1024 * 1024
 PREFIX = "bench/model/"
@@ -202,18 +206,11 @@ class Settings:
     rounds: int
     variants: tuple[str, ...]
     work_dir: Path
-    json_path: Path | None
+    json_path: Path
 
 
 # ---------------------------------------------------------------------------------------------
 # Command line
-
-
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _variants(text: str) -> tuple[str, ...]:
@@ -233,10 +230,16 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     parser = argparse.ArgumentParser(
         description="Time S3 clients downloading the same objects from a local SeaweedFS."
     )
-    parser.add_argument("--size", type=_size, default="1GB", help="total bytes (default 1GB)")
+    parser.add_argument("--size", type=size_arg, default="1GB", help="total bytes (default 1GB)")
     parser.add_argument("--files", type=int, default=4, help="number of shards (default 4)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds; medians count (default 3)")
-    parser.add_argument("--json", type=Path, dest="json_path", help="write the results here")
+    parser.add_argument(
+        "--json",
+        type=Path,
+        dest="json_path",
+        default=RESULTS / "s3_client.json",
+        help="the results (default bench/results/s3_client.json)",
+    )
     parser.add_argument(
         "--variants", type=_variants, default=VARIANTS, help=",".join(VARIANTS) + " (default all)"
     )
@@ -606,16 +609,6 @@ def child_env(server: S3Server, home: Path) -> dict[str, str]:
     return env
 
 
-def server_cpu_seconds(pid: int) -> float:
-    """User + system CPU of the SeaweedFS process (every thread) so far, from /proc."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return float("nan")
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def run_once(
     variant: str, round_no: int, server: S3Server, spec_path: Path, spec: Spec, scratch: Path
 ) -> Run:
@@ -721,7 +714,7 @@ def run_all(settings: Settings, variants: Sequence[str]) -> tuple[Spec, bool, li
                         f" s, rss {run.peak_rss_bytes / 1e6:.0f} MB, {state}"
                     )
                     runs.append(run)
-            weed_version = _weed_version()
+            weed_version = seaweedfs_version()
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return spec, store_sha256, runs, weed_version
@@ -825,31 +818,6 @@ def print_report(
 # Results file
 
 
-def _version(package: str) -> str | None:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def _weed_version() -> str | None:
-    weed = find_weed()
-    if weed is None:
-        return None
-    out = subprocess.run([weed, "version"], capture_output=True, text=True, check=False)
-    return out.stdout.strip().splitlines()[0] if out.stdout.strip() else None
-
-
-def _cpu_model() -> str | None:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
-
-
 def write_json(
     path: Path,
     settings: Settings,
@@ -865,15 +833,15 @@ def write_json(
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "command": "python bench/s3_client.py " + " ".join(sys.argv[1:]),
         "machine": {
-            "git": _git_revision(),
+            "git": git_revision(),
             "nproc": os.cpu_count(),
-            "cpu": _cpu_model(),
+            "cpu": cpu_model(),
             "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9, 1),
             "platform": platform.platform(),
             "python": platform.python_version(),
             "work_dir": str(settings.work_dir),
             "versions": {
-                **{name: _version(name) for name in (*packages, "obstore")},
+                **{name: package_version(name) for name in (*packages, "obstore")},
                 "seaweedfs": weed_version,
             },
         },
@@ -922,11 +890,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     spec, store_sha256, runs, weed_version = run_all(settings, variants)
     rows = summarize(runs, variants)
     print_report(rows, runs, skipped, spec)
-    if settings.json_path is not None:
-        write_json(
-            settings.json_path, settings, spec, store_sha256, runs, rows, skipped, weed_version
-        )
-        log(f"wrote {settings.json_path}")
+    settings.json_path.parent.mkdir(parents=True, exist_ok=True)
+    write_json(settings.json_path, settings, spec, store_sha256, runs, rows, skipped, weed_version)
+    log(f"wrote {settings.json_path}")
     return 0 if all(run.ok for run in runs) else 1
 
 

@@ -1,11 +1,11 @@
 """Probe what a real SeaweedFS S3 gateway supports, for the S3 origin and the shared tier.
 
-Starts its own SeaweedFS on loopback (the helpers of ``tests/s3server.py``), then asks it
+Starts its own SeaweedFS on loopback (``shardsync.testing.seaweedfs``), then asks it
 with aiobotocore and with raw aiohttp requests signed by botocore's ``S3SigV4Auth`` /
 ``S3SigV4QueryAuth``, and prints one row per observation: what was asked, the exact status
 and the headers that matter.
 
-    python bench/s3_probe.py [--json findings.json]
+    python bench/s3_probe.py [--json bench/results/s3_probe.json]
 
 Sections: a. header SigV4 + Range, wrong credentials; b. presigned URLs; c. conditional
 requests (If-Match, If-None-Match, If-Range, conditional PUT and CompleteMultipartUpload);
@@ -22,7 +22,6 @@ import hashlib
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Mapping
@@ -37,11 +36,10 @@ from botocore.auth import S3SigV4Auth, S3SigV4QueryAuth
 from botocore.awsrequest import AWSRequest
 from botocore.credentials import Credentials
 from botocore.exceptions import ClientError
+from common import RESULTS  # bench/common.py, beside this script
 from multidict import CIMultiDict
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-from s3server import S3Server, run_seaweedfs  # a helper module of the tests, not a package
+from shardsync.testing.seaweedfs import S3Server, run_seaweedfs
 
 MiB = 1024 * 1024
 INTERESTING = (
@@ -688,7 +686,12 @@ def _du_kib(path: Path) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--json", type=Path, help="also write the findings here")
+    parser.add_argument(
+        "--json",
+        type=Path,
+        default=RESULTS / "s3_probe.json",
+        help="also write the findings here (default bench/results/s3_probe.json)",
+    )
     args = parser.parse_args()
     versions = {
         name: metadata.version(name)
@@ -726,10 +729,10 @@ def main() -> int:
         )
     for f in findings[-5:]:
         print(f"{f.section:<2} {f.probe:<62} {f.observed}")
-    if args.json:
-        args.json.write_text(
-            json.dumps({"versions": versions, "findings": [asdict(f) for f in findings]}, indent=1)
-        )
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(
+        json.dumps({"versions": versions, "findings": [asdict(f) for f in findings]}, indent=1)
+    )
     return 0
 
 

@@ -10,10 +10,10 @@ their load. The model is a real Llama with a tiny body and a large vocabulary (h
 16 heads of 128, 2 layers, untied lm_head, fp32), sized so that the embedding, each layer and
 the lm_head are a quarter of ``--size`` each: four shards, built once with random weights by
 ``transformers``, and a byte-level BPE tokenizer of 512 tokens (fewer than the model's
-vocabulary: the child never detokenizes). The origin is ``bench/download.py``'s: the fake
-Hub (its own process) answers the API and redirects every shard to a real nginx capped at
-``--bandwidth`` per connection; the tier and the object store are a real SeaweedFS
-(``tests/s3server.py``).
+vocabulary: the child never detokenizes). The origin is ``bench/download.py``'s (from
+``bench/common.py``): the fake Hub (its own process) answers the API and redirects every shard
+to a real nginx capped at ``--bandwidth`` per connection; the tier and the object store are a
+real SeaweedFS (``shardsync.testing.seaweedfs``).
 
 Every case is a fresh child of the vLLM venv's python (``VLLM_ENABLE_V1_MULTIPROCESSING=0``:
 the engine in that one process, as on this 2-core CPU box) that builds ``vllm.LLM(...)``
@@ -66,31 +66,32 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parent.parent / "tests"))
-
-from download import (  # sibling scripts, not a package
+from common import (  # bench/common.py, beside this script
     REPO_ID,
+    RESULTS,
     Nginx,
     Origin,
-    _size,  # --size and --bandwidth, as download.py parses them
     cdn_directory,
     compile_shardsync,
     cpu_model,
     fs_type,
+    host_env,
     log,
     machine_info,
+    nginx_version,
     read_cdn,
     remove_tree,
     serve_hub_cdn,
     serve_nginx,
     sha256_file,
     shardsync_invocation,
+    size_arg,  # --size and --bandwidth, as download.py parses them
     tail,
+    warm_bucket,
+    weed_version,
 )
-from fleet import _nginx_version, _weed_version, host_env, warm_bucket
-from s3server import S3Server, _kill_group, find_weed, run_seaweedfs  # the tests' helpers
 
+from shardsync.testing.seaweedfs import S3Server, find_weed, kill_group, run_seaweedfs
 from shardsync.tier import blob_key
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -284,7 +285,7 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     )
     parser.add_argument("--size", default="2GB", help="model size (default 2GB)")
     parser.add_argument(
-        "--bandwidth", type=_size, default="25MB", help="nginx limit_rate per connection"
+        "--bandwidth", type=size_arg, default="25MB", help="nginx limit_rate per connection"
     )
     parser.add_argument(
         "--latency", type=float, default=0.02, help="delay of each fake-Hub answer (s)"
@@ -293,7 +294,7 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     parser.add_argument(
         "--cases", type=_groups, default=GROUPS, help=f"{','.join(GROUPS)} (reference: always)"
     )
-    parser.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "vllm.json")
+    parser.add_argument("--json", type=Path, default=RESULTS / "vllm.json")
     parser.add_argument("--data-dir", type=Path, help="where the model is built and kept")
     parser.add_argument(
         "--work-dir", type=Path, help="caches, SeaweedFS (default: /dev/shm if it has room)"
@@ -307,7 +308,7 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         help="the vLLM venv's python (default .venv-vllm, or $SHARDSYNC_VLLM_PYTHON)",
     )
     args = parser.parse_args(argv)
-    size = _size(args.size)
+    size = size_arg(args.size)
     if args.rounds < 1 or size <= 0 or args.latency < 0 or args.bandwidth <= 0:
         parser.error("--size, --bandwidth and --rounds must be positive, --latency not negative")
     label = args.size.strip().replace(" ", "")
@@ -420,7 +421,7 @@ def run_child(argv: Sequence[str], env: Mapping[str, str], cwd: Path) -> tuple[i
             time.sleep(0.01)
         proc.returncode = os.waitstatus_to_exitcode(status)
     finally:
-        _kill_group(proc)
+        kill_group(proc)
     return proc.returncode, started, usage.ru_utime + usage.ru_stime
 
 
@@ -744,7 +745,7 @@ def write_json(
     if isinstance(own, dict):
         for name in ("aria2c", "openssl"):
             own.pop(name, None)
-        own.update(nginx=_nginx_version(), seaweedfs=_weed_version())
+        own.update(nginx=nginx_version(), seaweedfs=weed_version())
     shards = {rel: size for rel, (size, _) in origin.lfs.items()}
     document = {
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

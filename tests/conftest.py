@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 from bodypaths import body_path
-from s3server import S3Server, S3ServerUnavailable, run_seaweedfs
 
 from shardsync.testing import Checkpoint, FakeHub, build_checkpoint
+from shardsync.testing.nginx import find_nginx
+from shardsync.testing.seaweedfs import S3Server, S3ServerUnavailable, run_seaweedfs
 
 __all__ = ["body_path"]  # a fixture every test module may take
 
@@ -24,6 +25,12 @@ os.environ["HF_HUB_DISABLE_XET"] = "1"
 for _name in ("HF_HUB_ENABLE_HF_TRANSFER", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
     os.environ.pop(_name, None)
 os.environ.pop("HF_OIDC_RESOURCE", None)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A test marked ``nginx`` skips where nginx is not installed."""
+    if item.get_closest_marker("nginx") is not None and find_nginx() is None:
+        pytest.skip("nginx is not installed (apt-get install nginx)")
 
 
 @pytest.fixture(scope="session")

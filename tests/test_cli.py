@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 from helpers import assert_snapshot_matches, assert_store_verified, kill_when, serving, tmpfs
-from nginx import access_log, serve_directory
 
 from shardsync.testing import Bandwidth, Checkpoint, FakeHub, build_checkpoint
+from shardsync.testing.nginx import access_log, serve_directory
 
 REPO = "acme/cli"
 
@@ -176,6 +176,7 @@ def test_disk_full_is_a_clear_error_and_keeps_the_partial(
         assert not (cache / "hub" / "models--acme--cli" / "refs" / "main").exists()
 
 
+@pytest.mark.nginx
 def test_plain_http_origin_with_nginx(checkpoint: Checkpoint, tmp_path: Path) -> None:
     work = tmp_path / "nginx"
     cache = tmp_path / "cache"

@@ -18,7 +18,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from daemons import DaemonProcess, api, cli, daemon_in_loop, short_tmp, write_config
+from daemons import api, cli, daemon_in_loop, short_tmp
 from helpers import assert_snapshot_matches, assert_store_verified, fast_config, serving
 
 from shardsync import daemon as daemon_module
@@ -27,6 +27,7 @@ from shardsync.client import Client
 from shardsync.daemon import Daemon
 from shardsync.events import FileStarted, JobDone, JobEvent, Progress, Verified
 from shardsync.testing import Bandwidth, Checkpoint, FakeHub, build_checkpoint
+from shardsync.testing.daemons import DaemonProcess, write_config
 
 REPO = "acme/daemon"
 

@@ -1,5 +1,5 @@
-"""The planted-bug list of ``bench/mutants.py`` stays well formed (the mutants themselves run
-outside the suite: ``python bench/mutants.py``, a few minutes)."""
+"""The planted-bug list of ``tools/mutants.py`` stays well formed (the mutants themselves run
+outside the suite: ``python tools/mutants.py``, a few minutes)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_mutants", ROOT / "bench" / "mutants.py")
+    spec = importlib.util.spec_from_file_location("tools_mutants", ROOT / "tools" / "mutants.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while building
@@ -40,7 +40,7 @@ def test_each_mutant_is_well_formed(mutant: Any) -> None:
     try:
         planted = mutant.apply(source)
     except ValueError as exc:
-        pytest.fail(f"stale mutant, update bench/mutants.py: {exc}")
+        pytest.fail(f"stale mutant, update tools/mutants.py: {exc}")
     assert planted != source
     ast.parse(planted)
 

@@ -22,8 +22,6 @@ import pytest
 import trustme
 from aiohttp import web
 from helpers import assert_snapshot_matches, assert_store_verified, fast_config
-from nginx import run_nginx
-from s3server import S3Server
 from squid import Squid, SquidUnavailable, run_squid
 
 from shardsync.config import Config, S3Config, load_config
@@ -31,7 +29,9 @@ from shardsync.errors import AuthError, ConfigError, IntegrityError, TransferErr
 from shardsync.network import NetworkConfig, NoProxy, Proxy, network_from_env
 from shardsync.prefetch import prefetch
 from shardsync.testing import Checkpoint, FakeHub, FlipByte
+from shardsync.testing.nginx import run_nginx
 from shardsync.testing.relay import Relay
+from shardsync.testing.seaweedfs import S3Server
 
 REPO = "acme/net"
 
@@ -432,6 +432,7 @@ def nginx_mirror(hub: FakeHub, work: Path, *, hide: str = "") -> Iterator[str]:
         yield url
 
 
+@pytest.mark.nginx
 @pytest.mark.parametrize("hide", ["", "X-Linked-Etag"])
 def test_a_mirror_answering_200_stays_verified(
     hide: str, checkpoint: Checkpoint, tmp_path: Path

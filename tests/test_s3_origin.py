@@ -22,7 +22,6 @@ import pytest
 from daemons import daemon_in_loop, short_tmp
 from faultgate import FaultGate, GateFault
 from helpers import assert_snapshot_matches, assert_store_verified, fast_config
-from s3server import S3Server
 
 from shardsync.client import Client
 from shardsync.config import Config, S3Config
@@ -32,6 +31,7 @@ from shardsync.prefetch import Engine, prefetch
 from shardsync.records import FileOutcome
 from shardsync.testing import Checkpoint, build_checkpoint, serve_in_thread
 from shardsync.testing.relay import Relay, without_fields
+from shardsync.testing.seaweedfs import S3Server
 
 PREFIX = "models/tiny"
 _T = TypeVar("_T")

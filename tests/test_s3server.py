@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 from aiobotocore.session import get_session
 from botocore.exceptions import ClientError
-from s3server import S3Server, S3ServerUnavailable, find_weed, run_seaweedfs
+
+from shardsync.testing.seaweedfs import S3Server, S3ServerUnavailable, find_weed, run_seaweedfs
 
 
 @pytest.fixture

@@ -154,7 +154,8 @@ LAYERS: dict[str, set[str]] = {
     "interface": {
         "cli", "cli_output", "progress", "shardsync", "testing", "testing.__main__",
         "testing.checkpoints", "testing.fakehub", "testing.faults", "testing.relay",
-        "testing.hub_http", "testing.hub_repos",
+        "testing.hub_http", "testing.hub_repos", "testing.seaweedfs", "testing.nginx",
+        "testing.daemons",
     },
 }  # fmt: skip
 MAX_CHAIN = 12  # modules in the longest chain of imports (17 before issue 26)

@@ -33,7 +33,6 @@ from helpers import (
     serving,
     tmpfs,
 )
-from s3server import S3Server
 
 from shardsync.client import Client
 from shardsync.config import Config, S3Config, TierConfig
@@ -41,6 +40,7 @@ from shardsync.daemon import Daemon
 from shardsync.prefetch import Engine, prefetch
 from shardsync.records import PrefetchResult, TierStatistics
 from shardsync.testing import Bandwidth, Checkpoint, FakeHub, build_checkpoint
+from shardsync.testing.seaweedfs import S3Server
 from shardsync.tier_claims import blob_key, claim_key
 
 REPO = "acme/fleet"

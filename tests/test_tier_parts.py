@@ -23,13 +23,13 @@ from typing import Any
 
 import pytest
 from helpers import assert_snapshot_matches, fast_config, serving
-from s3server import S3Server
 
 from shardsync.config import Config, S3Config, TierConfig
 from shardsync.prefetch import Engine, prefetch
 from shardsync.ranges import RangeSet
 from shardsync.records import PrefetchResult
 from shardsync.testing import Bandwidth, Checkpoint, FakeHub, build_checkpoint
+from shardsync.testing.seaweedfs import S3Server
 from shardsync.tier_claims import blob_key, claim_key
 from shardsync.tier_parts import next_pieces, parts_prefix
 

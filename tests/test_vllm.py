@@ -21,11 +21,12 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
-from daemons import DaemonProcess, cli, short_tmp, write_config
+from daemons import cli, short_tmp
 from helpers import assert_store_verified, serving
-from s3server import S3Server
 
 from shardsync.testing import Checkpoint, FakeHub, serve_in_thread
+from shardsync.testing.daemons import DaemonProcess, write_config
+from shardsync.testing.seaweedfs import S3Server
 
 ROOT = Path(__file__).resolve().parent.parent
 CHILD = Path(__file__).resolve().parent / "vllm_child.py"

@@ -3,6 +3,10 @@
 - `FakeHub`: a Hugging Face Hub and its CDN on loopback, speaking enough of the protocol for
   huggingface_hub itself, with a request log and injectable faults (`shardsync.testing.faults`).
 - `build_checkpoint`: real sharded safetensors checkpoints with seeded random weights.
+- Real servers and processes on loopback, which the tests and the benchmarks share (import
+  each from its module): `shardsync.testing.seaweedfs` (a SeaweedFS S3 gateway),
+  `shardsync.testing.nginx` (nginx serving a directory) and `shardsync.testing.daemons` (a
+  ``shardsync daemon`` process, ready by sd_notify).
 
 Run ``python -m shardsync.testing --help`` to serve or build checkpoints from a shell.
 """

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 from crashhook import ENV_ACTION, ENV_ROOT, ENV_TRACE
-from daemons import DaemonProcess, cli, short_tmp, write_config
+from daemons import cli, short_tmp
 from helpers import assert_snapshot_matches, assert_store_verified, fast_config
 from huggingface_hub import scan_cache_dir
 
@@ -43,6 +43,7 @@ from shardsync.prune import prune_cache
 from shardsync.prune_plan import Limits
 from shardsync.records import PrefetchResult, RepoRef
 from shardsync.testing import Checkpoint, FakeHub, build_checkpoint, serve_in_thread
+from shardsync.testing.daemons import DaemonProcess, write_config
 
 REPO = "acme/crash"
 DIRNAME = "models--acme--crash"

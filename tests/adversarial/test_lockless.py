@@ -26,12 +26,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from daemons import DaemonProcess, api, short_tmp, write_config
+from daemons import api, short_tmp
 from helpers import assert_snapshot_matches, assert_store_verified, serving
 
 from shardsync.cache import CacheStore
 from shardsync.records import RepoRef
 from shardsync.testing import Bandwidth, Checkpoint, FakeHub, build_checkpoint
+from shardsync.testing.daemons import DaemonProcess, write_config
 
 REPO = "acme/lockless"
 LATE_CLIENTS = 2

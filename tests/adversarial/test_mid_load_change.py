@@ -41,7 +41,6 @@ import torch
 from aiohttp import ClientSession, web
 from helpers import WrappedOrigin, fast_config
 from multidict import CIMultiDict
-from s3server import S3Server
 from yarl import URL
 
 from shardsync.config import Config, S3Config
@@ -50,6 +49,7 @@ from shardsync.errors import ShardsyncError
 from shardsync.fetch.fetcher import Fetcher
 from shardsync.origins import LocalOrigin
 from shardsync.origins.base import Entry
+from shardsync.testing.seaweedfs import S3Server
 from shardsync.training import parse_dcp_metadata
 
 STEP = "step-1"

@@ -45,7 +45,6 @@ import pytest
 from daemons import daemon_in_loop, short_tmp
 from faultgate import FaultGate, GateFault, Identity
 from helpers import fast_config
-from s3server import S3Server
 
 from shardsync.api import error_code, result_to_json
 from shardsync.client import Client
@@ -73,6 +72,7 @@ from shardsync.testing import (
     build_checkpoint,
 )
 from shardsync.testing.faults import Fault, Rule
+from shardsync.testing.seaweedfs import S3Server
 from shardsync.tier_claims import blob_key
 
 REPO = "acme/secret-model"

@@ -10,7 +10,7 @@ check still "matches" its name.
 On the Hub, the listing's sha256 or git blob id catches a wrong byte; plain-URL and local
 origins publish no hash (trust on first use), so there only the transfer's own checks (where a
 206 starts, its total, the ETag with ``If-Range``, the resume record) stand between a lying or
-changing server and a corrupt snapshot. ``bench/mutants.py`` plants a bug in each of those
+changing server and a corrupt snapshot. ``tools/mutants.py`` plants a bug in each of those
 checks and shows that a test here fails.
 """
 
@@ -27,7 +27,6 @@ from pathlib import Path
 import pytest
 from bodypaths import BodyPath
 from helpers import assert_snapshot_matches, assert_store_verified, fast_config
-from nginx import serve_directory
 
 from shardsync.errors import ShardsyncError
 from shardsync.prefetch import prefetch
@@ -48,6 +47,7 @@ from shardsync.testing import (
     Stall,
     build_checkpoint,
 )
+from shardsync.testing.nginx import serve_directory
 
 REPO = "acme/integrity"
 HTTP_KINDS = ["hub", "url"]
@@ -443,6 +443,7 @@ async def test_a_local_file_edited_between_runs_is_copied_again(
     assert_store_verified(cache, checkpoint, edited.after)
 
 
+@pytest.mark.nginx
 def test_a_file_replaced_on_nginx_between_runs_is_downloaded_again(
     checkpoint: Checkpoint, local_copy: Checkpoint, tmp_path: Path
 ) -> None:

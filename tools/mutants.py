@@ -5,9 +5,9 @@ Each mutant is a small text patch (exact ``old`` -> ``new`` replacements) to one
 temporary directory, applies the patch there (the working tree is never touched), runs the
 mutant's test files against the copy, and reports CAUGHT (some test failed) or MISSED::
 
-    python bench/mutants.py                 # every mutant
-    python bench/mutants.py git-blob-id     # some, by name
-    python bench/mutants.py --list          # names, files and what each plants
+    python tools/mutants.py                 # every mutant
+    python tools/mutants.py git-blob-id     # some, by name
+    python tools/mutants.py --list          # names, files and what each plants
 
 A mutant that no longer applies (the code moved) is reported STALE: update its ``old`` text.
 ``tests/test_mutants.py`` checks in the normal suite that the list is well formed and that a

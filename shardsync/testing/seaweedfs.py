@@ -1,8 +1,8 @@
 """A real SeaweedFS S3 gateway on loopback, for the S3 origin and shared-tier tests.
 
 One `weed server` (master + volume + filer + s3 in one process) per pytest session, with a
-single admin identity so that SigV4 signatures are really checked. `bench/s3_probe.py` uses
-the same helpers outside pytest.
+single admin identity so that SigV4 signatures are really checked. The benchmarks in `bench/`
+start theirs with the same helpers, outside pytest (`tests/conftest.py` has the fixtures).
 
     async def test_x(s3server: S3Server, s3bucket: str) -> None:
         session = aiobotocore.session.get_session()
@@ -44,7 +44,7 @@ KILL_GRACE_S = 1.0
 
 
 class S3ServerUnavailable(RuntimeError):
-    """`weed` is missing or did not come up; the fixture turns this into a skip."""
+    """`weed` is missing or did not come up; the tests' fixture turns this into a skip."""
 
 
 def find_weed() -> str | None:
@@ -238,7 +238,7 @@ def weed_command(weed: str, work: Path, config: Path, ports: dict[str, int]) -> 
     ]
 
 
-def _kill_group(proc: subprocess.Popen[bytes], grace: float = KILL_GRACE_S) -> None:
+def kill_group(proc: subprocess.Popen[bytes], grace: float = KILL_GRACE_S) -> None:
     """SIGTERM the process group, then SIGKILL it after `grace` seconds; reap the leader."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         with contextlib.suppress(ProcessLookupError):
@@ -301,7 +301,7 @@ def run_seaweedfs(work: Path, timeout: float = START_TIMEOUT_S) -> Iterator[S3Se
         _wait_ready(server, proc, log_path, timeout)
         yield server
     finally:
-        _kill_group(proc)
+        kill_group(proc)
         # weed puts a local gRPC socket per service in /tmp, named by port
         for port in (master, volume, filer, s3):
             for leftover in Path(tempfile.gettempdir()).glob(

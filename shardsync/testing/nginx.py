@@ -1,4 +1,11 @@
-"""A real nginx serving a directory on loopback, for the plain-HTTP origin tests."""
+"""A real nginx serving a directory on loopback, for the plain-HTTP origin tests.
+
+    with serve_directory(checkpoint.directory, tmp_path / "nginx") as base:
+        ...  # base is http://127.0.0.1:PORT/, access_log(work) the requests it served
+
+`NginxUnavailable` says the binary is missing (the tests mark such tests ``nginx``, and
+skip them when `find_nginx` finds none).
+"""
 
 from __future__ import annotations
 
@@ -11,9 +18,19 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import pytest
+START_TIMEOUT_S = 10.0
 
-NGINX = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
+
+class NginxUnavailable(RuntimeError):
+    """nginx is not installed."""
+
+
+def find_nginx() -> str | None:
+    """The nginx binary: on PATH, else ``/usr/sbin/nginx`` (not on a user's PATH)."""
+    found = shutil.which("nginx")
+    if found:
+        return found
+    return "/usr/sbin/nginx" if os.access("/usr/sbin/nginx", os.X_OK) else None
 
 
 def _free_port() -> int:
@@ -32,9 +49,13 @@ def serve_directory(root: Path, work: Path) -> Iterator[str]:
 @contextmanager
 def run_nginx(work: Path, server: str) -> Iterator[str]:
     """nginx in the foreground on a free loopback port with ``server`` as the body of its one
-    ``server`` block; yields ``http://127.0.0.1:PORT``."""
-    if NGINX is None:
-        pytest.skip("nginx is not installed (apt-get install nginx)")
+    ``server`` block; yields ``http://127.0.0.1:PORT``.
+
+    Raises `NginxUnavailable` when nginx is not installed, `RuntimeError` when it does not
+    start within `START_TIMEOUT_S`."""
+    nginx = find_nginx()
+    if nginx is None:
+        raise NginxUnavailable("nginx is not installed (apt-get install nginx)")
     port = _free_port()
     work.mkdir(parents=True, exist_ok=True)
     user = "user root;\n" if os.geteuid() == 0 else ""
@@ -62,12 +83,12 @@ http {{
 """
     )
     proc = subprocess.Popen(
-        [NGINX, "-c", str(conf), "-p", str(work)],
+        [nginx, "-c", str(conf), "-p", str(work)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )
     try:
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             try:
                 socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
@@ -75,7 +96,7 @@ http {{
             except OSError:
                 if proc.poll() is not None or time.monotonic() > deadline:
                     err = proc.stderr.read().decode() if proc.stderr else ""
-                    pytest.fail(f"nginx did not start: {err}")
+                    raise RuntimeError(f"nginx did not start: {err}") from None
                 time.sleep(0.05)
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -86,4 +107,5 @@ http {{
 
 
 def access_log(work: Path) -> list[str]:
+    """The lines of the access log of the nginx that ran in ``work``."""
     return (work / "access.log").read_text().splitlines()
