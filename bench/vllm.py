@@ -41,7 +41,11 @@ by the reference, so no case pays it:
 
 The goals, on medians over ``--rounds``: shardsync-cold's weights phase <= 1.1 x prefetch
 (the load hides behind the download), shardsync-cold's TTFT <= 0.5 x auto-cold's,
-shardsync-warm's <= auto-warm's. Per run the JSON records the child's CPU seconds (``wait4``,
+shardsync-warm's <= auto-warm's. The first is also shown less "post": vLLM's own work in
+``load_model`` after the loader's ``load_weights`` returned (on CPU, repacking the weights),
+which needs every weight and so cannot hide behind any download. "weights" is the
+``load_model`` of the loader class vLLM picks (the plugin's own, which opens the stream
+before vLLM builds the model). Per run the JSON records the child's CPU seconds (``wait4``,
 its own children included) and what nginx's access log says it sent for the shards. A run
 that fails or whose tokens differ from the reference makes the exit status 1; a missed goal
 is a FAIL line, not an error.
@@ -147,27 +151,46 @@ def build(directory, spec):
 
 
 def generate(model, load_format):
+    import vllm.model_executor.model_loader as loaders
     from vllm import LLM, SamplingParams
-    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
-    spans = []
-    load_model = BaseModelLoader.load_model
+    spans, handed, ended = [], [], []
+    pick = loaders.get_model_loader
 
-    def timed(self, *args, **kwargs):  # every loader here downloads and loads in it
-        start = time.time()
-        try:
-            return load_model(self, *args, **kwargs)
-        finally:
-            spans.append(time.time() - start)
+    def timed_loader(*args, **kwargs):  # the loader vLLM picks: its own load_model, timed
+        loader = pick(*args, **kwargs)
+        cls = type(loader)
+        if "_bench_timed" not in cls.__dict__:
+            load_model, load_weights = cls.load_model, cls.load_weights
 
-    BaseModelLoader.load_model = timed
+            def timed_model(self, *a, **k):
+                start = time.time()
+                try:
+                    return load_model(self, *a, **k)
+                finally:
+                    ended.append(time.time())
+                    spans.append(ended[-1] - start)
+
+            def timed_weights(self, *a, **k):
+                try:
+                    return load_weights(self, *a, **k)
+                finally:
+                    handed.append(time.time())
+
+            cls.load_model, cls.load_weights, cls._bench_timed = timed_model, timed_weights, True
+        return loader
+
+    loaders.get_model_loader = timed_loader
     llm = LLM(
         model=model, load_format=load_format, dtype="float32", max_model_len=128,
         enforce_eager=True,
     )
     params = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
     tokens = [list(out.outputs[0].token_ids) for out in llm.generate(PROMPTS, params)]
-    done = {"tokens": tokens, "first_token": time.time(), "weights_s": sum(spans)}
+    post = ended[-1] - handed[-1] if ended and handed else None
+    done = {
+        "tokens": tokens, "first_token": time.time(), "weights_s": sum(spans), "post_s": post,
+    }
     print(RESULT + json.dumps(done), flush=True)
 
 
@@ -241,6 +264,9 @@ class Run:
     exit_s: float
     weights_s: float | None
     """vLLM's load_model, timed in the child: download (where the loader does it) and load."""
+    post_s: float | None
+    """Of ``weights_s``, vLLM's own work after the last weight was handed over (after the
+    loader's ``load_weights`` returned: weight repacking, ...): no loader can hide it."""
     cpu_s: float
     cdn_bytes: int
     """What nginx sent for the shards during the run (its access log)."""
@@ -256,6 +282,7 @@ class Row:
     """Median over the rounds; None if a run failed."""
     range_s: tuple[float, float] | None
     weights_s: float | None
+    post_s: float | None
     cpu_s: float
     cdn_bytes: float
     runs: int
@@ -509,12 +536,17 @@ class Bench:
         line = _result_line(tail(logs / "stdout.log", 100_000))
         if code != 0 or line is None:
             error = f"exit {code}: {tail(logs / 'stderr.log', 1500)}"
-            return Run(case.name, index, False, error, None, exit_s, None, cpu, sent, None, load)
+            return Run(
+                case.name, index, False, error, None, exit_s, None, None, cpu, sent, None, load
+            )
         result = json.loads(line)
         ttft = float(result["first_token"]) - started
         weights = float(result["weights_s"])
+        post = None if result.get("post_s") is None else float(result["post_s"])
         tokens = [list(map(int, t)) for t in result["tokens"]]
-        return Run(case.name, index, True, None, ttft, exit_s, weights, cpu, sent, tokens, load)
+        return Run(
+            case.name, index, True, None, ttft, exit_s, weights, post, cpu, sent, tokens, load
+        )
 
     def prefetch(self, index: int, home: Path, extra: Mapping[str, str] | None = None) -> Run:
         """``shardsync prefetch`` (project venv) into ``home``'s empty cache: the download
@@ -529,7 +561,9 @@ class Bench:
         sent = self.cdn_since_last()
         ok = code == 0
         error = None if ok else f"exit {code}: {tail(logs / 'stderr.log')}"
-        return Run("prefetch", index, ok, error, seconds, seconds, None, cpu, sent, None, load)
+        return Run(
+            "prefetch", index, ok, error, seconds, seconds, None, None, cpu, sent, None, load
+        )
 
     def fill_tier(self) -> None:
         """A first host puts every shard in the tier; then each blob must be there."""
@@ -611,12 +645,14 @@ def summarize(runs: Sequence[Run]) -> list[Row]:
         good = all(run.ok for run in mine)
         times = [run.ttft_s for run in mine if run.ttft_s is not None]
         weights = [run.weights_s for run in mine if run.weights_s is not None]
+        posts = [run.post_s for run in mine if run.post_s is not None]
         rows.append(
             Row(
                 case=case,
                 ttft_s=statistics.median(times) if good else None,
                 range_s=(min(times), max(times)) if good else None,
                 weights_s=statistics.median(weights) if good and weights else None,
+                post_s=statistics.median(posts) if good and posts else None,
                 cpu_s=statistics.median(run.cpu_s for run in mine),
                 cdn_bytes=statistics.median(run.cdn_bytes for run in mine),
                 runs=len(mine),
@@ -629,10 +665,15 @@ def goals(rows: Sequence[Row]) -> list[Check]:
     """The issue's three targets on the medians; prefetch's time is its whole run."""
     by = {row.case: row for row in rows}
 
-    def ratio(target: str, mine: str, theirs: str, goal: float, weights: bool = False) -> Check:
+    def ratio(
+        target: str, mine: str, theirs: str, goal: float, weights: bool = False, post: bool = False
+    ) -> Check:
         if mine not in by or theirs not in by:
             return Check(target, "SKIP", f"{mine} or {theirs} was not run")
         a, b = by[mine].weights_s if weights else by[mine].ttft_s, by[theirs].ttft_s
+        if a is not None and post:
+            spent = by[mine].post_s
+            a = None if spent is None else a - spent
         if a is None or b is None:
             return Check(target, "FAIL", "a run failed")
         status: Literal["PASS", "FAIL"] = "PASS" if a <= goal * b else "FAIL"
@@ -645,6 +686,14 @@ def goals(rows: Sequence[Row]) -> list[Check]:
             "prefetch",
             GOAL_HIDDEN,
             weights=True,
+        ),
+        ratio(
+            f"shardsync-cold weights less vLLM's post-load work <= {GOAL_HIDDEN} x prefetch",
+            "shardsync-cold",
+            "prefetch",
+            GOAL_HIDDEN,
+            weights=True,
+            post=True,
         ),
         ratio(
             f"shardsync-cold TTFT <= {GOAL_COLD} x auto-cold",
@@ -671,7 +720,7 @@ def print_report(
     base = next((row.ttft_s for row in rows if row.case == "auto-cold"), None)
     header = (
         f"{'case':<15} {'what':<25} {'TTFT s':>7} {'range s':>12} {'weights s':>9} "
-        f"{'CPU s':>6} {'CDN MB':>7} {'vs auto-cold':>12}"
+        f"{'post s':>6} {'CPU s':>6} {'CDN MB':>7} {'vs auto-cold':>12}"
     )
     print(header)
     print("-" * len(header))
@@ -680,12 +729,14 @@ def print_report(
         vs = None if base is None or row.ttft_s is None else row.ttft_s / base
         print(
             f"{row.case:<15} {LABELS[row.case]:<25} {_cell(row.ttft_s, '.2f', 7)} "
-            f"{spread:>12} {_cell(row.weights_s, '.2f', 9)} {row.cpu_s:>6.1f} "
+            f"{spread:>12} {_cell(row.weights_s, '.2f', 9)} {_cell(row.post_s, '.2f', 6)} "
+            f"{row.cpu_s:>6.1f} "
             f"{row.cdn_bytes / 1e6:>7.0f} {_cell(vs, '.2f', 11, 'x')}"
         )
     print(
         "(TTFT: process start to its first token, medians over the rounds; prefetch: to its "
-        "exit; weights: vLLM's load_model, download and load; CPU: the child's user + system; "
+        "exit; weights: vLLM's load_model, download and load; post: of it, vLLM's own work "
+        "after the last weight; CPU: the child's user + system; "
         "CDN: what nginx sent for the shards)"
     )
     print()

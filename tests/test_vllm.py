@@ -117,6 +117,22 @@ def test_load_format_shardsync_gives_the_default_loaders_tokens_from_the_hub(
     assert not (tmp_path / "hf").exists() or not list((tmp_path / "hf").rglob("*.safetensors"))
 
 
+def test_the_download_goes_on_while_vllm_builds_the_model(
+    tiny: Checkpoint, hub: FakeHub, reference: object, tmp_path: Path
+) -> None:
+    """vLLM builds the model (allocation, initialization) before it asks for weights; the
+    stream opens as its ``load_model`` starts, so a
+    shard is verified while vLLM is still building (the child holds the building until one
+    is, at most 15 s)."""
+    done = child("early", REPO, env=vllm_env(tmp_path, hub))
+    assert done.returncode == 0, done.stderr[-3000:]
+    marked = [line for line in done.stdout.splitlines() if line.startswith(RESULT)]
+    assert len(marked) == 1, done.stdout[-2000:]
+    answer = json.loads(marked[0].removeprefix(RESULT))
+    assert answer["shard_before_model"] is True
+    assert answer["tokens"] == reference
+
+
 def test_download_model_prefetches_and_registering_twice_is_harmless(
     tiny: Checkpoint, hub: FakeHub, tmp_path: Path
 ) -> None:

@@ -10,6 +10,9 @@ venv: it pins its own torch and transformers).
         vLLM's OpenAI server (``vllm serve`` is broken in this repackaging)
     python tests/vllm_child.py download MODEL
         vLLM's plugins loaded twice, then the ``shardsync`` loader's ``download_model``
+    python tests/vllm_child.py early MODEL
+        ``generate`` with ``shardsync``, vLLM's model building held until a shard is in
+        the cache (15 s at most): ``RESULT`` + ``{"tokens": ..., "shard_before_model": ...}``
 
 The environment (``HF_ENDPOINT``, ``SHARDSYNC_*``, ``VLLM_*``) comes from the parent.
 """
@@ -60,7 +63,9 @@ def build(directory: Path) -> None:
     model.save_pretrained(directory, max_shard_size="200KB", safe_serialization=True)
 
 
-def generate(model: str, load_format: str, extra: str | None) -> None:
+def generate(
+    model: str, load_format: str, extra: str | None, also: dict[str, object] | None = None
+) -> None:
     from vllm import LLM, SamplingParams
 
     llm = LLM(
@@ -73,7 +78,32 @@ def generate(model: str, load_format: str, extra: str | None) -> None:
     )
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8))
     tokens = [list(out.outputs[0].token_ids) for out in outputs]
-    print(RESULT + json.dumps({"tokens": tokens}), flush=True)
+    print(RESULT + json.dumps({"tokens": tokens, **(also or {})}), flush=True)
+
+
+def early(model: str) -> None:
+    """Whether the download runs while vLLM builds the model: its building waits for a
+    verified shard in the snapshot, which only a stream opened before it can bring."""
+    import os
+    import time
+
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+    snapshots = Path(os.environ["SHARDSYNC_CACHE_DIR"]) / "hub"
+    build = BaseModelLoader.create_model
+    seen: dict[str, object] = {}
+
+    def create_model(self: object, *args: object, **kwargs: object) -> object:
+        deadline = time.monotonic() + 15
+        while not any(snapshots.glob("*/snapshots/*/*.safetensors")):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        seen["shard_before_model"] = any(snapshots.glob("*/snapshots/*/*.safetensors"))
+        return build(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    BaseModelLoader.create_model = create_model  # type: ignore[method-assign]
+    generate(model, "shardsync", None, seen)
 
 
 def download(model: str) -> None:
@@ -112,5 +142,7 @@ if __name__ == "__main__":  # vLLM spawns: nothing may run on import
         server(*args)
     elif command == "download":
         download(args[0])
+    elif command == "early":
+        early(args[0])
     else:
         raise SystemExit(f"unknown command {command!r}")

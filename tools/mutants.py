@@ -405,6 +405,25 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
         "a flipped byte in a dead holder's part fails the taker's job instead of one download",
     ),
+    Mutant(
+        "streams-side-by-side",
+        "shardsync/prefetch.py",
+        (("if queue is large and self.in_order:", "if queue is large and not self:"),),
+        (
+            "tests/test_prefetch.py::test_a_stream_gets_each_shard_in_its_turn_with_every_connection",
+            "tests/test_loader.py::test_a_stream_gets_the_first_shard_before_the_last_one_downloads",
+        ),
+        "a stream's shards download side by side again: all verified at the end",
+    ),
+    Mutant(
+        "turn-without-its-share",
+        "shardsync/fetch/transfer.py",
+        (("most *= max(1, turn.share)", "most *= 1"),),
+        (
+            "tests/test_prefetch.py::test_a_stream_gets_each_shard_in_its_turn_with_every_connection",
+        ),
+        "a file in its turn keeps one file's connections: one at a time is slower",
+    ),
 )
 
 
