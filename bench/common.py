@@ -35,7 +35,6 @@ import platform
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -47,6 +46,7 @@ from importlib import metadata
 from pathlib import Path
 
 from shardsync.config import parse_size
+from shardsync.testing.nginx import run_nginx
 from shardsync.testing.seaweedfs import S3Server, find_weed
 
 REPO_ID = "bench/model"
@@ -191,73 +191,21 @@ def cdn_directory(origin: Origin, root: Path) -> Path:
 # The servers: nginx for the bytes, the fake Hub for the API and the resolves, SeaweedFS
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextmanager
 def serve_nginx(root: Path, work: Path, bandwidth: float | None) -> Iterator[Nginx]:
-    """nginx in the foreground on a free loopback port serving ``root``: sendfile, a rate cap
-    per connection when ``bandwidth`` is set, an access log of the bytes each request sent.
-    Terminated (then killed) on the way out whatever happens."""
-    nginx = shutil.which("nginx") or "/usr/sbin/nginx"
-    if not os.access(nginx, os.X_OK):
-        raise RuntimeError("nginx is not installed (apt-get install nginx)")
+    """nginx (``shardsync.testing.nginx``) on a free loopback port serving ``root``: sendfile,
+    a rate cap per connection when ``bandwidth`` is set, an access log of the bytes each
+    request sent (``NGINX_FORMAT``). Stopped on the way out whatever happens."""
     remove_tree(work)
-    work.mkdir(parents=True)
-    port = _free_port()
-    user = "user root;\n" if os.geteuid() == 0 else ""
     cap = f"limit_rate {int(bandwidth)};" if bandwidth else ""
-    conf = work / "nginx.conf"
-    conf.write_text(
-        f"""{user}daemon off;
-worker_processes 2;
-pid {work}/nginx.pid;
-error_log {work}/error.log;
-events {{ worker_connections 1024; }}
-http {{
-    log_format bench '{NGINX_FORMAT}';
-    access_log {work}/access.log bench;
-    client_body_temp_path {work}/body;
-    proxy_temp_path {work}/proxy;
-    fastcgi_temp_path {work}/fastcgi;
-    uwsgi_temp_path {work}/uwsgi;
-    scgi_temp_path {work}/scgi;
-    default_type application/octet-stream;
-    sendfile on;
-    tcp_nopush on;
-    keepalive_requests 100000;
-    server {{
-        listen 127.0.0.1:{port};
-        root {root};
-        {cap}
-    }}
-}}
-"""
-    )
-    stderr_path = work / "stderr.log"
-    with stderr_path.open("wb") as stderr:
-        proc = subprocess.Popen(
-            [nginx, "-c", str(conf), "-p", str(work)],
-            stdout=subprocess.DEVNULL,
-            stderr=stderr,
-            start_new_session=True,
-        )
-    try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"nginx did not start: {tail(stderr_path)}") from None
-                time.sleep(0.05)
-        yield Nginx(f"http://127.0.0.1:{port}", work / "access.log", proc.pid)
-    finally:
-        _stop(proc)
+    fast = "sendfile on;\n    tcp_nopush on;\n    keepalive_requests 100000;"
+    with run_nginx(
+        work, f"root {root};\n        {cap}", http=fast, log_format=NGINX_FORMAT, workers=2
+    ) as url:
+        pidfile, deadline = work / "nginx.pid", time.monotonic() + 5
+        while not pidfile.exists() and time.monotonic() < deadline:  # written as it starts
+            time.sleep(0.01)
+        yield Nginx(url, work / "access.log", int(pidfile.read_text().split()[0]))
 
 
 def read_cdn(access_log: Path, offset: int, digests: set[str]) -> tuple[int, int, int]:

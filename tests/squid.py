@@ -13,13 +13,14 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from shardsync.testing.ports import free_port, wait_listening
 
 SQUID = shutil.which("squid") or ("/usr/sbin/squid" if Path("/usr/sbin/squid").exists() else None)
 NCSA_AUTH = Path("/usr/lib/squid/basic_ncsa_auth")
@@ -55,12 +56,6 @@ class Squid:
         return self.log()[mark:]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.contextmanager
 def run_squid(timeout: float = 20.0, *, auth: tuple[str, str] | None = None) -> Iterator[Squid]:
     """Start squid in a fresh directory under /tmp: as root squid runs as ``proxy``, which
@@ -81,7 +76,7 @@ def run_squid(timeout: float = 20.0, *, auth: tuple[str, str] | None = None) -> 
 def _squid_in(work: Path, timeout: float, auth: tuple[str, str] | None) -> Iterator[Squid]:
     assert SQUID is not None
     work.chmod(0o755)
-    port = _free_port()
+    port = free_port()
     conf = work / "squid.conf"
     access = "http_access allow loopback"
     if auth is not None:
@@ -128,19 +123,10 @@ strip_query_terms off
         start_new_session=True,
     )
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    err = proc.stderr.read().decode() if proc.stderr else ""
-                    log = (work / "cache.log").read_text() if (work / "cache.log").exists() else ""
-                    raise SquidUnavailable(
-                        f"squid did not start: {err[-800:]} {log[-800:]}"
-                    ) from None
-                time.sleep(0.1)
+        if not wait_listening(port, proc, timeout, every=0.1):
+            err = proc.stderr.read().decode() if proc.stderr and proc.poll() is not None else ""
+            log = (work / "cache.log").read_text() if (work / "cache.log").exists() else ""
+            raise SquidUnavailable(f"squid did not start: {err[-800:]} {log[-800:]}")
         yield Squid(url=f"http://127.0.0.1:{port}", work=work)
     finally:
         with contextlib.suppress(ProcessLookupError):

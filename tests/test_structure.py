@@ -155,7 +155,7 @@ LAYERS: dict[str, set[str]] = {
         "cli", "cli_output", "progress", "shardsync", "testing", "testing.__main__",
         "testing.checkpoints", "testing.fakehub", "testing.faults", "testing.relay",
         "testing.hub_http", "testing.hub_repos", "testing.seaweedfs", "testing.nginx",
-        "testing.daemons",
+        "testing.daemons", "testing.ports",
     },
 }  # fmt: skip
 MAX_CHAIN = 12  # modules in the longest chain of imports (17 before issue 26)

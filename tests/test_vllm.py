@@ -26,6 +26,7 @@ from helpers import assert_store_verified, serving
 
 from shardsync.testing import Checkpoint, FakeHub, serve_in_thread
 from shardsync.testing.daemons import DaemonProcess, write_config
+from shardsync.testing.ports import free_port
 from shardsync.testing.seaweedfs import S3Server
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -244,7 +245,7 @@ def test_missing_weights_are_shardsyncs_clear_error(tiny: Checkpoint, tmp_path: 
 def test_the_openai_server_answers_with_weights_from_shardsync(
     hub: FakeHub, tmp_path: Path
 ) -> None:
-    port = _free_port()
+    port = free_port()
     env = vllm_env(tmp_path, hub)
     with (
         (tmp_path / "server.log").open("w") as log,
@@ -285,11 +286,3 @@ def _complete(port: int, server: subprocess.Popen[bytes], *, deadline: float) ->
             if time.monotonic() > deadline:
                 raise
             time.sleep(1)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from shardsync.testing.ports import free_port, wait_listening
 
 START_TIMEOUT_S = 10.0
 
@@ -33,12 +33,6 @@ def find_nginx() -> str | None:
     return "/usr/sbin/nginx" if os.access("/usr/sbin/nginx", os.X_OK) else None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextmanager
 def serve_directory(root: Path, work: Path) -> Iterator[str]:
     """Run nginx in the foreground on a free loopback port; yields the base URL."""
@@ -47,27 +41,34 @@ def serve_directory(root: Path, work: Path) -> Iterator[str]:
 
 
 @contextmanager
-def run_nginx(work: Path, server: str) -> Iterator[str]:
+def run_nginx(
+    work: Path, server: str, *, http: str = "", log_format: str | None = None, workers: int = 1
+) -> Iterator[str]:
     """nginx in the foreground on a free loopback port with ``server`` as the body of its one
-    ``server`` block; yields ``http://127.0.0.1:PORT``.
+    ``server`` block; yields ``http://127.0.0.1:PORT``. ``http``: more directives for the
+    ``http`` block (``sendfile on;``); ``log_format``: the access log's format (nginx's
+    ``combined`` without one). Its pid is in ``work/nginx.pid``.
 
     Raises `NginxUnavailable` when nginx is not installed, `RuntimeError` when it does not
     start within `START_TIMEOUT_S`."""
     nginx = find_nginx()
     if nginx is None:
         raise NginxUnavailable("nginx is not installed (apt-get install nginx)")
-    port = _free_port()
+    port = free_port()
     work.mkdir(parents=True, exist_ok=True)
     user = "user root;\n" if os.geteuid() == 0 else ""
+    logging = f"log_format ours '{log_format}';\n    access_log {work}/access.log ours;"
+    if log_format is None:
+        logging = f"access_log {work}/access.log;"
     conf = work / "nginx.conf"
     conf.write_text(
         f"""{user}daemon off;
-worker_processes 1;
+worker_processes {workers};
 pid {work}/nginx.pid;
 error_log {work}/error.log;
-events {{ worker_connections 256; }}
+events {{ worker_connections 1024; }}
 http {{
-    access_log {work}/access.log;
+    {logging}
     client_body_temp_path {work}/body;
     proxy_temp_path {work}/proxy;
     fastcgi_temp_path {work}/fastcgi;
@@ -75,6 +76,7 @@ http {{
     scgi_temp_path {work}/scgi;
     types {{ application/json json; }}
     default_type application/octet-stream;
+    {http}
     server {{
         listen 127.0.0.1:{port};
         {server}
@@ -86,22 +88,20 @@ http {{
         [nginx, "-c", str(conf), "-p", str(work)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
+        start_new_session=True,
     )
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    err = proc.stderr.read().decode() if proc.stderr else ""
-                    raise RuntimeError(f"nginx did not start: {err}") from None
-                time.sleep(0.05)
+        if not wait_listening(port, proc, START_TIMEOUT_S):
+            err = proc.stderr.read().decode() if proc.stderr and proc.poll() is not None else ""
+            raise RuntimeError(f"nginx did not start: {err}")
         yield f"http://127.0.0.1:{port}"
     finally:
         proc.terminate()
-        proc.wait(timeout=10)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
         if proc.stderr:
             proc.stderr.close()
 
