@@ -22,6 +22,10 @@ one whose holder's own stamp is ``tier_claims.SKEW_S`` past its expiry (clocks m
 by that much); one that is renewed but makes no progress for ``claim_stall`` makes the
 waiter download from the origin itself. The taker resumes from the blocks the dead holder published
 (``tier_parts``), so a holder's death costs the fleet what it had in flight.
+
+Spread: a host that already claims or downloads a blob waits ``claim_courtesy`` before it
+claims another, so hosts that start together each win one (a host that dies then holds one
+blob's progress, not the whole model's); one host alone pays that once, for its second file.
 """
 
 from __future__ import annotations
@@ -57,11 +61,11 @@ from shardsync.s3 import ObjectInfo, PreconditionFailed, S3Client
 from shardsync.slot import Slot, VerifiedFile
 from shardsync.tier_claims import (
     MAX_CLAIM,
+    Watch,
     blob_key,
     claim_body,
     claim_key,
     expired,
-    parse_claim,
 )
 from shardsync.tier_parts import delete_parts, publish_parts, seed_from_parts
 
@@ -135,17 +139,6 @@ class Upload:
     counters: TierCounters | None = None  # the job it is owed for
 
 
-@dataclass(slots=True)
-class _Seen:
-    """A waiter's view of someone else's claim, on its own monotonic clock (no clock skew)."""
-
-    etag: str | None = None
-    changed_at: float = 0.0
-    done: int = -1
-    progressed_at: float = 0.0
-    upload_since: float | None = None
-
-
 class Tier:
     """One process's use of the shared tier; use as ``async with Tier(...) as tier``.
 
@@ -174,6 +167,8 @@ class Tier:
         self._tasks: asyncio.TaskGroup | None = None
         self._spawned: set[asyncio.Task[None]] = set()
         self._host = f"{socket.gethostname()}:{os.getpid()}"
+        self._claiming = asyncio.Lock()  # one claim attempt at a time, in this process
+        self._held = 0  # claims this process won and still downloads for
 
     async def __aenter__(self) -> Tier:
         self._tasks = asyncio.TaskGroup()
@@ -278,16 +273,19 @@ class Tier:
                 # corrupt: deleted; whoever claims next brings the origin's bytes
             if self._read_only:
                 break
-            claim = await self._quietly("claim", self._claim(sha256, size, stale))
+            claim = await self._claim_politely(sha256, size, stale)
             if claim is _FAILED:
                 break
             if isinstance(claim, _Claim):
-                # The previous holder may have uploaded and released between our HEAD and
-                # our claim: look again before fetching from the origin.
-                if isinstance(await self._quietly("read", self._head(sha256)), ObjectInfo):
-                    await self._release(Upload(sha256, size, claim))
-                    continue
-                return await self._fetch_for_fleet(claim, from_origin, progress, slot)
+                try:
+                    # The previous holder may have uploaded and released between our HEAD
+                    # and our claim: look again before fetching from the origin.
+                    if isinstance(await self._quietly("read", self._head(sha256)), ObjectInfo):
+                        await self._release(Upload(sha256, size, claim))
+                        continue
+                    return await self._fetch_for_fleet(claim, from_origin, progress, slot)
+                finally:
+                    self._held -= 1
             for n in self._counting():
                 n.claims_waited += 1
             outcome, stale = await self._wait(sha256, size, progress)
@@ -467,6 +465,25 @@ class Tier:
             self._host, claim.token, claim.size, claim.done, claim.phase, self.config.claim_lease
         )
 
+    async def _claim_politely(self, sha256: str, size: int, stale: str | None) -> Any:
+        """A claim (or None, or ``_FAILED``), one attempt at a time: one that would make a
+        second blob held waits ``claim_courtesy`` first, so that hosts holding none win it."""
+        courtesy = self.config.claim_courtesy
+        async with self._claiming:
+            if stale is not None or not self._held or not courtesy:
+                return await self._claim_counted(sha256, size, stale)
+        await asyncio.sleep(courtesy)
+        async with self._claiming:
+            return await self._claim_counted(sha256, size, stale)
+
+    async def _claim_counted(self, sha256: str, size: int, stale: str | None) -> Any:
+        if not self._usable():  # it died while this attempt queued: do not wait on it again
+            return _FAILED
+        claim = await self._quietly("claim", self._claim(sha256, size, stale))
+        if isinstance(claim, _Claim):
+            self._held += 1
+        return claim
+
     async def _claim(self, sha256: str, size: int, stale: str | None = None) -> _Claim | None:
         """Win the claim (``If-None-Match: *``), take over a dead one (expired by its own
         stamp, or the very version ``stale`` we watched go unrenewed), or None: someone
@@ -541,7 +558,7 @@ class Tier:
         """Until the blob is in the tier, or the claim dies (then with its last ETag), goes
         away or stalls."""
         cfg = self.config
-        seen = _Seen(changed_at=self._clock(), progressed_at=self._clock())
+        watch = Watch(size, cfg.claim_lease, cfg.claim_stall, cfg.upload_floor, self._clock())
         shown = 0
         delay = _POLL_FIRST
         try:
@@ -557,27 +574,12 @@ class Tier:
                 if answer is None:
                     return "released", None
                 body, etag = answer
-                now = self._clock()
-                state = parse_claim(body)
-                if etag != seen.etag:
-                    seen.etag, seen.changed_at = etag, now
-                if now - seen.changed_at > cfg.claim_lease or expired(body, time.time()):
-                    return "dead", etag
-                reported = state.get("done")  # another host's word: a number, or nothing
-                done = (
-                    reported if isinstance(reported, int) and not isinstance(reported, bool) else 0
-                )
-                done = min(max(done, 0), size)
-                if done > seen.done:
-                    seen.done, seen.progressed_at = done, now
-                    progress(done - shown)
-                    shown = done
-                if state.get("phase") == "upload":
-                    seen.upload_since = seen.upload_since or now
-                    if now - seen.upload_since > cfg.claim_stall + size / cfg.upload_floor:
-                        return "stalled", None
-                elif now - seen.progressed_at > cfg.claim_stall:
-                    return "stalled", None
+                seen = watch.look(body, etag, self._clock())
+                if isinstance(seen, str):  # dead (taken over from its last ETag) or stalled
+                    return seen, etag if seen == "dead" else None
+                if seen > shown:
+                    progress(seen - shown)
+                    shown = seen
                 await asyncio.sleep(delay)  # another host's pace: wall time
                 delay = min(delay * 1.5, _POLL_MAX, cfg.claim_lease / 4)
         finally:

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from typing import Any, Literal
 
 __all__ = [
     "MAX_CLAIM",
     "SKEW_S",
+    "Watch",
     "blob_key",
     "claim_body",
     "claim_key",
@@ -76,3 +78,47 @@ def expired(body: bytes, now: float) -> bool:
     if not isinstance(expires, int | float):
         return True
     return bool(now > expires + SKEW_S)
+
+
+@dataclass(slots=True)
+class Watch:
+    """A waiting host's judgement of another host's claim, on the waiter's own monotonic
+    clock (so it needs no agreement between clocks): dead once its ETag has not changed for
+    ``lease`` (or by its holder's own stamp), stalled once it shows no progress for ``stall``
+    (an upload: slower than ``upload_floor``)."""
+
+    size: int
+    lease: float
+    stall: float
+    upload_floor: int
+    started: float
+    etag: str | None = None
+    changed_at: float = 0.0
+    done: int = -1
+    progressed_at: float = 0.0
+    upload_since: float | None = None
+
+    def __post_init__(self) -> None:
+        self.changed_at = self.progressed_at = self.started
+
+    def look(self, body: bytes, etag: str, now: float) -> Literal["dead", "stalled"] | int:
+        """What one read of the claim says: ``dead``, ``stalled``, or the holder's bytes so
+        far (its own word, clamped to the blob's size)."""
+        state = parse_claim(body)
+        if etag != self.etag:
+            self.etag, self.changed_at = etag, now
+        if now - self.changed_at > self.lease or expired(body, time.time()):
+            return "dead"
+        reported = state.get("done")  # another host's word: a number, or nothing
+        done = reported if isinstance(reported, int) and not isinstance(reported, bool) else 0
+        done = min(max(done, 0), self.size)
+        if done > self.done:
+            self.done, self.progressed_at = done, now
+        if state.get("phase") == "upload":
+            if self.upload_since is None:
+                self.upload_since = now
+            if now - self.upload_since > self.stall + self.size / self.upload_floor:
+                return "stalled"
+        elif now - self.progressed_at > self.stall:
+            return "stalled"
+        return self.done

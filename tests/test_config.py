@@ -78,6 +78,9 @@ def test_env_overrides(tmp_path: Path) -> None:
         ("[s3]\nconnections_per_file = true\n", "s3.connections_per_file"),
         ("[nope]\n", "nope"),
         ("[retry]\nmax_attempts = 0\n", "max_attempts"),
+        ("[tier]\nclaim_courtesy = 'soon'\n", "tier.claim_courtesy"),
+        ("[tier]\nclaim_courtesy = '-1s'\n", "tier.claim_courtesy"),
+        ("[tier]\nclaim_lease = 0\n", "tier.claim_lease"),
         ("[download\n", "c.toml"),
     ],
 )

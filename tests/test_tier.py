@@ -41,7 +41,7 @@ from shardsync.prefetch import Engine, prefetch
 from shardsync.records import PrefetchResult, TierStatistics
 from shardsync.testing import Bandwidth, Checkpoint, FakeHub, build_checkpoint
 from shardsync.testing.seaweedfs import S3Server
-from shardsync.tier_claims import blob_key, claim_key
+from shardsync.tier_claims import Watch, blob_key, claim_key
 
 REPO = "acme/fleet"
 PREFIX = "fleet/"
@@ -149,6 +149,43 @@ async def test_hosts_at_once_cost_the_hub_one_copy_and_fill_the_tier_per_the_con
     assert sources(fifth, model) == ["tier"] * len(model.shards)
     assert_snapshot_matches(fifth.snapshot_path, model)
     assert fifth.bytes_from_tier == shard_bytes(model)
+
+
+async def test_hosts_that_start_together_each_win_a_claim(
+    s3server: S3Server,
+    s3bucket: str,
+    model: Checkpoint,
+    hub: FakeHub,
+    aws_env: None,
+    tmp_path: Path,
+) -> None:
+    """A host that holds a claim lets the others claim first (``claim_courtesy``): hosts
+    arriving while it downloads win the other blobs, so a host that dies holds one blob's
+    progress, not the whole model's."""
+    hub.faults.add(Bandwidth(2_000_000))
+    configs = [
+        host(tmp_path / f"host{i}", hub, s3server, s3bucket, claim_courtesy=3.0) for i in range(4)
+    ]
+    first = asyncio.create_task(prefetch(REPO, configs[0]))
+    deadline = time.monotonic() + 30
+    while not any(
+        "/claims/" in key for key in await asyncio.to_thread(claim_keys, s3server, s3bucket)
+    ):
+        assert time.monotonic() < deadline and not first.done(), "the first host never claimed"
+        await asyncio.sleep(0.02)
+    others = await asyncio.gather(*(prefetch(REPO, c) for c in configs[1:]))
+    results = [await first, *others]
+    assert [r.tier.claims_won if r.tier else None for r in results] == [1, 1, 1, 1]
+    served = hub.bytes_served("*.safetensors")
+    assert served <= 1.05 * shard_bytes(model), served / shard_bytes(model)
+    for result in results:
+        assert_snapshot_matches(result.snapshot_path, model)
+    assert tier_objects(s3server, s3bucket) == expected_tier(model)
+
+
+def claim_keys(server: S3Server, bucket: str) -> list[str]:
+    listed = s3(server).list_objects_v2(Bucket=bucket, Prefix=f"{PREFIX}claims/")
+    return [obj["Key"] for obj in listed.get("Contents", ())]
 
 
 def test_four_processes_at_once_cost_the_hub_about_one_copy(
@@ -803,6 +840,38 @@ async def test_a_garbage_claim_never_breaks_a_host(
     assert_snapshot_matches(result.snapshot_path, model)
     assert result.tier is not None and result.tier.claims_taken_over == 1
     assert tier_objects(s3server, s3bucket) == expected_tier(model)
+
+
+def test_a_waiters_judgement_of_a_claim_runs_on_its_own_clock() -> None:
+    """Pure: dead after a lease without a new ETag (or by its own stamp), stalled after
+    ``stall`` without progress, an upload allowed its size at the floor rate on top."""
+
+    def claim(done: object, phase: str = "download", expires_in: float = 60.0) -> bytes:
+        return json.dumps(
+            {"done": done, "phase": phase, "expires": time.time() + expires_in}
+        ).encode()
+
+    def watch() -> Watch:
+        return Watch(size=1000, lease=4.0, stall=10.0, upload_floor=100, started=0.0)
+
+    w = watch()
+    assert w.look(claim(300), "a", 1.0) == 300
+    assert w.look(claim(5000), "b", 2.0) == 1000  # another host's word, clamped to the size
+    assert w.look(claim(1000), "b", 6.0) == 1000  # four seconds of one ETag: still alive
+    assert w.look(claim(1000), "b", 6.1) == "dead"
+    assert watch().look(claim(0, expires_in=-61.0), "a", 0.0) == "dead"  # its own stamp
+    assert watch().look(b"not json", "a", 0.0) == "dead"
+
+    w = watch()
+    assert w.look(claim(10), "e0", 0.0) == 10
+    for t in range(1, 11):  # renewed every second, never further than 10 bytes
+        assert w.look(claim(True if t % 2 else 10), f"e{t}", float(t)) == 10
+    assert w.look(claim(10), "e11", 10.5) == "stalled"
+
+    w = watch()
+    assert w.look(claim(1000, "upload"), "u0", 0.0) == 1000
+    assert w.look(claim(1000, "upload"), "u1", 19.0) == 1000  # 10 s + 1000 B at 100 B/s
+    assert w.look(claim(1000, "upload"), "u2", 20.5) == "stalled"
 
 
 def test_a_full_disk_with_a_tier_is_the_same_one_error_line(

@@ -392,6 +392,18 @@ MUTANTS: tuple[Mutant, ...] = (
         "a taker uploads the parts it resumed from a second time",
     ),
     Mutant(
+        "claims-without-courtesy",
+        "shardsync/tier.py",
+        (
+            (
+                "            if stale is not None or not self._held or not courtesy:",
+                "            if True:",
+            ),
+        ),
+        ("tests/test_tier.py::test_hosts_that_start_together_each_win_a_claim",),
+        "the first host to start wins every claim, and its death costs the whole model's progress",
+    ),
+    Mutant(
         "bad-part-fails-the-job",
         "shardsync/tier.py",
         (
