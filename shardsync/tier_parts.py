@@ -6,8 +6,9 @@ Key layout (part of the tier's contract, see ``tier``)::
     PREFIX/parts/<sha256>/<start>-<end>   bytes [start, end) of the blob with that sha256
 
 The holder publishes what its resume record says is on disk (the record trails the file by a
-fraction of a second), in pieces of ``part_size`` along each connection's range, so a holder
-killed at 40% costs the fleet less than a piece per connection, not 40% of the blob. A taker
+fraction of a second), in pieces of ``part_size`` along each connection's range and their
+short tails every second, so a holder killed at 40% costs the fleet about a second of its
+download and what was on its way up, not 40% of the blob. A taker
 writes the parts into a seeded partial (``Slot.seed``) and downloads only the rest from the
 origin. Nothing of a part is trusted: the taker's download hashes the whole file, parts
 included, and a mismatch deletes the parts and costs one more download from the origin, never
@@ -33,6 +34,7 @@ __all__ = ["delete_parts", "next_pieces", "parts_prefix", "publish_parts", "seed
 log = logging.getLogger("shardsync.tier")
 
 _LOOK_S = 0.25  # seconds between looks at the holder's resume record
+_FLUSH_S = 1.0  # seconds between uploads of the runs' tails, whatever their length
 _WRITERS = 4  # pieces a holder uploads at once, per blob
 _MAX_PARTS = 100_000
 _READERS = 8  # parts read at once by a taker
@@ -55,14 +57,15 @@ async def publish_parts(
     there: RangeSet | None = None,
 ) -> None:
     """While ``downloading()``: upload what the slot's partial holds that is not published
-    yet, in pieces of ``part_size`` (each connection fills its own range from its start, so
-    pieces follow the landed runs, not aligned blocks: a holder killed at 40% of its ranges
-    has published all but less than a piece per connection, where the tier keeps pace with the
-    origin; bench/README.md: Under faults). A run that cannot grow any
-    more (it reaches a published piece or the end) goes out whatever its length. Runs until
-    cancelled or the download ends; a failed request ends it (the caller counts it). ``there``
-    is what the tier holds already (the parts a taker seeded from): never uploaded again."""
-    published = RangeSet() if there is None else there.copy()
+    yet, in pieces of at most ``part_size`` along each connection's run (pieces follow the
+    landed runs, not aligned blocks), ``_WRITERS`` at a time, a piece going out as soon as a
+    writer is free. Every ``_FLUSH_S`` the runs' short tails go out too, so a holder killed
+    at 40% has published all but about a second and its uploads in flight, however slow its
+    connections (a 4 MiB piece at 2 MB/s took 2 s to fill; bench/README.md: Under faults).
+    Runs until cancelled or the download ends; a failed request ends it (the caller counts
+    it). ``there`` is what the tier holds already (the parts a taker seeded from): never
+    uploaded again."""
+    decided = RangeSet() if there is None else there.copy()  # published, or on its way
     gate = asyncio.Semaphore(_WRITERS)
 
     async def put(first: int, stop: int) -> None:
@@ -76,30 +79,33 @@ async def publish_parts(
             if len(data) == stop - first:
                 key = f"{parts_prefix(where.prefix, sha256)}{first}-{stop}"
                 await client.put_bytes(where.bucket, key, data)
-                published.add(first, stop)
 
-    while downloading():
-        await asyncio.sleep(_LOOK_S)
-        landed = await asyncio.to_thread(slot.landed)
-        if landed is None or landed.total() >= size:
-            continue  # no record to trust, or the whole file: the blob itself follows
-        try:
-            async with asyncio.TaskGroup() as tg:
-                for first, stop in next_pieces(landed, published, size, part_size):
+    looks = 0
+    try:
+        async with asyncio.TaskGroup() as tg:
+            while downloading():
+                await asyncio.sleep(_LOOK_S)
+                looks += 1
+                landed = await asyncio.to_thread(slot.landed)
+                if landed is None or landed.total() >= size:
+                    continue  # no record to trust, or the whole file: the blob itself follows
+                flush = looks % round(_FLUSH_S / _LOOK_S) == 0
+                for first, stop in next_pieces(landed, decided, size, part_size, flush=flush):
+                    decided.add(first, stop)
                     tg.create_task(put(first, stop))
-        except BaseExceptionGroup as group:
-            raise_first(group)  # the request's own error, as a single request raises it
+    except BaseExceptionGroup as group:
+        raise_first(group)  # the request's own error, as a single request raises it
 
 
 def next_pieces(
-    landed: RangeSet, published: RangeSet, size: int, part_size: int
+    landed: RangeSet, published: RangeSet, size: int, part_size: int, *, flush: bool = False
 ) -> list[tuple[int, int]]:
     """What to publish next: the landed bytes not yet published, in pieces of ``part_size``,
-    and a shorter last piece of a run only where the run can grow no more."""
+    and a shorter last piece of a run where the run can grow no more, or on ``flush``."""
     out: list[tuple[int, int]] = []
     for start, end in landed.to_list():
         for first, stop in _minus(start, end, published):
-            closed = stop == size or published.contains(stop, stop + 1)
+            closed = flush or stop == size or published.contains(stop, stop + 1)
             while stop - first >= part_size or (closed and stop > first):
                 piece = min(first + part_size, stop)
                 out.append((first, piece))

@@ -264,6 +264,18 @@ def test_the_longest_chain_of_imports_is_short() -> None:
     assert len(chain) <= MAX_CHAIN, " > ".join(chain)
 
 
+MAX_LINES = 700  # a module a newcomer reads in one sitting (issue 26)
+
+
+def test_no_module_is_longer_than_a_sitting() -> None:
+    long = {
+        str(path.relative_to(PACKAGE)): n
+        for path in PACKAGE.rglob("*.py")
+        if (n := len(path.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, long
+
+
 def test_the_graph_sees_every_kind_of_import(tmp_path: Path) -> None:
     """A lazy import, one under TYPE_CHECKING and ``from pkg import module`` are edges, and a
     circle and a chain are found (the checks above would pass on a graph that saw nothing)."""

@@ -105,24 +105,29 @@ def ranges(*pairs: tuple[int, int]) -> RangeSet:
 
 
 @pytest.mark.parametrize(
-    ("landed", "published", "pieces"),
+    ("landed", "published", "flush", "pieces"),
     [
         # each connection's run, in whole pieces; its growing tail waits
-        ([(0, 9), (20, 27)], [], [(0, 4), (4, 8), (20, 24)]),
+        ([(0, 9), (20, 27)], [], False, [(0, 4), (4, 8), (20, 24)]),
+        # ... until a flush: then the tails go too
+        ([(0, 9), (20, 27)], [], True, [(0, 4), (4, 8), (8, 9), (20, 24), (24, 27)]),
+        ([(0, 9)], [(0, 8)], True, [(8, 9)]),
         # a run that reached a published piece (or the end) can grow no more: all of it goes
-        ([(0, 9)], [(9, 12)], [(0, 4), (4, 8), (8, 9)]),
-        ([(30, 40)], [], [(30, 34), (34, 38), (38, 40)]),
+        ([(0, 9)], [(9, 12)], False, [(0, 4), (4, 8), (8, 9)]),
+        ([(30, 40)], [], False, [(30, 34), (34, 38), (38, 40)]),
         # nothing twice
-        ([(0, 12)], [(0, 8)], [(8, 12)]),
-        ([(0, 6)], [(0, 4)], []),
+        ([(0, 12)], [(0, 8)], False, [(8, 12)]),
+        ([(0, 6)], [(0, 4)], False, []),
+        ([(0, 6)], [(0, 6)], True, []),
     ],
 )
 def test_a_holder_publishes_whole_pieces_of_what_landed_once(
     landed: list[tuple[int, int]],
     published: list[tuple[int, int]],
+    flush: bool,
     pieces: list[tuple[int, int]],
 ) -> None:
-    assert next_pieces(ranges(*landed), ranges(*published), 40, 4) == pieces
+    assert next_pieces(ranges(*landed), ranges(*published), 40, 4, flush=flush) == pieces
 
 
 def outcome(result: PrefetchResult, path: str) -> tuple[int, int]:
@@ -212,15 +217,22 @@ async def test_a_corrupt_part_costs_one_download_and_never_a_wrong_blob(
     )
 
 
+@pytest.mark.parametrize("part_size", ["1MiB", "16MiB"])
 def test_a_holder_killed_mid_download_leaves_parts_the_taker_resumes_from(
-    s3server: S3Server, s3bucket: str, model: Checkpoint, aws_env: None, tmp_path: Path
+    s3server: S3Server,
+    s3bucket: str,
+    model: Checkpoint,
+    aws_env: None,
+    tmp_path: Path,
+    part_size: str,
 ) -> None:
     """A real holder, killed ``-9`` once its claim says 60% of the first shard is done: what it
-    published is not downloaded again (the Hub's egress for that shard stays under 1.5 of it)."""
+    published is not downloaded again (the Hub's egress for that shard stays under 1.5 of it).
+    With pieces larger than the shard, only the holder's flushes of its runs' tails publish."""
     conf = tmp_path / "shardsync.toml"
     conf.write_text(
         f'[s3]\nendpoint = "{s3server.endpoint}"\naddressing = "path"\nregion = "us-east-1"\n'
-        f'[tier]\nurl = "s3://{s3bucket}/{PREFIX}"\nclaim_lease = "1s"\npart_size = "1MiB"\n'
+        f'[tier]\nurl = "s3://{s3bucket}/{PREFIX}"\nclaim_lease = "1s"\npart_size = "{part_size}"\n'
         '[download]\nconnections_per_file = 2\nchunk_size = "4MiB"\n'
     )
     shard = model.shards[0]

@@ -384,8 +384,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "shardsync/tier_parts.py",
         (
             (
-                "    published = RangeSet() if there is None else there.copy()",
-                "    published = RangeSet()",
+                "    decided = RangeSet() if there is None else there.copy()",
+                "    decided = RangeSet()",
             ),
         ),
         ("tests/test_tier_parts.py::test_a_taker_never_uploads_again_the_parts_it_resumed_from",),
@@ -402,6 +402,21 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
         ("tests/test_tier.py::test_hosts_that_start_together_each_win_a_claim",),
         "the first host to start wins every claim, and its death costs the whole model's progress",
+    ),
+    Mutant(
+        "parts-tails-never-flushed",
+        "shardsync/tier_parts.py",
+        (
+            (
+                "                flush = looks % round(_FLUSH_S / _LOOK_S) == 0",
+                "                flush = False",
+            ),
+        ),
+        (
+            "tests/test_tier_parts.py::"
+            "test_a_holder_killed_mid_download_leaves_parts_the_taker_resumes_from[16MiB]",
+        ),
+        "a holder on a slow link publishes nothing until a piece fills, and its death costs it all",
     ),
     Mutant(
         "bad-part-fails-the-job",
