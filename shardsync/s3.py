@@ -93,6 +93,10 @@ class S3Client:
     """One aiobotocore client, opened on first use and shared by every caller.
 
     ``aclose`` releases it; an unused instance owns nothing, so making one is free.
+    A request is tried ``attempts`` times: by botocore, with its backoff (up to 1 s before
+    the first retry, doubling), or with ``retry_wait`` given, by us, that many seconds apart
+    and only after a failure of the transport or the store (a tier must not cost a job a
+    second per request to find it dead).
     """
 
     def __init__(
@@ -101,10 +105,12 @@ class S3Client:
         network: NetworkConfig | None = None,
         *,
         attempts: int = 4,
+        retry_wait: float | None = None,
     ) -> None:
         self.config = config or S3Config()
         self.network = network or NetworkConfig()
-        self.attempts = attempts  # botocore's, per request (retries with backoff between)
+        self.attempts = attempts
+        self.retry_wait = retry_wait
         self._stack: contextlib.AsyncExitStack | None = None
         self._client: _Client | None = None
         self._opening = asyncio.Lock()
@@ -143,7 +149,11 @@ class S3Client:
             # the payload too would make botocore hash each upload again, in the event loop
             # (it does for every http endpoint unless told not to).
             s3={"addressing_style": cfg.addressing, "payload_signing_enabled": False},
-            retries={"max_attempts": self.attempts, "mode": "standard"},
+            # total_max_attempts counts the first try; botocore's max_attempts does not
+            retries={
+                "total_max_attempts": self.attempts if self.retry_wait is None else 1,
+                "mode": "standard",
+            },
             connect_timeout=10,
             read_timeout=60,
             # checksums only where S3 requires them; ours are passed explicitly
@@ -174,12 +184,18 @@ class S3Client:
 
     async def _call(self, what: str, where: str, call: Callable[[_Client], Awaitable[_T]]) -> _T:
         client = await self._get()
-        try:
-            return await call(client)
-        except ShardsyncError:
-            raise
-        except Exception as exc:
-            raise _mapped(exc, what, where) from None
+        left = 0 if self.retry_wait is None else self.attempts - 1  # botocore's are inside
+        while True:
+            try:
+                return await call(client)
+            except ShardsyncError as exc:
+                error = exc
+            except Exception as exc:
+                error = _mapped(exc, what, where)
+            if not left or not isinstance(error, TransferError):
+                raise error from None
+            left -= 1
+            await asyncio.sleep(self.retry_wait or 0.0)
 
     # ------------------------------------------------------------------ reading
 
@@ -188,6 +204,7 @@ class S3Client:
         found: list[ObjectInfo] = []
 
         async def run(client: _Client) -> None:
+            found.clear()  # a retry lists from the start
             paginator = client.get_paginator("list_objects_v2")
             pages: AsyncIterator[dict[str, Any]] = paginator.paginate(
                 Bucket=where.bucket, Prefix=where.prefix

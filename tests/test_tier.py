@@ -285,6 +285,33 @@ async def test_a_tier_that_is_down_costs_one_warning_and_the_job_goes_on(
     assert len([r for r in caplog.records if r.name == "shardsync.tier"]) == 1
 
 
+async def test_a_dead_tier_is_asked_at_most_twice_per_request(
+    model: Checkpoint, hub: FakeHub, s3server: S3Server, aws_env: None, tmp_path: Path
+) -> None:
+    """A tier that resets every connection: each request is tried once more (0.1 s later,
+    not after botocore's backoff of up to a second, which cost a 95 MB job 2 s), then the
+    tier is down and asked nothing else. (aiohttp itself sends an idempotent request again
+    once when the connection drops: two connections per try.)"""
+    tries = 0
+
+    async def reset(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal tries
+        tries += 1
+        await reader.read(1)
+        writer.transport.abort()
+
+    listener = await asyncio.start_server(reset, "127.0.0.1", 0)
+    port = listener.sockets[0].getsockname()[1]
+    try:
+        dead = S3Server(**{**s3server.__dict__, "endpoint": f"http://127.0.0.1:{port}"})
+        result = await prefetch(REPO, host(tmp_path / "h", hub, dead, "nobucket"))
+    finally:
+        listener.close()
+    assert_snapshot_matches(result.snapshot_path, model)
+    assert sources(result, model) == ["network"] * len(model.shards)
+    assert 1 <= tries <= 2 * 2 * len(model.shards)  # the files' first looks, and no more
+
+
 async def test_a_tier_that_hangs_costs_seconds_and_one_warning(
     model: Checkpoint, hub: FakeHub, s3server: S3Server, aws_env: None, tmp_path: Path,
     caplog: pytest.LogCaptureFixture,

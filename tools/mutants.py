@@ -419,6 +419,18 @@ MUTANTS: tuple[Mutant, ...] = (
         "a holder on a slow link publishes nothing until a piece fills, and its death costs it all",
     ),
     Mutant(
+        "tier-retries-with-botocores-backoff",
+        "shardsync/s3.py",
+        (
+            (
+                '"total_max_attempts": self.attempts if self.retry_wait is None else 1,',
+                '"max_attempts": self.attempts if self.retry_wait is None else 1,',
+            ),
+        ),
+        ("tests/test_tier.py::test_a_dead_tier_is_asked_at_most_twice_per_request",),
+        "botocore retries a dead tier's requests with up to a second of backoff each",
+    ),
+    Mutant(
         "bad-part-fails-the-job",
         "shardsync/tier.py",
         (
