@@ -195,9 +195,10 @@ class TierConfig:
     # 4 MiB: a quarter of a Range (chunk_size): a holder killed mid-download costs less than
     # a piece per connection it had open; the parts cost one more write of the blob to the tier
     part_size: int = 4 << 20
-    # 0.5 s: hosts started by one scheduler arrive within it, each wins a claim, and a dead
-    # host holds one blob (one host holding all four cost 1.15-1.31x the model's egress)
-    claim_courtesy: float = 0.5
+    # 2 s: hosts started together arrive within it (8 on 2 cores reached their claims up
+    # to ~2 s apart; 0.5 s left one host all four blobs in 2 of 3 rounds), each wins a claim,
+    # and a dead host holds one blob (one host holding all four cost 1.15-1.31x the egress)
+    claim_courtesy: float = 2.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -54,3 +54,14 @@ def test_a_patch_that_no_longer_applies_is_reported() -> None:
     (first, *_) = mutants.MUTANTS
     with pytest.raises(ValueError, match="found 0"):
         first.apply("nothing of the kind")
+
+
+def test_the_testing_doc_lists_every_mutant_and_its_count() -> None:
+    """docs/testing.md's table is what a reader trusts: one row per planted bug, and the
+    count the README and the doc state is the list's."""
+    doc = (ROOT / "docs" / "testing.md").read_text()
+    rows = {line.split("`")[1] for line in doc.splitlines() if line.startswith("| `")}
+    assert rows == {m.name for m in mutants.MUTANTS}
+    n = len(mutants.MUTANTS)
+    assert f"({n} of {n})" in doc
+    assert f"({n} of {n} caught)" in (ROOT / "README.md").read_text()
