@@ -131,6 +131,8 @@ class FaultGate:
     # query keys the gate answers 501 NotImplemented, as a store lacking that call does
     # (``attributes``: GetObjectAttributes)
     refuse: frozenset[str] = frozenset()
+    # a status every PUT is answered with instead (a store refusing writes: full, throttling)
+    refuse_puts: int = 0
     # the most GETs of each object (by path) the gate was answering at one time
     most_at_once: dict[str, int] = field(default_factory=dict)
     _at_once: Counter[str] = field(default_factory=Counter)
@@ -239,6 +241,10 @@ class FaultGate:
         if any(k in self.refuse for k, _ in params):
             record("status", 501)
             return _s3_error(501, "NotImplemented", target)
+        if self.refuse_puts and request.method == "PUT":
+            record("status", self.refuse_puts)
+            code = _S3_CODES.get(self.refuse_puts, "Error")
+            return _s3_error(self.refuse_puts, code, target)
         if token is not None and self.identity is not None:
             verified = token == self.identity.token and _verify(
                 request.method, target, headers, self.identity

@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 from bodypaths import BodyPath
 from daemons import api, cli, daemon_in_loop, short_tmp
+from faultgate import FaultGate
 from helpers import (
     Bars,
     assert_snapshot_matches,
@@ -310,6 +311,30 @@ async def test_a_dead_tier_is_asked_at_most_twice_per_request(
     assert_snapshot_matches(result.snapshot_path, model)
     assert sources(result, model) == ["network"] * len(model.shards)
     assert 1 <= tries <= 2 * 2 * len(model.shards)  # the files' first looks, and no more
+
+
+async def test_a_tier_refusing_every_put_with_503_costs_one_warning(
+    s3server: S3Server,
+    s3bucket: str,
+    model: Checkpoint,
+    hub: FakeHub,
+    aws_env: None,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A store that is up but refuses every write (full, throttling): the claim fails, the
+    tier is skipped, the job comes from the origin once, and the log has one warning."""
+    async with FaultGate(s3server.endpoint, refuse_puts=503) as gate:
+        via = S3Server(**{**s3server.__dict__, "endpoint": gate.endpoint})
+        with caplog.at_level(logging.WARNING, logger="shardsync.tier"):
+            result = await prefetch(REPO, host(tmp_path / "h", hub, via, s3bucket))
+    assert_snapshot_matches(result.snapshot_path, model)
+    assert sources(result, model) == ["network"] * len(model.shards)
+    assert hub.bytes_served("*.safetensors") == shard_bytes(model)
+    assert result.tier is not None and result.tier.errors >= 1 and result.tier.uploads == 0
+    assert 1 <= sum(1 for s in gate.seen if s.method == "PUT") <= 2  # one claim, tried twice
+    assert len([r for r in caplog.records if r.name == "shardsync.tier"]) == 1
+    assert tier_objects(s3server, s3bucket) == {}
 
 
 async def test_a_tier_that_hangs_costs_seconds_and_one_warning(
