@@ -25,7 +25,8 @@ waiter download from the origin itself. The taker resumes from the blocks the de
 
 Spread: a host that already claims or downloads a blob waits ``claim_courtesy`` before it
 claims another, so hosts that start together each win one (a host that dies then holds one
-blob's progress, not the whole model's); one host alone pays that once, for its second file.
+blob's progress, not the whole model's); a host alone pays it once: its second to last
+files start ``claim_courtesy`` late.
 """
 
 from __future__ import annotations
