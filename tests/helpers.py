@@ -13,7 +13,7 @@ from collections import defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -26,6 +26,7 @@ from shardsync.records import FetchConfig, FileOutcome, RepoRef
 from shardsync.retry import RetryPolicy
 from shardsync.slot import Slot, VerifiedFile
 from shardsync.testing import Checkpoint, FakeHub, serve_in_thread
+from shardsync.testing.seaweedfs import S3Server
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -292,3 +293,23 @@ class WrappedOrigin:
 
     async def aclose(self) -> None:
         return None
+
+
+_S3_CLIENTS: dict[str, Any] = {}
+
+
+def s3(server: S3Server) -> Any:
+    """A blocking botocore client with full rights on the test store, for setting up and
+    inspecting what the code under test wrote (one per store, kept for the session)."""
+    import botocore.session
+
+    if server.endpoint not in _S3_CLIENTS:
+        session = botocore.session.get_session()
+        _S3_CLIENTS[server.endpoint] = session.create_client("s3", **server.client_kwargs())
+    return _S3_CLIENTS[server.endpoint]
+
+
+def s3_keys(server: S3Server, bucket: str, prefix: str) -> set[str]:
+    """Every key under ``prefix`` in ``bucket``, as the store lists them."""
+    pages = s3(server).get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+    return {obj["Key"] for page in pages for obj in page.get("Contents", ())}

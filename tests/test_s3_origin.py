@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import pytest
 from daemons import daemon_in_loop, short_tmp
 from faultgate import FaultGate, GateFault
-from helpers import assert_snapshot_matches, assert_store_verified, fast_config
+from helpers import assert_snapshot_matches, assert_store_verified, fast_config, s3
 
 from shardsync.client import Client
 from shardsync.config import Config, S3Config
@@ -76,19 +76,7 @@ def put(
     kwargs = {}
     if checksum:
         kwargs["ChecksumSHA256"] = base64.b64encode(hashlib.sha256(data).digest()).decode()
-    _sync_client(server).put_object(Bucket=bucket, Key=key, Body=data, **kwargs)
-
-
-_CLIENTS: dict[str, Any] = {}
-
-
-def _sync_client(server: S3Server) -> Any:
-    import botocore.session
-
-    if server.endpoint not in _CLIENTS:
-        session = botocore.session.get_session()
-        _CLIENTS[server.endpoint] = session.create_client("s3", **server.client_kwargs())
-    return _CLIENTS[server.endpoint]
+    s3(server).put_object(Bucket=bucket, Key=key, Body=data, **kwargs)
 
 
 def test_prefetch_from_s3_is_byte_exact_and_says_tofu_without_checksums(
@@ -127,7 +115,7 @@ def put_as_uploaders_do(
     """What an uploader with default checksums writes: one PutObject carrying the checksum
     (a whole-object one), or a multipart upload whose parts each carry theirs (the store
     then keeps a composite of them, or for CRC64NVME a whole-object one)."""
-    client = _sync_client(server)
+    client = s3(server)
     if not multipart or len(data) <= _PART:
         client.put_object(Bucket=bucket, Key=key, Body=data, ChecksumAlgorithm=algorithm)
         return

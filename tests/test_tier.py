@@ -31,6 +31,8 @@ from helpers import (
     assert_snapshot_matches,
     assert_store_verified,
     fast_config,
+    s3,
+    s3_keys,
     serving,
     tmpfs,
 )
@@ -79,26 +81,12 @@ def sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-_CLIENTS: dict[str, Any] = {}
-
-
-def s3(server: S3Server) -> Any:
-    """A blocking S3 client with full rights, for setting up and inspecting the tier."""
-    import botocore.session
-
-    if server.endpoint not in _CLIENTS:
-        session = botocore.session.get_session()
-        _CLIENTS[server.endpoint] = session.create_client("s3", **server.client_kwargs())
-    return _CLIENTS[server.endpoint]
-
-
 def tier_objects(server: S3Server, bucket: str) -> dict[str, bytes]:
     client = s3(server)
-    found: dict[str, bytes] = {}
-    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=PREFIX):
-        for obj in page.get("Contents", ()):
-            found[obj["Key"]] = client.get_object(Bucket=bucket, Key=obj["Key"])["Body"].read()
-    return found
+    return {
+        key: client.get_object(Bucket=bucket, Key=key)["Body"].read()
+        for key in s3_keys(server, bucket, PREFIX)
+    }
 
 
 def expected_tier(model: Checkpoint) -> dict[str, bytes]:
@@ -169,9 +157,7 @@ async def test_hosts_that_start_together_each_win_a_claim(
     ]
     first = asyncio.create_task(prefetch(REPO, configs[0]))
     deadline = time.monotonic() + 30
-    while not any(
-        "/claims/" in key for key in await asyncio.to_thread(claim_keys, s3server, s3bucket)
-    ):
+    while not await asyncio.to_thread(s3_keys, s3server, s3bucket, f"{PREFIX}claims/"):
         assert time.monotonic() < deadline and not first.done(), "the first host never claimed"
         await asyncio.sleep(0.02)
     others = await asyncio.gather(*(prefetch(REPO, c) for c in configs[1:]))
@@ -182,11 +168,6 @@ async def test_hosts_that_start_together_each_win_a_claim(
     for result in results:
         assert_snapshot_matches(result.snapshot_path, model)
     assert tier_objects(s3server, s3bucket) == expected_tier(model)
-
-
-def claim_keys(server: S3Server, bucket: str) -> list[str]:
-    listed = s3(server).list_objects_v2(Bucket=bucket, Prefix=f"{PREFIX}claims/")
-    return [obj["Key"] for obj in listed.get("Contents", ())]
 
 
 def test_four_processes_at_once_cost_the_hub_about_one_copy(

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import assert_snapshot_matches, fast_config, serving
+from helpers import assert_snapshot_matches, fast_config, s3, s3_keys, serving
 
 from shardsync.config import Config, S3Config, TierConfig
 from shardsync.prefetch import Engine, prefetch
@@ -51,23 +51,6 @@ def host(cache_dir: Path, hub: FakeHub, server: S3Server, bucket: str) -> Config
         s3=s3,
         tier=TierConfig(url=f"s3://{bucket}/{PREFIX}", part_size=PART),
     )
-
-
-_CLIENTS: dict[str, Any] = {}
-
-
-def s3(server: S3Server) -> Any:
-    import botocore.session
-
-    if server.endpoint not in _CLIENTS:
-        session = botocore.session.get_session()
-        _CLIENTS[server.endpoint] = session.create_client("s3", **server.client_kwargs())
-    return _CLIENTS[server.endpoint]
-
-
-def keys(server: S3Server, bucket: str) -> set[str]:
-    pages = s3(server).get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=PREFIX)
-    return {obj["Key"] for page in pages for obj in page.get("Contents", ())}
 
 
 def dead_holder(server: S3Server, bucket: str, data: bytes, parts: int, flip: bool = False) -> str:
@@ -156,7 +139,7 @@ async def test_a_taker_resumes_from_the_dead_holders_parts(
     assert s3(s3server).get_object(Bucket=s3bucket, Key=blob_key(PREFIX, sha))["Body"].read() == (
         data
     )
-    assert not {k for k in keys(s3server, s3bucket) if "/parts/" in k or "/claims/" in k}
+    assert not {k for k in s3_keys(s3server, s3bucket, PREFIX) if "/parts/" in k or "/claims/" in k}
 
 
 async def test_a_taker_never_uploads_again_the_parts_it_resumed_from(
@@ -210,7 +193,7 @@ async def test_a_corrupt_part_costs_one_download_and_never_a_wrong_blob(
     assert served == 2 * len(data) - 2 * PART  # the seeded try, then the whole file again
     assert result.tier is not None and result.tier.corrupt_objects == 1
     assert result.tier.bytes_from_parts == 0
-    assert not {k for k in keys(s3server, s3bucket) if "/parts/" in k}
+    assert not {k for k in s3_keys(s3server, s3bucket, PREFIX) if "/parts/" in k}
     sha = hashlib.sha256(data).hexdigest()
     assert s3(s3server).get_object(Bucket=s3bucket, Key=blob_key(PREFIX, sha))["Body"].read() == (
         data
@@ -256,8 +239,7 @@ def test_a_holder_killed_mid_download_leaves_parts_the_taker_resumes_from(
         by_holder = fake.bytes_served(shard)
         published = sum(
             int(k.rsplit("-", 1)[1]) - int(k.rsplit("/", 1)[1].split("-")[0])
-            for k in keys(s3server, s3bucket)
-            if k.startswith(parts_prefix(PREFIX, sha))
+            for k in s3_keys(s3server, s3bucket, parts_prefix(PREFIX, sha))
         )
         config = replace(
             fast_config(tmp_path / "taker", fake.endpoint),
@@ -282,7 +264,7 @@ def _wait_for_parts(
         assert proc.poll() is None, "the holder ended before it could be killed"
         with contextlib.suppress(Exception):
             body = s3(server).get_object(Bucket=bucket, Key=claim_key(PREFIX, sha))["Body"].read()
-            parts = [k for k in keys(server, bucket) if k.startswith(parts_prefix(PREFIX, sha))]
+            parts = s3_keys(server, bucket, parts_prefix(PREFIX, sha))
             if json.loads(body)["done"] >= 0.6 * size and parts:
                 return
         time.sleep(0.05)
@@ -315,9 +297,7 @@ async def test_a_tier_dying_while_parts_go_up_costs_one_warning(
         def cut_once_parts_are_up(n: int) -> float:
             if not proxy.down and hub.bytes_served(shard) > 0.5 * len(data):
                 with contextlib.suppress(Exception):
-                    if any(
-                        k.startswith(parts_prefix(PREFIX, sha)) for k in keys(s3server, s3bucket)
-                    ):
+                    if s3_keys(s3server, s3bucket, parts_prefix(PREFIX, sha)):
                         proxy.cut()
             return 0.0
 
