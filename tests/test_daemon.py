@@ -510,6 +510,40 @@ def test_config_errors_stop_the_daemon_with_one_line(
     assert needle in lines[0]
 
 
+_LOADED_HEAVY = """\
+import json, sys
+from shardsync.cli import main
+code = main(sys.argv[1:])
+heavy = ("aiohttp", "aiobotocore", "botocore", "huggingface_hub", "tqdm", "shardsync.prefetch")
+print(json.dumps(sorted({m for m in sys.modules if m.startswith(heavy)})), file=sys.stderr)
+sys.exit(code)
+"""
+
+
+async def test_a_prefetch_the_daemon_runs_loads_no_engine_in_the_command(
+    hub: FakeHub, big_checkpoint: Checkpoint, process: DaemonProcess, workdir: Path
+) -> None:
+    """The command that hands its job to the daemon is a thin client: no engine, aiohttp,
+    botocore or Hub client to import (0.15-0.25 s of a small model's prefetch), and the
+    same snapshot and result as in-process."""
+    await asyncio.to_thread(process.start)
+    argv = ["--config", str(process.config), "prefetch", REPO, "--quiet", "--json"]
+    out = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-c", _LOADED_HEAVY, *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stderr.strip().splitlines()[-1]) == []
+    result = json.loads(out.stdout)
+    assert result["bytes_downloaded"] == big_checkpoint.total_size
+    assert_snapshot_matches(Path(result["snapshot_path"]), big_checkpoint)
+    _, status = await api(workdir / "shardsync" / "d.sock", "GET", "/v1/status")
+    assert status["jobs_submitted"] == 1  # the daemon did it
+
+
 async def test_cli_prefetch_and_status_go_through_the_daemon(
     hub: FakeHub, big_checkpoint: Checkpoint, process: DaemonProcess, workdir: Path
 ) -> None:

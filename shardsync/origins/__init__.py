@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from shardsync.errors import ConfigError
+from shardsync.names import source_kind
 from shardsync.origins.base import Origin
 from shardsync.origins.http import UrlOrigin
 from shardsync.origins.hub import HubOrigin
@@ -38,14 +38,11 @@ def parse_source(
     """Pick the origin a user means: an http(s) URL, an ``s3://`` prefix, an existing
     directory, or a Hub repo id. S3 origins share ``s3`` when given (else own a client)."""
     env = os.environ if environ is None else environ
-    if source.startswith(("http://", "https://")):
+    kind = source_kind(source)
+    if kind == "url":
         return UrlOrigin.from_url(source, token=token)
-    if source.startswith("s3://"):
+    if kind == "s3":
         return S3Origin.from_url(source, client=s3)
-    if source.startswith(("/", "./", "../", "~")) or os.path.isdir(source):
+    if kind == "local":
         return LocalOrigin.from_path(source)
-    if "://" in source:
-        raise ConfigError(
-            f"unsupported source {source!r}: use ORG/NAME, an http(s) or s3:// URL, or a directory"
-        )
     return HubOrigin.create(source, endpoint=endpoint or env.get("HF_ENDPOINT"), token=token)
