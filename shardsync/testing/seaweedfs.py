@@ -317,14 +317,18 @@ def _wait_ready(
     deadline = time.monotonic() + timeout
     probe = f"/ready-{secrets.token_hex(4)}"
     last = "no answer"
+    bucket = False  # made: a volume may still be growing, so only the object PUT is retried
     while True:
         if proc.poll() is not None:
             raise S3ServerUnavailable(f"weed exited with {proc.returncode}: {_tail(log_path)}")
         try:
-            status, body = server.signed_request("PUT", probe, timeout=2)
-            if status == 200:
+            if not bucket:
+                status, body = server.signed_request("PUT", probe, timeout=2)
+                # a create whose answer was lost (a timeout) succeeded all the same
+                bucket = status == 200 or b"BucketAlreadyOwnedByYou" in body
+            if bucket:
                 # A PUT that writes data proves a writable volume too, not only the filer.
-                status, body = server.signed_request("PUT", f"{probe}/k", body=b"x")
+                status, body = server.signed_request("PUT", f"{probe}/k", body=b"x", timeout=5)
                 if status == 200:
                     server.signed_request("DELETE", f"{probe}/k")
                     server.signed_request("DELETE", probe)
