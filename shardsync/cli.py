@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import gc
 import json
 import os
 import sys
 import tempfile
+import threading
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -613,12 +615,24 @@ def run() -> NoReturn:
     """The ``shardsync`` command: ``main`` as a process of its own.
 
     What the imports built lives until the process ends, so the collector is told to skip it
-    (``gc.freeze``): each full collection, and the ones the interpreter runs as it exits,
-    would walk some 46,000 objects. That took 40-90 ms off the end of every ``prefetch``
-    (`bench/README.md`). Not in ``main``, which tests and embedders call in their own process.
+    (``gc.freeze``): each full collection would walk some 46,000 objects. And once ``main``
+    has returned with no other thread left, the process ends as it is: the atexit handlers
+    run, stdout and stderr are flushed, and ``os._exit`` skips the interpreter's teardown of
+    every module, which took 0.1-0.18 s after a prefetch, and most of the 0.4-0.75 s that
+    8 hosts on 2 cores ran after their snapshot was complete (`bench/README.md`). Not in
+    ``main``, which tests and embedders call in their own process.
     """
     gc.freeze()
-    sys.exit(main())
+    code = main()
+    if any(not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
+        sys.exit(code)  # a thread still works: the interpreter waits for it, as always
+    atexit._run_exitfuncs()
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except OSError:  # a closed pipe: the exit status the interpreter gives it
+        code = code or 120
+    os._exit(code)
 
 
 if __name__ == "__main__":

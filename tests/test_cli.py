@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -253,3 +254,60 @@ def test_help_names_every_kind_of_source(command: str, capsys: pytest.CaptureFix
     shown = capsys.readouterr().out
     for kind in ("ORG/NAME", "http(s)", "s3://", "directory"):
         assert kind in shown
+
+
+_RUN = """\
+import atexit, sys, threading, time
+from pathlib import Path
+from shardsync import cli
+marks, late_thread, argv = Path(sys.argv[1]), sys.argv[2] == "thread", sys.argv[3:]
+atexit.register(lambda: (marks / "atexit").write_text("ran"))
+def late():
+    time.sleep(0.3)
+    (marks / "thread").write_text("done")
+def main(_argv=None):
+    code = real(argv)
+    if late_thread:
+        threading.Thread(target=late).start()
+    return code
+real, cli.main = cli.main, main
+cli.run()
+"""
+
+
+@pytest.mark.parametrize("thread", [False, True], ids=["alone", "a-thread-still-working"])
+def test_the_command_ends_with_its_output_its_code_and_its_exit_handlers(
+    tmp_path: Path, checkpoint: Checkpoint, thread: bool
+) -> None:
+    """``run`` ends the process without the interpreter's teardown: what the command wrote
+    to a pipe, its exit status and the atexit handlers all survive, and a thread still
+    working when the command returns finishes first."""
+    local = ["ls", "--json", "--cache-dir"]
+    cache = tmp_path / "cache"
+    cached = ["--cache-dir", str(cache), "--quiet"]
+    fetched = subprocess.run(
+        [sys.executable, "-m", "shardsync.cli", "prefetch", str(checkpoint.directory), *cached],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert fetched.returncode == 0, fetched.stderr
+    buffered = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # as a user's
+    for argv, code in ([[*local, str(cache)], 0], [[*local, str(tmp_path / "nowhere")], 9]):
+        marks = tmp_path / f"marks-{code}"
+        marks.mkdir()
+        done = subprocess.run(
+            [sys.executable, "-c", _RUN, str(marks), "thread" if thread else "-", *argv],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=buffered,
+        )
+        assert done.returncode == code, done.stderr
+        assert (marks / "atexit").read_text() == "ran"
+        assert (marks / "thread").exists() == thread
+        if code == 0:
+            listing = json.loads(done.stdout)  # the whole of it, flushed
+            assert [r["repo"] for r in listing["repos"]] == [str(checkpoint.directory)], listing
+        else:
+            assert done.stderr.startswith("shardsync: error:"), done.stderr
