@@ -363,7 +363,7 @@ def process_cpu_s(pid: int) -> float | None:
 
 
 def server_cpu_seconds(pid: int) -> float:
-    """User + system CPU of the SeaweedFS process (every thread) so far, from /proc."""
+    """User + system CPU of a process (every thread) so far, from /proc: SeaweedFS, a daemon."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:

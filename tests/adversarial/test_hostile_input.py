@@ -11,7 +11,7 @@ from helpers import fast_config
 
 from shardsync.cache import CacheStore
 from shardsync.errors import ConfigError
-from shardsync.names import validate_revision
+from shardsync.names import source_kind, validate_revision
 from shardsync.origins import parse_source
 from shardsync.prefetch import prefetch
 from shardsync.testing import FakeHub
@@ -44,6 +44,30 @@ def test_bad_revisions_are_refused(revision: str) -> None:
 @pytest.mark.parametrize("revision", ["main", "v1.0", "refs/pr/1", "release/2024-06", "a" * 40])
 def test_good_revisions_pass(revision: str) -> None:
     assert validate_revision(revision) == revision
+
+
+@pytest.mark.parametrize(
+    ("source", "folders", "kind"),
+    [
+        ("https://cdn.example/m/", set(), "url"),
+        ("http://mirror:8080/m", {"http://mirror:8080/m"}, "url"),  # a URL, whatever is on disk
+        ("s3://bucket/models/", set(), "s3"),
+        ("/srv/models/llama", set(), "local"),
+        ("./llama", set(), "local"),
+        ("~/llama", set(), "local"),
+        ("acme/llama", {"acme/llama"}, "local"),  # a folder here wins over the Hub repo id
+        ("acme/llama", set(), "hub"),
+    ],
+)
+def test_a_source_names_one_kind_of_origin(source: str, folders: set[str], kind: str) -> None:
+    """The rule the CLI decides "daemon or not" by, and ``parse_source`` builds from."""
+    assert source_kind(source, is_dir=folders.__contains__) == kind
+
+
+@pytest.mark.parametrize("source", ["ftp://x/y", "file:///etc", "gs://bucket/m"])
+def test_another_scheme_is_refused(source: str) -> None:
+    with pytest.raises(ConfigError):
+        source_kind(source, is_dir=lambda _: False)
 
 
 BAD_REPOS = ["../evil", "acme/../x", "acme/x\n", "acme//x", "/etc/passwd", "acme/x?y", "acme/ré"]
