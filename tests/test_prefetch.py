@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import subprocess
@@ -480,6 +481,7 @@ async def test_a_stream_gets_each_shard_in_its_turn_with_every_connection(
     model = build_checkpoint(tmp_path / "ckpt", total_bytes=8 << 20, n_shards=4, seed=7)
     turns = _Turns()
     most: Counter[str] = Counter()
+    together: set[tuple[str, str]] = set()  # two files' bodies streaming at once
     config = fast_config(tmp_path / "cache", connections_per_file=2)
     async with FakeHub() as hub:
         hub.add_checkpoint(REPO, model)
@@ -488,6 +490,8 @@ async def test_a_stream_gets_each_shard_in_its_turn_with_every_connection(
 
         async def watch() -> None:
             while True:
+                flowing = sorted(p for p, n in hub.in_flight().items() if n)
+                together.update(itertools.pairwise(flowing))
                 for path, n in hub.in_flight().items():
                     most[path] = max(most[path], n)
                 await asyncio.sleep(0.01)
@@ -506,8 +510,11 @@ async def test_a_stream_gets_each_shard_in_its_turn_with_every_connection(
     order = [path for path, _ in verified]
     after_next = [got.get(shards[k + 2], 0) for k, (_, got) in enumerate(verified[:-2])]
     early = not any(after_next)  # shard k verified before shard k+2 got a byte
-    # the next shard starts at the tail of the one before, not after it
+    # the next shard starts at the tail of the one before, not after it: its bytes arrive
+    # before the one before is verified, or (under load, when that one's last ranges end
+    # within moments of each other) the two are seen streaming at once
     overlapped = any(got.get(shards[k + 1], 0) for k, (_, got) in enumerate(verified[:-1]))
+    overlapped = overlapped or any(pair in together for pair in itertools.pairwise(shards))
     cap = config.fetch.connections_per_file
     if in_order:
         assert order == list(model.shards)

@@ -463,6 +463,36 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
         "a file in its turn keeps one file's connections: one at a time is slower",
     ),
+    Mutant(
+        "next-in-turn-after-the-last-byte",
+        "shardsync/fetch/transfer.py",
+        (
+            (
+                "            state.at_tail()  # this connection is free: the next file may have it",
+                "            pass",
+            ),
+        ),
+        (
+            "tests/test_prefetch.py::test_a_stream_gets_each_shard_in_its_turn_with_every_connection",
+        ),
+        "a stream's next file starts only when the one before has ended, not at its tail",
+    ),
+    Mutant(
+        "exit-without-flush",
+        "shardsync/cli.py",
+        (("        sys.stdout.flush()\n        sys.stderr.flush()\n", "        pass\n"),),
+        (
+            "tests/test_cli.py::test_the_command_ends_with_its_output_its_code_and_its_exit_handlers",
+        ),
+        "the command ends without flushing: a piped stdout loses the JSON it was given",
+    ),
+    Mutant(
+        "daemon-client-loads-the-engine",
+        "shardsync/daemon_transport.py",
+        (("import h11\n", "import aiohttp  # noqa: F401\nimport h11\n"),),
+        ("tests/test_daemon.py::test_a_prefetch_the_daemon_runs_loads_no_engine_in_the_command",),
+        "a command the daemon serves imports aiohttp again (0.15 s of a small model's prefetch)",
+    ),
 )
 
 
