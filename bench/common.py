@@ -16,8 +16,8 @@ tests use too come from the package: ``shardsync.testing.seaweedfs`` (SeaweedFS)
 - the clients' environment: ``clean_env`` (loopback only, none of the user's ``HF_`` or
   ``SHARDSYNC_`` settings), ``host_env`` (plus a SeaweedFS tier's credentials),
   ``shardsync_invocation``, ``compile_shardsync``;
-- CPU and the machine: ``process_cpu_s``, ``server_cpu_seconds``, ``hash_costs``,
-  ``machine_info``, ``git_revision``, ``cpu_model``, ``fs_type``, ``nginx_version``,
+- CPU and the machine: ``process_cpu_s``, ``server_cpu_seconds``, ``children_cpu_s``,
+  ``hash_costs``, ``machine_info``, ``git_revision``, ``cpu_model``, ``fs_type``, ``nginx_version``,
   ``weed_version``;
 - ``RESULTS`` (``bench/results/``), where every script writes by default.
 """
@@ -33,6 +33,7 @@ import json
 import os
 import platform
 import re
+import resource
 import shutil
 import signal
 import subprocess
@@ -343,33 +344,38 @@ def warm_bucket(s3: S3Server, bucket: str) -> None:
 # CPU
 
 
+def _own_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of one process, every thread, from /proc (OSError if gone)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def process_cpu_s(pid: int) -> float | None:
     """User + system CPU seconds of a live process and its live children (nginx's workers)."""
-    tick = os.sysconf("SC_CLK_TCK")
-
-    def own(p: int) -> float:
-        fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / tick
-
     try:
-        total = own(pid)
+        total = _own_cpu_s(pid)
         children = Path(f"/proc/{pid}/task/{pid}/children")
         for child in children.read_text().split() if children.exists() else ():
             with contextlib.suppress(OSError, ValueError, IndexError):
-                total += own(int(child))
+                total += _own_cpu_s(int(child))
         return total
     except (OSError, ValueError, IndexError):
         return None
 
 
 def server_cpu_seconds(pid: int) -> float:
-    """User + system CPU of a process (every thread) so far, from /proc: SeaweedFS, a daemon."""
+    """User + system CPU of a process (every thread) so far: SeaweedFS, a daemon; NaN once
+    it is gone."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        return _own_cpu_s(pid)
     except OSError:
         return float("nan")
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def children_cpu_s() -> float:
+    """User + system CPU of this process's reaped children (a timed tool, its own included)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def hash_costs(

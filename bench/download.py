@@ -43,7 +43,6 @@ import argparse
 import dataclasses
 import json
 import os
-import resource
 import shlex
 import shutil
 import statistics
@@ -63,6 +62,7 @@ from common import (  # bench/common.py, beside this script
     Origin,
     Scenario,
     Servers,
+    children_cpu_s,
     clean_env,
     compile_shardsync,
     cpu_model,
@@ -272,15 +272,6 @@ def scenarios(settings: Settings) -> list[Scenario]:
 def scenario_tools(scenario: Scenario, tools: Sequence[str]) -> list[str]:
     allowed = DISK_TOOLS if scenario.disk else TMPFS_TOOLS
     return [tool for tool in tools if tool in allowed]
-
-
-# ---------------------------------------------------------------------------------------------
-# The clock (the checkpoint, nginx and the fake Hub in front of it are in common.py)
-
-
-def children_cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
 
 
 # ---------------------------------------------------------------------------------------------

@@ -73,7 +73,6 @@ import hashlib
 import json
 import os
 import platform
-import resource
 import shlex
 import shutil
 import statistics
@@ -90,6 +89,7 @@ from typing import Any, Literal
 
 from common import (  # bench/common.py, beside this script
     RESULTS,
+    children_cpu_s,
     compile_shardsync,
     cpu_model,
     fs_type,
@@ -687,11 +687,6 @@ def running_daemon(tool: str, call: Invocation, work: Path, source: Source) -> I
         yield daemon.proc.pid
     finally:
         daemon.close()
-
-
-def children_cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
 
 
 def run_once(
