@@ -17,8 +17,8 @@ tests use too come from the package: ``shardsync.testing.seaweedfs`` (SeaweedFS)
   ``SHARDSYNC_`` settings), ``host_env`` (plus a SeaweedFS tier's credentials),
   ``shardsync_invocation``, ``compile_shardsync``;
 - CPU and the machine: ``process_cpu_s``, ``server_cpu_seconds``, ``children_cpu_s``,
-  ``hash_costs``, ``machine_info``, ``git_revision``, ``cpu_model``, ``fs_type``, ``nginx_version``,
-  ``weed_version``;
+  ``run_timed``, ``hash_costs``, ``machine_info``, ``git_revision``, ``cpu_model``,
+  ``fs_type``, ``nginx_version``, ``weed_version``;
 - ``RESULTS`` (``bench/results/``), where every script writes by default.
 """
 
@@ -376,6 +376,30 @@ def children_cpu_s() -> float:
     """User + system CPU of this process's reaped children (a timed tool, its own included)."""
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
+
+
+@dataclass(frozen=True, slots=True)
+class Timed:
+    """One tool run by the wall clock a user sees."""
+
+    result: subprocess.CompletedProcess[str] | None
+    """None: killed at the timeout."""
+    seconds: float
+    cpu_s: float
+    """The child's user + system CPU, its own children included."""
+
+
+def run_timed(argv: list[str], env: Mapping[str, str], timeout: float) -> Timed:
+    """``argv`` as a child process, its output captured, timed and its CPU counted."""
+    cpu_before = children_cpu_s()
+    started = time.perf_counter()
+    try:
+        result: subprocess.CompletedProcess[str] | None = subprocess.run(
+            argv, env=env, capture_output=True, text=True, timeout=timeout, check=False
+        )
+    except subprocess.TimeoutExpired:
+        result = None
+    return Timed(result, time.perf_counter() - started, children_cpu_s() - cpu_before)
 
 
 def hash_costs(

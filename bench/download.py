@@ -46,7 +46,6 @@ import os
 import shlex
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -62,7 +61,6 @@ from common import (  # bench/common.py, beside this script
     Origin,
     Scenario,
     Servers,
-    children_cpu_s,
     clean_env,
     compile_shardsync,
     cpu_model,
@@ -75,6 +73,7 @@ from common import (  # bench/common.py, beside this script
     machine_info,
     process_cpu_s,
     remove_tree,
+    run_timed,
     serve_scenario,
     sha256_file,
     shardsync_invocation,
@@ -377,22 +376,11 @@ def run_once(
         servers.cdn_since_last()
         nginx_before = process_cpu_s(servers.nginx.pid)
         hub_before = process_cpu_s(servers.hub_pid)
-        cpu_before = children_cpu_s()
-        started = time.perf_counter()
-        try:
-            result = subprocess.run(
-                invocation.argv,
-                env=invocation.env,
-                capture_output=True,
-                text=True,
-                timeout=RUN_TIMEOUT_S,
-                check=False,
-            )
-        except subprocess.TimeoutExpired:
+        timed = run_timed(invocation.argv, invocation.env, RUN_TIMEOUT_S)
+        result, seconds, cpu = timed.result, timed.seconds, timed.cpu_s
+        if result is None:
             timeout = f"killed after {RUN_TIMEOUT_S:.0f} s"
             return Run(name, tool, repeat, RUN_TIMEOUT_S, 0, 0, False, timeout)
-        seconds = time.perf_counter() - started
-        cpu = children_cpu_s() - cpu_before
         nginx_cpu = _delta(nginx_before, process_cpu_s(servers.nginx.pid))
         hub_cpu = _delta(hub_before, process_cpu_s(servers.hub_pid))
         time.sleep(0.2)  # nginx writes a request's line as it ends: let the last ones land

@@ -89,13 +89,13 @@ from typing import Any, Literal
 
 from common import (  # bench/common.py, beside this script
     RESULTS,
-    children_cpu_s,
     compile_shardsync,
     cpu_model,
     fs_type,
     git_revision,
     package_version,
     remove_tree,
+    run_timed,
     server_cpu_seconds,
     sha256_file,
     weed_version,
@@ -706,22 +706,12 @@ def run_once(
             os.sync()  # with --work-dir on a disk, the last run's writeback must not land here
             weed_before = server_cpu_seconds(server.pid)
             daemon_before = 0.0 if daemon is None else server_cpu_seconds(daemon)
-            cpu_before = children_cpu_s()
-            started = time.perf_counter()
-            try:
-                result = subprocess.run(
-                    call.argv,
-                    env=call.env,
-                    capture_output=True,
-                    text=True,
-                    timeout=RUN_TIMEOUT_S,
-                    check=False,
-                )
+            timed = run_timed(call.argv, call.env, RUN_TIMEOUT_S)
+            result, seconds, cpu_s = timed.result, timed.seconds, timed.cpu_s
+            if result is None:
+                error: str | None = f"killed after {RUN_TIMEOUT_S:.0f} s"
+            else:
                 error = None if result.returncode == 0 else f"exit {result.returncode}"
-            except subprocess.TimeoutExpired:
-                result, error = None, f"killed after {RUN_TIMEOUT_S:.0f} s"
-            seconds = time.perf_counter() - started
-            cpu_s = children_cpu_s() - cpu_before
             if daemon is not None:  # the daemon's work for this job is the tool's CPU too
                 cpu_s += server_cpu_seconds(daemon) - daemon_before
             weed_cpu_s = server_cpu_seconds(server.pid) - weed_before

@@ -490,9 +490,9 @@ async def test_a_stream_gets_each_shard_in_its_turn_with_every_connection(
 
         async def watch() -> None:
             while True:
-                flowing = sorted(p for p, n in hub.in_flight().items() if n)
-                together.update(itertools.pairwise(flowing))
-                for path, n in hub.in_flight().items():
+                now = hub.in_flight()
+                together.update(itertools.pairwise(sorted(p for p, n in now.items() if n)))
+                for path, n in now.items():
                     most[path] = max(most[path], n)
                 await asyncio.sleep(0.01)
 
