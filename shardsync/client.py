@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from shardsync.api import JobRequest
-from shardsync.checkpoint import selection_for
+from shardsync.checkpoint_selection import selection_for
 from shardsync.config import Config, Fallback
 from shardsync.errors import DaemonError
 from shardsync.events import JobEvent

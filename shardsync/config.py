@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 from shardsync.config_access import group_id, id_list, socket_mode, tcp_address, user_id
 from shardsync.errors import ConfigError
 from shardsync.names import parse_s3_url
-from shardsync.network import NetworkConfig, network_from_env
+from shardsync.network import NetworkConfig, S3Config, network_from_env
 from shardsync.records import FetchConfig
 from shardsync.retry import RetryPolicy
 
@@ -147,29 +147,6 @@ class PruneConfig:
     pin: tuple[str, ...] = ()
     stale_partial_age: float = 86400.0  # seconds
     high_water: int | None = None
-
-
-Addressing = Literal["auto", "path", "virtual"]
-
-
-@dataclass(frozen=True, slots=True)
-class S3Config:
-    """The ``[s3]`` section: overrides of the standard AWS chain for every S3 request.
-
-    None keeps what the chain says (``AWS_ENDPOINT_URL``, ``AWS_REGION``, ``AWS_PROFILE``,
-    ``~/.aws/config``); credentials always come from the chain, never from this file.
-    ``addressing = "path"`` suits stores without per-bucket host names (MinIO, SeaweedFS,
-    Ceph RGW on a bare IP).
-    """
-
-    endpoint: str | None = None
-    region: str | None = None
-    addressing: Addressing = "auto"
-    profile: str | None = None
-    # most Range connections per object (s3:// sources and tier reads), at most the download
-    # section's: against SeaweedFS on 2 cores, 8 took 13% less client CPU and 15% less of
-    # the store's than 16 (bench/README.md, s3.py); raise it for AWS S3 on a fast NIC
-    connections_per_file: int = 8
 
 
 @dataclass(frozen=True, slots=True)

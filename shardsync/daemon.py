@@ -45,7 +45,7 @@ from aiohttp import web
 
 from shardsync import strict_json
 from shardsync.api import JobRequest, error_json
-from shardsync.checkpoint import selection_for
+from shardsync.checkpoint_selection import selection_for
 from shardsync.config import Config, daemon_socket, load_config
 from shardsync.errors import (
     ConfigError,

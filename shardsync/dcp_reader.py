@@ -3,7 +3,7 @@ load plan names, through the cache (a verified copy, pieces an earlier load kept
 origin), copying each into its tensor as it arrives.
 
 It sits beside the loader: like ``loader.py`` it imports torch, and nothing of shardsync
-imports it. Which checkpoint of a run it reads is ``checkpoint.resolve``'s choice.
+imports it. Which checkpoint of a run it reads is ``checkpoint_selection.resolve``'s choice.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from shardsync.cache import CacheStore
-from shardsync.checkpoint import resolve
 from shardsync.checkpoint_cache import KeptFile, RangeCache, pread_exact
+from shardsync.checkpoint_selection import resolve
 from shardsync.config import Config, load_config
 from shardsync.errors import LoadError, raise_first
 from shardsync.fetch.fetcher import Fetcher

@@ -14,18 +14,16 @@ import contextlib
 import json
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import aiofiles
 import aiofiles.os
 
 from shardsync import layout
 from shardsync.errors import CacheError
+from shardsync.layout import CacheLayout
 
-if TYPE_CHECKING:
-    from shardsync.store import AsyncStore
-
-__all__ = ["Journal"]
+__all__ = ["Journal", "StateFiles"]
 
 log = logging.getLogger("shardsync.journal")
 
@@ -33,10 +31,23 @@ _FORMAT = 1
 _MAX_SIZE = 16 << 20
 
 
+class StateFiles(Protocol):
+    """What the journal needs of the cache (``store.AsyncStore`` has it): where its file
+    lives and the atomic write. Named here so the journal sits beside the cache's facade,
+    not above it."""
+
+    @property
+    def layout(self) -> CacheLayout:
+        """The cache's paths (``CacheLayout.journal``)."""
+
+    async def write_state_file(self, *parts: str, data: bytes) -> None:
+        """Replace one state file atomically and durably."""
+
+
 class Journal:
     """Reads and atomically rewrites the list of unfinished jobs (opaque JSON records)."""
 
-    def __init__(self, store: AsyncStore) -> None:
+    def __init__(self, store: StateFiles) -> None:
         self._store = store
         self.path = store.layout.journal()
 

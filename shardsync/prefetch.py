@@ -24,8 +24,8 @@ from shardsync.cache import CacheStore
 from shardsync.config import Config
 from shardsync.errors import CacheError, OfflineError, raise_first
 from shardsync.events import Verified
-from shardsync.fetch.fetcher import Fetcher, InTurn
-from shardsync.fetch.request import BlobRequest, Sleep, Throttle, Turn
+from shardsync.fetch.fetcher import Fetcher, IntoSlot
+from shardsync.fetch.request import Sleep, Throttle, Turn
 from shardsync.manifest import (
     Listing,
     Manifest,
@@ -47,9 +47,10 @@ from shardsync.records import (
     RepoRef,
     SnapshotRecord,
     TierStatistics,
+    VerifiedFile,
 )
 from shardsync.s3 import S3Client
-from shardsync.slot import Slot, VerifiedFile
+from shardsync.slot import Slot
 from shardsync.snapshot_use import AccessLog, Lease, Leases
 from shardsync.store import AsyncStore
 from shardsync.tier import Tier, TierCounters, Upload
@@ -609,16 +610,15 @@ class Job:
     async def _download(
         self, entry: ManifestEntry, slot: Slot, turn: Turn | None
     ) -> tuple[FileRecord, FileOutcome]:
-        http = self.fetcher if turn is None else InTurn(self.fetcher, turn)
+        into = IntoSlot(self.fetcher, slot, turn)
 
         def progress(n: int) -> None:
             self.sink.advance(entry.path, n)
 
         async def from_origin(report: Progress) -> VerifiedFile:
-            return await self.origin.download(http, self.commit or None, entry, slot, report)
-
-        async def from_tier(request: BlobRequest, report: Progress) -> VerifiedFile:
-            return await http.fetch(request, slot, report)
+            return await self.origin.download(
+                self.fetcher, self.commit or None, entry, into, report
+            )
 
         upload: Upload | None = None
         if self.tier is not None and entry.sha256 is not None and entry.size is not None:
@@ -626,7 +626,7 @@ class Job:
                 entry.path,
                 entry.sha256,
                 entry.size,
-                from_tier,
+                into.fetch,
                 from_origin,
                 progress,
                 slot=slot,

@@ -44,6 +44,7 @@ __all__ = [
     "Source",
     "TierStatistics",
     "Verification",
+    "VerifiedFile",
 ]
 
 MiB = 1 << 20
@@ -263,6 +264,23 @@ def _check_record(record: SnapshotRecord) -> None:
 
 
 Source = Literal["network", "cache", "local", "tier"]
+
+
+@dataclass(frozen=True, slots=True)
+class VerifiedFile:
+    """A downloaded (or copied) file in a slot's private temp name, hashed and checked (or
+    trusted on first use): what an origin or the tier hands the engine and ``Slot.commit``
+    publishes."""
+
+    path: Path
+    size: int
+    sha256: str
+    xxh3_128: str
+    etag: str | None
+    verified: Verification
+    downloaded: int  # bytes received over the network by this call
+    resumed: int  # bytes reused from an earlier partial
+    source: Literal["network", "local", "tier"] = "network"
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,7 +26,6 @@ from typing import Any, TypeVar
 from urllib.parse import quote
 
 from shardsync.checksums import StoreChecksum, from_s3_answer
-from shardsync.config import S3Config
 from shardsync.errors import (
     AuthError,
     ConfigError,
@@ -37,7 +36,7 @@ from shardsync.errors import (
     TransferError,
 )
 from shardsync.names import S3Location
-from shardsync.network import NetworkConfig, Proxy
+from shardsync.network import NetworkConfig, Proxy, S3Config
 
 _Client = Any  # aiobotocore's client is typed at run time only
 

@@ -56,7 +56,7 @@ from shardsync.job_log import EventLog, JobCounters
 from shardsync.journal import Journal
 from shardsync.limits import Histogram, PriorityGate
 from shardsync.manifest import Listing, Manifest, ManifestEntry
-from shardsync.origins import Origin
+from shardsync.origins.base import Http, Origin
 from shardsync.prefetch import Engine, FileGate, Job
 from shardsync.prune import ensure_free, limits_from_config, needs_prune, prune_cache
 from shardsync.records import FileOutcome, PrefetchResult, RepoRef
@@ -67,8 +67,8 @@ log = logging.getLogger("shardsync.scheduler")
 
 
 class Selection(Protocol):
-    """A job's own files in place of the weights index (``checkpoint.CheckpointSelection``:
-    one rank's part of a training checkpoint), and what its result says."""
+    """A job's own files in place of the weights index (one rank's part of a training
+    checkpoint: ``checkpoint_selection.CheckpointSelection``), and what its result says."""
 
     async def select(self, listing: Listing) -> Manifest:
         """The files to download, from the origin's listing (``Job.prepare``'s hook)."""
@@ -77,7 +77,7 @@ class Selection(Protocol):
         """The finished job's ``job_done`` result."""
 
 
-Selections = Callable[[JobRequest, Origin, Engine], Selection | None]
+Selections = Callable[[JobRequest, Origin, Http], Selection | None]
 """Gives a request its ``Selection`` (None: the weights its index names)."""
 
 _PROGRESS_INTERVAL = 0.2  # seconds between progress events of one file
@@ -255,7 +255,7 @@ class Scheduler:
     """Runs jobs on one engine; use as ``async with Scheduler(engine, selections=...)``.
 
     ``selections`` gives each request its own choice of files, if it has one
-    (``checkpoint.selection_for``); the scheduler never asks what kind of job it runs.
+    (``checkpoint_selection.selection_for``); the scheduler never asks what kind of job it runs.
 
     Every job task lives in the scheduler's task group. Leaving the block stops the jobs
     still running (their partial files are kept and, with a journal, they resume next time).
@@ -490,7 +490,7 @@ class Scheduler:
             in_order=job.in_order,
         )
         sink.engine_job = job.engine_job = engine_job
-        job.selection = self._selections(job.request, job.origin, self.engine)
+        job.selection = self._selections(job.request, job.origin, self.engine.fetcher)
         if job.selection is not None:
             manifest = await engine_job.prepare(select=job.selection.select)
         else:

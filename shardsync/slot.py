@@ -25,25 +25,26 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Literal
+from typing import Any, Literal, Protocol
 
 import xxhash
 
 from shardsync import layout, strict_json
-from shardsync.cache import CacheStore
+from shardsync.digest import Digest
 from shardsync.errors import CacheError, disk_error
 from shardsync.layout import CacheLayout, temp_name
+from shardsync.locks import BlobLock
 from shardsync.ranges import RangeSet
-from shardsync.records import Verification
+from shardsync.records import VerifiedFile
 
 __all__ = [
+    "BlobHome",
     "OpenPartial",
     "RecordKeeper",
     "Resumable",
     "ResumeRecord",
     "Seeding",
     "Slot",
-    "VerifiedFile",
     "in_progress",
     "remove_abandoned",
 ]
@@ -52,22 +53,6 @@ _RECORD_VERSION = 3
 _MAX_RECORD = 1 << 20
 _SUFFIXES = (".part", ".json")
 _FLAGS = os.O_RDWR | os.O_CLOEXEC
-
-
-@dataclass(frozen=True, slots=True)
-class VerifiedFile:
-    """A downloaded (or copied) file in a slot's private temp name, hashed and checked (or
-    trusted on first use): what ``Slot.commit`` publishes."""
-
-    path: Path
-    size: int
-    sha256: str
-    xxh3_128: str
-    etag: str | None
-    verified: Verification
-    downloaded: int  # bytes received over the network by this call
-    resumed: int  # bytes reused from an earlier partial
-    source: Literal["network", "local", "tier"] = "network"
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,12 +198,31 @@ class OpenPartial:
     record: ResumeRecord | None
 
 
+class BlobHome(Protocol):
+    """What a slot needs of the cache it downloads into (``cache.CacheStore`` has it): its
+    paths, the key's lock and the publish. Named here, so slots (and the transfers that
+    write into them) sit beside the store, not on top of it."""
+
+    @property
+    def layout(self) -> CacheLayout:
+        """Where the partial, its record and the private temp names live."""
+
+    def lock(self, key: str) -> BlobLock:
+        """The lock on ``key`` every process using the cache shares (not yet acquired)."""
+
+    def publish_blob(
+        self, tmp: Path, sha256: str, *, identity: tuple[int, int] | None = None
+    ) -> Path:
+        """Move the verified ``tmp`` into the store under its sha256 (``identity``: the
+        inode it must still be)."""
+
+
 class Slot:
     """The download of one key into one cache; see the module docstring for its life."""
 
     __slots__ = ("_inode", "_private", "cache", "data", "key", "lock", "record")
 
-    def __init__(self, cache: CacheStore, key: str) -> None:
+    def __init__(self, cache: BlobHome, key: str) -> None:
         self.cache = cache
         self.key = key
         self.data, self.record = cache.layout.partial(key)
@@ -295,17 +299,39 @@ class Slot:
         finally:
             os.close(fd)
 
-    def create(self) -> IO[bytes]:
-        """A new private file for an origin that copies rather than downloads (no partial: a
-        copy is never resumed); commit it like a download."""
+    def copy_from(self, source: Path, version: str | None) -> VerifiedFile:
+        """Copy ``source`` into a new private file, hashing (sha256 and xxh3) in the same
+        pass, for an origin that copies rather than downloads (blocking: run it in a
+        thread). A copy is never resumed: a failed one leaves nothing; commit it like a
+        download. ``version`` is what the origin said the file was before the copy."""
         path = self._new_private("copy")
         try:
-            f = path.open("xb")
-        except OSError as exc:
-            raise disk_error(exc, f"create {path}") from exc
-        st = os.fstat(f.fileno())
-        self._inode = (st.st_dev, st.st_ino)
-        return f
+            with source.open("rb") as src:
+                try:
+                    out = path.open("xb")
+                except OSError as exc:
+                    raise disk_error(exc, f"create {path}") from exc
+                with out:
+                    st = os.fstat(out.fileno())
+                    self._inode = (st.st_dev, st.st_ino)
+                    digest = Digest().read(src, copy_to=out)
+        except BaseException as exc:
+            self.suspend()
+            if isinstance(exc, OSError):
+                then = "the copy was discarded and is made again on the next run"
+                raise disk_error(exc, f"copy {source} into the cache", then=then) from exc
+            raise
+        return VerifiedFile(
+            path=path,
+            size=digest.nbytes,
+            sha256=digest.sha256,
+            xxh3_128=digest.xxh3_128,
+            etag=version,
+            verified="tofu",
+            downloaded=0,
+            resumed=0,
+            source="local",
+        )
 
     def verified(self) -> Path:
         """The private name of the file just written (what a ``VerifiedFile`` points at)."""
@@ -531,7 +557,7 @@ def in_progress(where: CacheLayout) -> dict[str, tuple[Path, ...]]:
     return found
 
 
-def remove_abandoned(cache: CacheStore, key: str, cutoff: float) -> bool:
+def remove_abandoned(cache: BlobHome, key: str, cutoff: float) -> bool:
     """Remove one slot's files untouched since ``cutoff``, under its lock; False when they
     stay (a download holds it, or wrote since, or the key is not one shardsync makes)."""
     try:

@@ -17,9 +17,9 @@ from shardsync.digest import Digest
 from shardsync.errors import CacheError
 from shardsync.layout import CacheLayout
 from shardsync.manifest import ManifestEntry
-from shardsync.records import RepoRef, SnapshotRecord
+from shardsync.records import RepoRef, SnapshotRecord, VerifiedFile
 from shardsync.removal import sweep_orphans
-from shardsync.slot import Slot, VerifiedFile
+from shardsync.slot import Slot
 
 __all__ = ["AsyncStore"]
 

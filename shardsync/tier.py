@@ -57,9 +57,9 @@ from shardsync.errors import (
 from shardsync.fetch.request import BlobRequest, Located
 from shardsync.names import S3Location, parse_s3_url
 from shardsync.ranges import RangeSet
-from shardsync.records import TierStatistics
+from shardsync.records import TierStatistics, VerifiedFile
 from shardsync.s3 import ObjectInfo, PreconditionFailed, S3Client
-from shardsync.slot import Slot, VerifiedFile
+from shardsync.slot import Slot
 from shardsync.tier_claims import (
     MAX_CLAIM,
     Watch,

@@ -22,9 +22,9 @@ from shardsync.fetch.fetcher import Fetcher
 from shardsync.manifest import Listing, ManifestEntry
 from shardsync.origins import LocalOrigin
 from shardsync.origins.base import Entry, Forget, Progress
-from shardsync.records import FetchConfig, FileOutcome, RepoRef
+from shardsync.records import FetchConfig, FileOutcome, RepoRef, VerifiedFile
 from shardsync.retry import RetryPolicy
-from shardsync.slot import Slot, VerifiedFile
+from shardsync.slot import Slot
 from shardsync.testing import Checkpoint, FakeHub, serve_in_thread
 from shardsync.testing.seaweedfs import S3Server
 

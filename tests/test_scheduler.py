@@ -23,7 +23,7 @@ from shardsync.api import (
     result_to_json,
 )
 from shardsync.cache import CacheStore
-from shardsync.checkpoint import selection_for
+from shardsync.checkpoint_selection import selection_for
 from shardsync.config import Config
 from shardsync.events import (
     ErrorInfo,

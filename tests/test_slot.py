@@ -13,7 +13,8 @@ from shardsync.cache import CacheStore
 from shardsync.errors import CacheError
 from shardsync.layout import CacheLayout
 from shardsync.ranges import RangeSet
-from shardsync.slot import Resumable, ResumeRecord, Slot, VerifiedFile, in_progress
+from shardsync.records import VerifiedFile
+from shardsync.slot import Resumable, ResumeRecord, Slot, in_progress
 
 DATA = os.urandom(3000)
 SHA = hashlib.sha256(DATA).hexdigest()

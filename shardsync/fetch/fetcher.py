@@ -24,6 +24,7 @@ import ssl
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -67,11 +68,11 @@ from shardsync.fetch.session import Session, default_timeout
 from shardsync.fetch.transfer import Climbers, FileDownload, Services, Tally
 from shardsync.network import NetworkConfig, ssl_context
 from shardsync.ranges import format_range, parse_content_range
-from shardsync.records import FetchConfig, FetchStatistics
+from shardsync.records import FetchConfig, FetchStatistics, VerifiedFile
 from shardsync.retry import Backoff
-from shardsync.slot import Slot, VerifiedFile
+from shardsync.slot import Slot
 
-__all__ = ["Fetcher", "InTurn"]
+__all__ = ["Fetcher", "IntoSlot"]
 
 _AheadKey = tuple[str, tuple[tuple[str, str], ...]]
 
@@ -423,37 +424,20 @@ async def _read_at_most(resp: aiohttp.ClientResponse, n: int) -> bytes:
     return bytes(body)
 
 
-class InTurn:
-    """The fetcher as an origin or the tier sees it, for one file fetched in its ``turn``:
-    they call ``fetch`` as they always do, and the file gets the turn's connections."""
+class IntoSlot:
+    """One download slot as an origin or the tier fills it (``origins.base.Into``): a
+    request through the fetcher, in the file's ``turn`` when it streams in one (the file
+    then gets the turn's connections), or a copy of a file the origin opens itself."""
 
-    def __init__(self, fetcher: Fetcher, turn: Turn) -> None:
+    __slots__ = ("_fetcher", "_slot", "_turn")
+
+    def __init__(self, fetcher: Fetcher, slot: Slot, turn: Turn | None = None) -> None:
         self._fetcher = fetcher
+        self._slot = slot
         self._turn = turn
 
-    async def get_bytes(
-        self, url: str, headers: Mapping[str, str], *, max_size: int, label: str
-    ) -> bytes:
-        return await self._fetcher.get_bytes(url, headers, max_size=max_size, label=label)
+    async def fetch(self, request: BlobRequest, progress: ProgressFn) -> VerifiedFile:
+        return await self._fetcher.fetch(request, self._slot, progress, turn=self._turn)
 
-    async def get_page(
-        self, url: str, headers: Mapping[str, str], *, max_size: int, label: str
-    ) -> tuple[bytes, str | None]:
-        return await self._fetcher.get_page(url, headers, max_size=max_size, label=label)
-
-    async def read_range(self, request: BlobRequest, start: int, end: int) -> bytes:
-        return await self._fetcher.read_range(request, start, end)
-
-    async def locate(self, request: BlobRequest) -> Located:
-        return await self._fetcher.locate(request)
-
-    def locate_ahead(self, request: BlobRequest) -> None:
-        self._fetcher.locate_ahead(request)
-
-    def forget_ahead(self, request: BlobRequest | None = None) -> None:
-        self._fetcher.forget_ahead(request)
-
-    async def fetch(
-        self, request: BlobRequest, slot: Slot, on_progress: ProgressFn = lambda n: None
-    ) -> VerifiedFile:
-        return await self._fetcher.fetch(request, slot, on_progress, turn=self._turn)
+    async def copy(self, source: Path, version: str | None) -> VerifiedFile:
+        return await asyncio.to_thread(self._slot.copy_from, source, version)

@@ -35,9 +35,9 @@ from shardsync.fetch.disk import start_writeback
 from shardsync.fetch.request import BlobRequest, Located, ProgressFn, Turn
 from shardsync.ramp import ConnectionRamp
 from shardsync.ranges import RangeSet, is_strong_etag, split_ranges, split_tail
-from shardsync.records import FetchConfig, Verification
+from shardsync.records import FetchConfig, Verification, VerifiedFile
 from shardsync.retry import Backoff
-from shardsync.slot import RecordKeeper, Resumable, Slot, VerifiedFile
+from shardsync.slot import RecordKeeper, Resumable, Slot
 
 __all__ = ["Climbers", "FileDownload", "FileState", "Services", "Tally"]
 

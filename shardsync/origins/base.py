@@ -12,15 +12,15 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from functools import partial
+from pathlib import Path
 from typing import ClassVar, Protocol
 
-from shardsync.fetch.request import BlobRequest, Located, ProgressFn
+from shardsync.fetch.request import BlobRequest, Located
 from shardsync.manifest import Listing, ManifestEntry, RemoteFile
 from shardsync.ranges import is_strong_etag
-from shardsync.records import RepoRef
-from shardsync.slot import Slot, VerifiedFile
+from shardsync.records import RepoRef, VerifiedFile
 
-__all__ = ["Http", "Origin", "Progress", "RequestOrigin", "bearer_headers"]
+__all__ = ["Http", "Into", "Origin", "Progress", "RequestOrigin", "bearer_headers"]
 
 Progress = Callable[[int], None]
 Entry = ManifestEntry | RemoteFile
@@ -54,10 +54,17 @@ class Http(Protocol):
     def forget_ahead(self, request: BlobRequest | None = None) -> None:
         """Drop what ``locate_ahead`` started (all of it without ``request``)."""
 
-    async def fetch(
-        self, request: BlobRequest, slot: Slot, on_progress: ProgressFn = ...
-    ) -> VerifiedFile:
-        """The whole file into ``slot``, verified; the caller commits the slot."""
+
+class Into(Protocol):
+    """The download slot an origin fills, as the engine hands it over (a ``slot.Slot``
+    behind it): through the fetcher from a request, or copied from a file the origin opens
+    itself. Origins name this, not the slot, so they sit beside the cache, not above it."""
+
+    async def fetch(self, request: BlobRequest, progress: Progress) -> VerifiedFile:
+        """The whole file ``request`` names, resumed where the partial allows, verified."""
+
+    async def copy(self, source: Path, version: str | None) -> VerifiedFile:
+        """``source`` copied in, hashed on the way; ``version`` is the origin's for it."""
 
 
 class Origin(Protocol):
@@ -96,10 +103,10 @@ class Origin(Protocol):
         fetcher: Http,
         commit: str | None,
         entry: ManifestEntry,
-        slot: Slot,
+        into: Into,
         progress: Progress,
     ) -> VerifiedFile:
-        """The whole file into ``slot`` (the caller holds it and commits it), verified against
+        """The whole file ``into`` the engine's slot (the caller commits it), verified against
         the origin's hash when it has one; ``VerifiedFile.etag`` is ``version`` at download
         time (recorded, so later runs can reuse the copy)."""
 
@@ -149,11 +156,10 @@ class RequestOrigin(ABC):
         fetcher: Http,
         commit: str | None,
         entry: ManifestEntry,
-        slot: Slot,
+        into: Into,
         progress: Progress,
     ) -> VerifiedFile:
-        request = self.request_for(commit, entry)
-        fetched = await fetcher.fetch(request, slot, progress)
+        fetched = await into.fetch(self.request_for(commit, entry), progress)
         keep = self.records_etag and is_strong_etag(fetched.etag)
         return fetched if keep else replace(fetched, etag=None)
 

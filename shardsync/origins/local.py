@@ -7,12 +7,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardsync.digest import Digest
-from shardsync.errors import ConfigError, EntryNotFoundError, disk_error
+from shardsync.errors import ConfigError, EntryNotFoundError
 from shardsync.manifest import Listing, ManifestEntry, RemoteFile, validate_name
-from shardsync.origins.base import Entry, Forget, Http, Progress
-from shardsync.records import RepoRef
-from shardsync.slot import Slot, VerifiedFile
+from shardsync.origins.base import Entry, Forget, Http, Into, Progress
+from shardsync.records import RepoRef, VerifiedFile
 
 __all__ = ["LocalOrigin"]
 
@@ -91,37 +89,15 @@ class LocalOrigin:
         fetcher: Http,
         commit: str | None,
         entry: ManifestEntry,
-        slot: Slot,
+        into: Into,
         progress: Progress,
     ) -> VerifiedFile:
-        """Copy into a temp file of our own with sha256 and xxh3 in the same pass. The
-        version is taken first: a file changed during the copy is copied again next run."""
+        """A copy with sha256 and xxh3 in the same pass. The version is taken first: a file
+        changed during the copy is copied again next run."""
         version = await self.version(fetcher, entry)
-        fetched = await asyncio.to_thread(self._copy, entry.path, slot, version)
+        fetched = await into.copy(self.source(entry.path), version)
         progress(fetched.size)
         return fetched
-
-    def _copy(self, path: str, slot: Slot, version: str | None) -> VerifiedFile:
-        try:
-            with self.source(path).open("rb") as src, slot.create() as out:
-                digest = Digest().read(src, copy_to=out)
-        except BaseException as exc:
-            slot.suspend()
-            if isinstance(exc, OSError):
-                then = "the copy was discarded and is made again on the next run"
-                raise disk_error(exc, f"copy {path} into the cache", then=then) from exc
-            raise
-        return VerifiedFile(
-            path=slot.verified(),
-            size=digest.nbytes,
-            sha256=digest.sha256,
-            xxh3_128=digest.xxh3_128,
-            etag=version,
-            verified="tofu",
-            downloaded=0,
-            resumed=0,
-            source="local",
-        )
 
     async def aclose(self) -> None:
         return None

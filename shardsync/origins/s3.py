@@ -15,11 +15,11 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from shardsync.config import S3Config
 from shardsync.errors import ConfigError, ManifestError
 from shardsync.fetch.request import BlobRequest, Located
 from shardsync.manifest import Listing, RemoteFile, validate_name
 from shardsync.names import S3Location, parse_s3_url
+from shardsync.network import S3Config
 from shardsync.origins.base import Entry, Http, RequestOrigin
 from shardsync.records import RepoRef
 from shardsync.s3 import ObjectInfo, S3Client
