@@ -37,6 +37,7 @@ from shardsync.events import JobEvent
 from shardsync.inventory import cache_summary
 from shardsync.jobs import JobClient, JobHandle, Mode, Shard, Transport, daemon_for
 from shardsync.prefetch import Engine
+from shardsync.prune import CacheRoom
 from shardsync.records import PrefetchResult, ProgressSink, TierStatistics
 from shardsync.scheduler import Scheduler, SharedJob
 
@@ -53,8 +54,8 @@ class LocalTransport:
 
     mode: Mode = "in-process"
 
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.scheduler = scheduler
+    def __init__(self, scheduler: Scheduler, engine: Engine) -> None:
+        self.scheduler, self.engine = scheduler, engine
 
     def _job(self, job_id: str) -> SharedJob:
         job = self.scheduler.get(job_id)
@@ -82,12 +83,12 @@ class LocalTransport:
 
     async def status(self) -> dict[str, Any]:
         scheduler = self.scheduler
-        fetch = scheduler.engine.fetcher.statistics()
+        fetch = self.engine.fetcher.statistics()
         stats = scheduler.statistics()
-        tier = scheduler.engine.tier
+        tier = self.engine.tier
         return {
-            "cache_dir": str(scheduler.engine.config.cache_dir),
-            "endpoint": scheduler.engine.config.endpoint,
+            "cache_dir": str(self.engine.config.cache_dir),
+            "endpoint": self.engine.config.endpoint,
             "jobs": dict(stats.jobs),
             "bytes_downloaded": fetch.bytes_downloaded,
             "files_fetched": fetch.files_fetched,
@@ -98,7 +99,7 @@ class LocalTransport:
         }
 
     async def cache(self) -> dict[str, Any]:
-        return await asyncio.to_thread(cache_summary, self.scheduler.engine.config.cache_dir)
+        return await asyncio.to_thread(cache_summary, self.engine.config.cache_dir)
 
 
 # ---------------------------------------------------------------------------------- the client
@@ -115,9 +116,14 @@ class Client(JobClient):
     async def _open_local(self, stack: contextlib.AsyncExitStack) -> Transport:
         engine = await stack.enter_async_context(Engine(self.config, environ=self._environ))
         scheduler = await stack.enter_async_context(
-            Scheduler(engine, selections=selection_for, history=self.config.daemon.history)
+            Scheduler(
+                engine,
+                selections=selection_for,
+                room=CacheRoom(engine.store, engine.config.prune),
+                history=self.config.daemon.history,
+            )
         )
-        return LocalTransport(scheduler)
+        return LocalTransport(scheduler, engine)
 
 
 # ---------------------------------------------------------------------------------- sync

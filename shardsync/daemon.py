@@ -60,6 +60,7 @@ from shardsync.limits import TokenBucket
 from shardsync.listeners import bind_tcp, bind_unix, host_port, unlink_socket
 from shardsync.notify import Notifier
 from shardsync.prefetch import Engine
+from shardsync.prune import CacheRoom
 from shardsync.records import TierStatistics
 from shardsync.scheduler import Scheduler, SharedJob
 from shardsync.version import __version__
@@ -173,6 +174,7 @@ class Daemon:
         scheduler = Scheduler(
             engine,
             selections=selection_for,
+            room=CacheRoom(engine.store, engine.config.prune),
             journal=journal,
             history=self.config.daemon.history,
             allow_local=False,

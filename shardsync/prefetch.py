@@ -12,16 +12,16 @@ import asyncio
 import contextlib
 import hashlib
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import replace
 from pathlib import Path
-from typing import Protocol
 
 import aiohttp
 
 from shardsync.cache import CacheStore
 from shardsync.config import Config
+from shardsync.engine_api import FileGate, Select
 from shardsync.errors import CacheError, OfflineError, raise_first
 from shardsync.events import Verified
 from shardsync.fetch.fetcher import Fetcher, IntoSlot
@@ -55,26 +55,7 @@ from shardsync.snapshot_use import AccessLog, Lease, Leases
 from shardsync.store import AsyncStore
 from shardsync.tier import Tier, TierCounters, Upload
 
-__all__ = [
-    "Engine",
-    "FileGate",
-    "Job",
-    "Select",
-    "prefetch",
-]
-
-Select = Callable[[Listing], Awaitable[Manifest]]
-"""Decides a job's files from the origin's listing instead of the weights index (a training
-checkpoint's files: ``shardsync.checkpoint``)."""
-
-
-class FileGate(Protocol):
-    """Admits one file of a job at a time per slot: the daemon's scheduler orders files of
-    all jobs by priority with it, and learns which file started and which failed."""
-
-    def __call__(
-        self, entry: ManifestEntry, position: int
-    ) -> AbstractAsyncContextManager[None]: ...
+__all__ = ["Engine", "Job", "prefetch"]
 
 
 def _open_gate(entry: ManifestEntry, position: int) -> AbstractAsyncContextManager[None]:

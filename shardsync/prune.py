@@ -14,10 +14,13 @@ Safe while downloads and loads run, and against itself:
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
+import shutil
 import time
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -25,6 +28,7 @@ from shardsync.cache import CacheStore
 from shardsync.config import PruneConfig
 from shardsync.errors import DiskFullError
 from shardsync.inventory import Inventory, scan, survey
+from shardsync.manifest import ManifestEntry
 from shardsync.prune_plan import (
     Blob,
     CacheView,
@@ -40,8 +44,10 @@ from shardsync.prune_plan import (
 from shardsync.removal import CacheRemoval, remove_idle_locks
 from shardsync.slot import remove_abandoned
 from shardsync.snapshot_use import AccessLog, Clock, Leases, prune_gate, wait_lock
+from shardsync.store import AsyncStore
 
 __all__ = [
+    "CacheRoom",
     "Protected",
     "PruneReport",
     "ensure_free",
@@ -49,6 +55,8 @@ __all__ = [
     "needs_prune",
     "prune_cache",
 ]
+
+log = logging.getLogger("shardsync.prune")
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +142,45 @@ class PruneReport:
                 {"repo": p.repo, "commit": p.commit, "reason": p.reason} for p in self.protected
             ],
         }
+
+
+class CacheRoom:
+    """Disk space for a scheduler's jobs (its ``engine_api.Room``): before a download, a
+    prune past the high-water mark and room for what the job will add, or a clear
+    ``DiskFullError`` instead of a disk filled halfway; after it, the high-water prune."""
+
+    __slots__ = ("config", "store")
+
+    def __init__(self, store: AsyncStore, config: PruneConfig) -> None:
+        self.store, self.config = store, config
+
+    async def tidy(self, keep: str) -> None:
+        cache, config = self.store.sync, self.config
+        if not await asyncio.to_thread(needs_prune, cache, config):
+            return
+        report = await asyncio.to_thread(
+            prune_cache, cache, limits_from_config(config), pin=config.pin, keep=(keep,), wait=False
+        )
+        if report.freed_bytes:
+            log.info("auto-prune freed %d bytes (high-water mark)", report.freed_bytes)
+
+    async def make(
+        self, entries: Iterable[ManifestEntry], keep: str, on_short: Callable[[int, int], None]
+    ) -> None:
+        cache, config = self.store.sync, self.config
+        await self.tidy(keep)
+        missing = await self.store.missing_bytes(entries)
+        free = shutil.disk_usage(cache.root).free
+        if missing and free < missing + (config.min_free or 0):
+            on_short(missing, free)
+            await asyncio.to_thread(
+                ensure_free,
+                cache,
+                missing,
+                limits_from_config(config),
+                pin=config.pin,
+                keep=(keep,),
+            )
 
 
 def limits_from_config(

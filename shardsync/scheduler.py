@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import logging
 import secrets
-import shutil
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -30,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from shardsync.api import JobRequest, error_code, error_info, result_to_json
+from shardsync.engine_api import EngineJob, FileGate, Room, Runner
 from shardsync.errors import (
     ConfigError,
     DaemonStoppingError,
@@ -57,8 +57,6 @@ from shardsync.journal import Journal
 from shardsync.limits import Histogram, PriorityGate
 from shardsync.manifest import Listing, Manifest, ManifestEntry
 from shardsync.origins.base import Http, Origin
-from shardsync.prefetch import Engine, FileGate, Job
-from shardsync.prune import ensure_free, limits_from_config, needs_prune, prune_cache
 from shardsync.records import FileOutcome, PrefetchResult, RepoRef
 
 __all__ = ["Scheduler", "SchedulerStatistics", "Selection", "Selections", "SharedJob"]
@@ -114,7 +112,7 @@ class SharedJob:
     task: asyncio.Task[None] | None = None
     stop_error: ShardsyncError | None = None  # why we cancelled the task ourselves
     selection: Selection | None = None  # the job's own files, in place of the index
-    engine_job: Job | None = None  # the engine's run of it, once it started
+    engine_job: EngineJob | None = None  # the engine's run of it, once it started
     in_order: bool = False  # a client streams it: shards in their turn (``prefetch.Job``)
 
     def __post_init__(self) -> None:
@@ -205,7 +203,7 @@ class SharedJob:
 class _JobSink:
     """The engine's ``ProgressSink`` for one job: turns its calls into the job's events."""
 
-    def __init__(self, job: SharedJob, engine_job: Job | None = None) -> None:
+    def __init__(self, job: SharedJob, engine_job: EngineJob | None = None) -> None:
         self._job = job
         self.engine_job = engine_job
         self._sizes: dict[str, int | None] = {}
@@ -252,10 +250,12 @@ _LATENCY_BUCKETS = (1, 5, 15, 60, 300, 900, 1800, 3600, 3 * 3600, 12 * 3600)
 
 
 class Scheduler:
-    """Runs jobs on one engine; use as ``async with Scheduler(engine, selections=...)``.
+    """Runs jobs on one engine; use as ``async with Scheduler(engine, selections=..., room=...)``.
 
     ``selections`` gives each request its own choice of files, if it has one
     (``checkpoint_selection.selection_for``); the scheduler never asks what kind of job it runs.
+    ``room`` makes disk space before a download and prunes past the high-water mark after
+    one (``prune.CacheRoom``).
 
     Every job task lives in the scheduler's task group. Leaving the block stops the jobs
     still running (their partial files are kept and, with a journal, they resume next time).
@@ -263,9 +263,10 @@ class Scheduler:
 
     def __init__(
         self,
-        engine: Engine,
+        engine: Runner,
         *,
         selections: Selections,
+        room: Room,
         journal: Journal | None = None,
         history: int = 100,
         allow_local: bool = True,
@@ -273,6 +274,7 @@ class Scheduler:
     ) -> None:
         self.engine = engine
         self._selections = selections
+        self._room = room
         self._on_change = on_change
         self.gate = PriorityGate(engine.config.max_files)
         self.latency = Histogram(_LATENCY_BUCKETS)
@@ -523,47 +525,19 @@ class Scheduler:
         now = time.time()
         job.result = engine_job.result(files, now - (job.started_at or now), counters=False)
         try:
-            await self._auto_prune(job)
+            await self._room.tidy(job.repo.name)
         except ShardsyncError as exc:  # the job is done; a failed prune is the cache's problem
             log.warning("auto-prune after job %s failed: %s", job.id, exc)
         self._finish_done(job)
 
     async def _make_room(self, job: SharedJob, manifest: Manifest) -> None:
-        """Before a download: prune past the high-water mark, and make room if it won't fit.
+        """Before a download: room for it (the job's own repo kept), or the job fails with
+        ``DiskFullError`` before it fills the disk halfway."""
 
-        The job's own repo is kept; a download that still can't fit fails the job with a
-        clear ``DiskFullError`` instead of filling the disk halfway.
-        """
-        cache, config = self.engine.cache, self.engine.config.prune
-        await self._auto_prune(job)
-        missing = await self.engine.store.missing_bytes(manifest.entries)
-        free = shutil.disk_usage(cache.root).free
-        if missing and free < missing + (config.min_free or 0):
-            job.emit(Pruning(needed=missing, free=free))
-            await asyncio.to_thread(
-                ensure_free,
-                cache,
-                missing,
-                limits_from_config(config),
-                pin=config.pin,
-                keep=(job.repo.name,),
-            )
+        def short(needed: int, free: int) -> None:
+            job.emit(Pruning(needed=needed, free=free))
 
-    async def _auto_prune(self, job: SharedJob) -> None:
-        """Prune down to the limits once the cache passed its high-water mark (cheap check)."""
-        cache, config = self.engine.cache, self.engine.config.prune
-        if not await asyncio.to_thread(needs_prune, cache, config):
-            return
-        report = await asyncio.to_thread(
-            prune_cache,
-            cache,
-            limits_from_config(config),
-            pin=config.pin,
-            keep=(job.repo.name,),
-            wait=False,
-        )
-        if report.freed_bytes:
-            log.info("auto-prune freed %d bytes (high-water mark)", report.freed_bytes)
+        await self._room.make(manifest.entries, job.repo.name, short)
 
     async def _follow(self, job: SharedJob, other: SharedJob) -> None:
         """Mirror the job already downloading this commit instead of downloading it again."""

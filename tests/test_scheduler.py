@@ -41,6 +41,7 @@ from shardsync.journal import Journal
 from shardsync.limits import Histogram, PriorityGate, TokenBucket
 from shardsync.manifest import SMALL_FILE
 from shardsync.prefetch import Engine, prefetch
+from shardsync.prune import CacheRoom
 from shardsync.records import RepoRef
 from shardsync.scheduler import Scheduler, SharedJob
 from shardsync.store import AsyncStore
@@ -48,6 +49,12 @@ from shardsync.testing import Bandwidth, Checkpoint, FakeHub, Status, build_chec
 
 REPO = "acme/tiny"
 INDEX = "model.safetensors.index.json"
+
+
+def scheduled(engine: Engine, **options: Any) -> Scheduler:
+    """A scheduler as the daemon and the client build one."""
+    room = CacheRoom(engine.store, engine.config.prune)
+    return Scheduler(engine, selections=selection_for, room=room, **options)
 
 
 def _same_bytes(a: Path, b: Path) -> bool:
@@ -89,7 +96,7 @@ async def scheduler(
     fake_hub.add_checkpoint(REPO, checkpoint)
     async with (
         Engine(fast_config(tmp_path / "cache", fake_hub.endpoint)) as engine,
-        Scheduler(engine, selections=selection_for) as running,
+        scheduled(engine) as running,
     ):
         yield running
 
@@ -302,7 +309,10 @@ async def test_small_files_take_no_slot(
 ) -> None:
     fake_hub.add_checkpoint("acme/held", checkpoint)
     config = replace(fast_config(tmp_path / "cache", fake_hub.endpoint), max_files=1)
-    async with Engine(config) as engine, Scheduler(engine, selections=selection_for) as scheduler:
+    async with (
+        Engine(config) as engine,
+        scheduled(engine) as scheduler,
+    ):
         hold = scheduler.gate.admit(lambda: (-(10**9),))
         await hold.__aenter__()  # the one slot is taken: no shard can start
         job, _ = await scheduler.submit(JobRequest("acme/held"))
@@ -326,7 +336,10 @@ async def test_a_stream_joining_a_job_makes_its_next_files_come_in_order(
     files not started yet come in their turn: it reads them in index order."""
     fake_hub.add_checkpoint("acme/joined", checkpoint)
     config = replace(fast_config(tmp_path / "cache", fake_hub.endpoint), max_files=1)
-    async with Engine(config) as engine, Scheduler(engine, selections=selection_for) as scheduler:
+    async with (
+        Engine(config) as engine,
+        scheduled(engine) as scheduler,
+    ):
         hold = scheduler.gate.admit(lambda: (-(10**9),))
         await hold.__aenter__()  # the job starts, its shards wait for the slot
         job, _ = await scheduler.submit(JobRequest("acme/joined"))
@@ -348,7 +361,10 @@ async def test_files_of_the_highest_priority_job_go_first(
     fake_hub.add_checkpoint("acme/low", checkpoint)
     fake_hub.add_checkpoint("acme/high", other)
     config = replace(fast_config(tmp_path / "cache", fake_hub.endpoint), max_files=1)
-    async with Engine(config) as engine, Scheduler(engine, selections=selection_for) as scheduler:
+    async with (
+        Engine(config) as engine,
+        scheduled(engine) as scheduler,
+    ):
         hold = scheduler.gate.admit(lambda: (-(10**9),))
         await hold.__aenter__()  # every file waits until both jobs are queued
         low, _ = await scheduler.submit(JobRequest("acme/low", priority=0))
@@ -437,7 +453,7 @@ async def test_origin_errors_fail_the_job_not_the_submission(scheduler: Schedule
 async def test_local_sources_can_be_refused(checkpoint: Checkpoint, tmp_path: Path) -> None:
     async with (
         Engine(fast_config(tmp_path / "cache")) as engine,
-        Scheduler(engine, selections=selection_for, allow_local=False) as scheduler,
+        scheduled(engine, allow_local=False) as scheduler,
     ):
         with pytest.raises(errors.ConfigError, match="local directories"):
             await scheduler.submit(JobRequest(str(checkpoint.directory)))
@@ -469,7 +485,7 @@ async def test_journaled_jobs_resume_from_their_partial_files(
     journal = Journal(AsyncStore(CacheStore(config.cache_dir)))
     async with (
         Engine(config) as engine,
-        Scheduler(engine, selections=selection_for, journal=journal) as scheduler,
+        scheduled(engine, journal=journal) as scheduler,
     ):
         job, _ = await scheduler.submit(JobRequest(REPO, priority=4))
         assert [r["id"] for r in await journal.load()] == [job.id]
@@ -481,7 +497,7 @@ async def test_journaled_jobs_resume_from_their_partial_files(
     fake_hub.faults.remove(rule)
     async with (
         Engine(config) as engine,
-        Scheduler(engine, selections=selection_for, journal=journal) as scheduler,
+        scheduled(engine, journal=journal) as scheduler,
     ):
         assert await scheduler.restore() == 1
         resumed = scheduler.get(job.id)
@@ -540,7 +556,7 @@ async def test_the_bandwidth_hook_sees_every_body_byte(
     config = fast_config(tmp_path / "cache", fake_hub.endpoint)
     async with (
         Engine(config, throttle=throttle) as engine,
-        Scheduler(engine, selections=selection_for) as scheduler,
+        scheduled(engine) as scheduler,
     ):
         job, _ = await scheduler.submit(JobRequest(REPO))
         await _done(job)
@@ -561,7 +577,7 @@ async def test_the_bandwidth_cap_holds_for_bodies_read_by_the_pump_threads(
     began = time.monotonic()
     async with (
         Engine(config, throttle=bucket) as engine,
-        Scheduler(engine, selections=selection_for) as scheduler,
+        scheduled(engine) as scheduler,
     ):
         job, _ = await scheduler.submit(JobRequest(REPO))
         await _done(job)
@@ -590,7 +606,7 @@ async def test_the_daemon_prunes_past_the_high_water_mark(
     limit = int(1.5 * _shard_bytes(checkpoint))
     async with (
         Engine(_prune_config(config, max_size=limit)) as engine,
-        Scheduler(engine, selections=selection_for) as scheduler,
+        scheduled(engine) as scheduler,
     ):
         job, _ = await scheduler.submit(JobRequest(REPO))
         await _done(job)
@@ -614,7 +630,7 @@ async def test_a_download_that_would_not_fit_prunes_first(
             config = _prune_config(config, pin=("acme/old",))
         async with (
             Engine(config) as engine,
-            Scheduler(engine, selections=selection_for) as scheduler,
+            scheduled(engine) as scheduler,
         ):
             job, _ = await scheduler.submit(JobRequest(REPO))
             outcome = await _outcome(job)

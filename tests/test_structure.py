@@ -145,7 +145,7 @@ LAYERS: dict[str, set[str]] = {
         "fetch.fetcher", "fetch.session", "s3", "tier", "tier_claims", "tier_parts", "origins",
         "origins.base", "origins.http", "origins.hub", "origins.local", "origins.s3",
     },
-    "engine": {"prefetch", "checkpoint", "checkpoint_selection"},
+    "engine": {"engine_api", "prefetch", "checkpoint", "checkpoint_selection"},
     "service": {
         "scheduler", "job_log", "journal", "daemon", "daemon_transport", "listeners", "notify",
         "jobs", "client",
@@ -158,7 +158,7 @@ LAYERS: dict[str, set[str]] = {
         "testing.daemons", "testing.ports",
     },
 }  # fmt: skip
-MAX_CHAIN = 10  # modules in the longest chain of imports (17 before issue 26)
+MAX_CHAIN = 9  # modules in the longest chain of imports (17 before issue 26)
 
 
 def import_graph(package: Path) -> dict[str, set[str]]:
