@@ -493,6 +493,20 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_daemon.py::test_a_prefetch_the_daemon_runs_loads_no_engine_in_the_command",),
         "a command the daemon serves imports aiohttp again (0.15 s of a small model's prefetch)",
     ),
+    # --- issue 26: siblings stay siblings
+    Mutant(
+        "scheduler-on-top-of-the-engine",
+        "shardsync/scheduler.py",
+        (
+            (
+                "from shardsync.engine_api import EngineJob, FileGate, Room, Runner\n",
+                "from shardsync.engine_api import EngineJob, FileGate, Room, Runner\n"
+                "from shardsync.prefetch import Engine  # noqa: F401\n",
+            ),
+        ),
+        ("tests/test_structure.py::test_the_longest_chain_of_imports_is_short",),
+        "the scheduler imports the engine again: the chain of imports grows past 9",
+    ),
 )
 
 
