@@ -7,6 +7,8 @@ record (``partial/<key>.json``) and the download's private temp name in ``tmp/``
   below checks the inode it works on);
 * ``open`` gives the file to write into and the ranges a resume may keep; the fetcher writes
   there and saves progress into the ``ResumeRecord`` it gets, and names no path itself;
+* ``copy_from`` is ``open``'s counterpart for an origin that copies (a local directory): a
+  new private file, hashed on the way, never resumed;
 * ``commit(verified)`` publishes the verified file into the store and forgets the partial;
   ``suspend`` keeps the partial for a later resume; ``abandon`` discards it.
 
