@@ -8,9 +8,11 @@ import os
 from pathlib import Path
 
 import pytest
+from helpers import tmpfs
 
+from shardsync import layout
 from shardsync.cache import CacheStore
-from shardsync.errors import CacheError
+from shardsync.errors import CacheError, DiskFullError
 from shardsync.layout import CacheLayout
 from shardsync.ranges import RangeSet
 from shardsync.records import VerifiedFile
@@ -93,3 +95,32 @@ async def test_the_slot_is_held_by_one_download_at_a_time(store: CacheStore) -> 
         with pytest.raises(CacheError):
             await asyncio.wait_for(Slot(store, "k").lock.acquire(timeout=0.05), 1)
     assert Slot(store, "k").lock.try_acquire()
+
+
+def test_a_copy_holds_the_sources_bytes_and_publishes_under_their_hash(
+    store: CacheStore, tmp_path: Path
+) -> None:
+    source = tmp_path / "model.safetensors"
+    source.write_bytes(DATA)
+    slot = Slot(store, "copied")
+    copied = slot.copy_from(source, "stamp")
+    assert (copied.size, copied.sha256, copied.etag) == (len(DATA), SHA, "stamp")
+    assert (copied.verified, copied.source, copied.downloaded) == ("tofu", "local", 0)
+    assert slot.commit(copied).read_bytes() == source.read_bytes()
+    assert store.blob_path(SHA).read_bytes() == DATA
+    assert list(store.fs.list_area(layout.TMP)) == []
+
+
+def test_a_copy_that_fills_the_disk_fails_clearly_and_leaves_nothing(tmp_path: Path) -> None:
+    """ENOSPC halfway through a copy: ``DiskFullError``, no private file left in ``tmp/``,
+    no partial (a copy is never resumed), and the source untouched."""
+    source = tmp_path / "big.bin"
+    source.write_bytes(os.urandom(3 << 20))
+    with tmpfs(tmp_path / "small", "size=1m") as small:
+        cache = CacheStore(small / "cache")
+        slot = Slot(cache, "big")
+        with pytest.raises(DiskFullError):
+            slot.copy_from(source, None)
+        assert list(cache.fs.list_area(layout.TMP)) == []
+        assert in_progress(cache.layout) == {}
+    assert source.stat().st_size == 3 << 20

@@ -507,6 +507,18 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_structure.py::test_the_longest_chain_of_imports_is_short",),
         "the scheduler imports the engine again: the chain of imports grows past 9",
     ),
+    Mutant(
+        "failed-copy-left-behind",
+        "shardsync/slot.py",
+        (
+            (
+                "        except BaseException as exc:\n            self.suspend()\n",
+                "        except BaseException as exc:\n",
+            ),
+        ),
+        ("tests/test_slot.py::test_a_copy_that_fills_the_disk_fails_clearly_and_leaves_nothing",),
+        "a local origin's copy that fails halfway leaves its private file in the cache's tmp/",
+    ),
 )
 
 
