@@ -308,15 +308,10 @@ class Slot:
         download. ``version`` is what the origin said the file was before the copy."""
         path = self._new_private("copy")
         try:
-            with source.open("rb") as src:
-                try:
-                    out = path.open("xb")
-                except OSError as exc:
-                    raise disk_error(exc, f"create {path}") from exc
-                with out:
-                    st = os.fstat(out.fileno())
-                    self._inode = (st.st_dev, st.st_ino)
-                    digest = Digest().read(src, copy_to=out)
+            with source.open("rb") as src, path.open("xb") as out:
+                st = os.fstat(out.fileno())
+                self._inode = (st.st_dev, st.st_ino)
+                digest = Digest().read(src, copy_to=out)
         except BaseException as exc:
             self.suspend()
             if isinstance(exc, OSError):
