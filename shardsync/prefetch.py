@@ -596,9 +596,10 @@ class Job:
         def progress(n: int) -> None:
             self.sink.advance(entry.path, n)
 
-        async def from_origin(report: Progress) -> VerifiedFile:
+        async def from_origin(report: Progress, pace: Throttle | None = None) -> VerifiedFile:
+            paced = into if pace is None else IntoSlot(self.fetcher, slot, turn, pace)
             return await self.origin.download(
-                self.fetcher, self.commit or None, entry, into, report
+                self.fetcher, self.commit or None, entry, paced, report
             )
 
         upload: Upload | None = None

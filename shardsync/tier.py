@@ -54,7 +54,7 @@ from shardsync.errors import (
     ShardsyncError,
     TransferError,
 )
-from shardsync.fetch.request import BlobRequest, Located
+from shardsync.fetch.request import BlobRequest, Located, Throttle
 from shardsync.names import S3Location, parse_s3_url
 from shardsync.ranges import RangeSet
 from shardsync.records import TierStatistics, VerifiedFile
@@ -68,13 +68,14 @@ from shardsync.tier_claims import (
     claim_key,
     expired,
 )
-from shardsync.tier_parts import delete_parts, publish_parts, seed_from_parts
+from shardsync.tier_parts import Lead, delete_parts, publish_parts, seed_from_parts
 
 __all__ = ["Tier", "TierCounters", "Upload"]
 
 log = logging.getLogger("shardsync.tier")
 
 Progress = Callable[[int], None]
+FromOrigin = Callable[[Progress, Throttle | None], Awaitable[VerifiedFile]]  # reads paced
 _MAX_ROUNDS = 4  # miss -> wait -> (taken over | released) -> ... before going to the origin
 _POLL_FIRST, _POLL_MAX = 0.2, 2.0  # and at most a quarter of the lease apart
 _ANSWER_S = 5.0  # the longest a tier request but an upload may take (S3 answers in ms)
@@ -226,7 +227,7 @@ class Tier:
         sha256: str,
         size: int,
         slot_fetch: Callable[[BlobRequest, Progress], Awaitable[VerifiedFile]],
-        from_origin: Callable[[Progress], Awaitable[VerifiedFile]],
+        from_origin: FromOrigin,
         progress: Progress,
         *,
         slot: Slot | None = None,
@@ -237,8 +238,8 @@ class Tier:
         ``slot_fetch`` downloads a request into the file's download slot and
         ``from_origin`` the file from its origin, each reporting progress to the callback
         it gets. ``slot`` is that download slot: while this host holds the claim its partial
-        is published as parts, and a dead holder's parts seed it (``tier_parts``). What this
-        costs, and the upload owed, also counts in ``counters``: the job's.
+        is published as parts, its download paced to them, and a dead holder's parts seed it
+        (``tier_parts``). What this costs, and the upload owed, counts in ``counters`` too.
         """
         with _for_job(counters):
             fetched, upload = await self._obtain(
@@ -254,7 +255,7 @@ class Tier:
         sha256: str,
         size: int,
         slot_fetch: Callable[[BlobRequest, Progress], Awaitable[VerifiedFile]],
-        from_origin: Callable[[Progress], Awaitable[VerifiedFile]],
+        from_origin: FromOrigin,
         progress: Progress,
         slot: Slot | None,
     ) -> tuple[VerifiedFile, Upload | None]:
@@ -297,7 +298,7 @@ class Tier:
             if outcome == "failed":
                 break
             # "ready" (read it), "dead" or "released" (claim it): round again
-        fetched = await from_origin(progress)
+        fetched = await from_origin(progress, None)
         owed = self._usable() and not self._read_only and fetched.sha256 == sha256
         return fetched, Upload(sha256, size, None) if owed else None
 
@@ -369,7 +370,7 @@ class Tier:
     async def _fetch_for_fleet(
         self,
         claim: _Claim,
-        from_origin: Callable[[Progress], Awaitable[VerifiedFile]],
+        from_origin: FromOrigin,
         progress: Progress,
         slot: Slot | None,
     ) -> tuple[VerifiedFile, Upload]:
@@ -380,11 +381,12 @@ class Tier:
             n.misses += 1
         upload = Upload(claim.sha256, claim.size, claim)
         upload.renewal = self._spawn(self._renew(claim))
-        seeded, publisher = 0, None
+        seeded, publisher, lead = 0, None, None  # lead: our download held within reach
         if slot is not None and self.config.part_size:
             there = await self._seed(claim, slot)
             seeded = there.total()
-            publisher = self._spawn(self._publish(claim, slot, there))
+            lead = Lead.of_parts(self.config.part_size)
+            publisher = self._spawn(self._publish(claim, slot, there, lead))
 
         def counted(n: int) -> None:
             claim.done += n
@@ -392,7 +394,7 @@ class Tier:
 
         try:
             try:
-                fetched = await from_origin(counted)
+                fetched = await from_origin(counted, lead)
             except IntegrityError:
                 if not seeded:
                     raise
@@ -400,8 +402,9 @@ class Tier:
                 seeded = 0
                 if publisher is not None and slot is not None:  # those parts are gone now
                     publisher.cancel()
-                    publisher = self._spawn(self._publish(claim, slot, RangeSet()))
-                fetched = await from_origin(counted)
+                    lead = Lead.of_parts(self.config.part_size)
+                    publisher = self._spawn(self._publish(claim, slot, RangeSet(), lead))
+                fetched = await from_origin(counted, lead)
         except BaseException:
             await self._release(upload)
             raise
@@ -436,8 +439,8 @@ class Tier:
             log.info("%s: resumed from %d bytes of parts", claim.sha256[:12], seeded.total())
         return seeded
 
-    async def _publish(self, claim: _Claim, slot: Slot, there: RangeSet) -> None:
-        """Our parts as they land, but for what the tier holds already (``there``)."""
+    async def _publish(self, claim: _Claim, slot: Slot, there: RangeSet, lead: Lead) -> None:
+        """Our parts as they land, but what the tier holds already (``there``); ``lead``."""
 
         def downloading() -> bool:
             return claim.phase == "download" and not claim.lost and self._usable()
@@ -451,6 +454,7 @@ class Tier:
             slot,
             downloading,
             there=there,
+            lead=lead,
         )
 
     async def _discard_parts(self, sha256: str) -> None:

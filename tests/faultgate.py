@@ -133,6 +133,9 @@ class FaultGate:
     refuse: frozenset[str] = frozenset()
     # a status every PUT is answered with instead (a store refusing writes: full, throttling)
     refuse_puts: int = 0
+    # (part of a path, seconds): PUTs to such paths wait that long first (a tier slower than
+    # the origin)
+    slow_puts: tuple[str, float] | None = None
     # the most GETs of each object (by path) the gate was answering at one time
     most_at_once: dict[str, int] = field(default_factory=dict)
     _at_once: Counter[str] = field(default_factory=Counter)
@@ -241,6 +244,8 @@ class FaultGate:
         if any(k in self.refuse for k, _ in params):
             record("status", 501)
             return _s3_error(501, "NotImplemented", target)
+        if self.slow_puts and request.method == "PUT" and self.slow_puts[0] in target:
+            await asyncio.sleep(self.slow_puts[1])
         if self.refuse_puts and request.method == "PUT":
             record("status", self.refuse_puts)
             code = _S3_CODES.get(self.refuse_puts, "Error")

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from faultgate import FaultGate
 from helpers import assert_snapshot_matches, fast_config, s3, s3_keys, serving
 
 from shardsync.config import Config, S3Config, TierConfig
@@ -31,7 +32,7 @@ from shardsync.records import PrefetchResult
 from shardsync.testing import Bandwidth, Checkpoint, FakeHub, build_checkpoint
 from shardsync.testing.seaweedfs import S3Server
 from shardsync.tier_claims import blob_key, claim_key
-from shardsync.tier_parts import next_pieces, parts_prefix
+from shardsync.tier_parts import Lead, next_pieces, parts_prefix
 
 REPO = "acme/parts"
 PREFIX = "fleet/"
@@ -311,3 +312,81 @@ async def test_a_tier_dying_while_parts_go_up_costs_one_warning(
     assert_snapshot_matches(snapshot, model)
     assert [f.source for f in files if f.path in model.shards] == ["network"] * 2
     assert len([r for r in caplog.records if r.name == "shardsync.tier"]) == 1
+
+
+def test_a_lead_holds_the_download_while_too_much_is_not_in_the_tier() -> None:
+    now = [0.0]
+    lead = Lead(10, patience=5.0, clock=lambda: now[0])
+    assert lead(10) == 0 and not lead.held  # up to the limit: on
+    assert lead(1) > 0 and lead.held  # one byte beyond: the reader waits
+    now[0] = 4.0
+    assert lead(0) > 0  # ... however long the tier takes, within its patience
+    lead.settled(6)
+    assert lead(0) == 0 and not lead.held  # the tier took a part: on again
+    assert lead(7) > 0
+    now[0] = 8.9
+    lead.settled(1)  # progress, however little, restarts the patience
+    now[0] = 13.8
+    assert lead(0) > 0
+    now[0] = 14.0
+    assert lead(0) == 0 and not lead.held  # 5 s without a part: the download goes on alone
+    assert lead(100) == 0  # ... for good
+
+
+def test_a_released_lead_never_holds() -> None:
+    lead = Lead(10)
+    assert lead(11) > 0
+    lead.release()
+    assert lead(0) == 0 and lead(1 << 30) == 0 and not lead.held
+
+
+@pytest.fixture(scope="module")
+def one_large(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
+    """One shard of ~24 MiB."""
+    return build_checkpoint(tmp_path_factory.mktemp("lead"), total_bytes=24 << 20, n_shards=1)
+
+
+async def test_a_holder_stays_within_its_lead_of_a_slow_tier(
+    s3server: S3Server, s3bucket: str, one_large: Checkpoint, aws_env: None, tmp_path: Path
+) -> None:
+    """A tier that takes parts slower than the origin sends them: the holder's download waits
+    for them, so at no moment has the Hub sent more than the lead (plus what the sockets
+    hold) beyond the parts in the tier, which is what a ``kill -9`` would cost."""
+    shard = one_large.shards[0]
+    data = one_large.path(shard).read_bytes()
+    sha = hashlib.sha256(data).hexdigest()
+    part = 1 << 20
+    ahead: list[int] = []
+    async with FakeHub() as hub, FaultGate(s3server.endpoint, slow_puts=("/parts/", 1.5)) as gate:
+        hub.add_checkpoint(REPO, one_large)
+        hub.faults.add(Bandwidth(4_000_000))  # 8 MB/s on 2 connections; the tier: 2.7 MiB/s
+        via = S3Server(**{**s3server.__dict__, "endpoint": gate.endpoint})
+        config = host(tmp_path / "h", hub, via, s3bucket)
+        config = replace(
+            config,
+            tier=replace(config.tier, part_size=part),
+            fetch=replace(config.fetch, connections_per_file=2),
+        )
+
+        def in_tier() -> int:
+            keys = s3_keys(s3server, s3bucket, parts_prefix(PREFIX, sha))
+            return sum(e - b for b, e in (map(int, k.rsplit("/", 1)[1].split("-")) for k in keys))
+
+        async def watch() -> None:
+            while True:
+                served = hub.bytes_served(shard)
+                parts = await asyncio.to_thread(in_tier)
+                if 0 < served < len(data):  # the parts go once the whole file is in
+                    ahead.append(served - parts)
+                await asyncio.sleep(0.05)
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            result = await prefetch(REPO, config)
+        finally:
+            watcher.cancel()
+        served = hub.bytes_served(shard)
+    assert_snapshot_matches(result.snapshot_path, one_large)
+    assert served == len(data)
+    assert len(ahead) > 20  # the watch saw the download, not only its end
+    assert max(ahead) <= Lead.of_parts(part).limit + 3 * part  # 8.5 MiB seen; unpaced 19

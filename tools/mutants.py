@@ -408,7 +408,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "shardsync/tier_parts.py",
         (
             (
-                "                flush = looks % round(_FLUSH_S / _LOOK_S) == 0",
+                "                flush = held or looks % round(_FLUSH_S / _LOOK_S) == 0",
                 "                flush = False",
             ),
         ),
@@ -417,6 +417,18 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_a_holder_killed_mid_download_leaves_parts_the_taker_resumes_from[16MiB]",
         ),
         "a holder on a slow link publishes nothing until a piece fills, and its death costs it all",
+    ),
+    Mutant(
+        "holder-runs-ahead-of-its-parts",
+        "shardsync/tier_parts.py",
+        (
+            (
+                "            if self._free or self._read - self._settled <= self.limit:",
+                "            if True:",
+            ),
+        ),
+        ("tests/test_tier_parts.py::test_a_holder_stays_within_its_lead_of_a_slow_tier",),
+        "a holder outruns a slow tier, and its death costs the fleet all it had not published",
     ),
     Mutant(
         "tier-retries-with-botocores-backoff",

@@ -21,6 +21,7 @@ from typing import Any, Protocol, TypeVar
 
 from shardsync.errors import StalledError
 from shardsync.fetch.answers import Bound
+from shardsync.fetch.request import Throttle
 from shardsync.records import FetchConfig
 
 __all__ = [
@@ -69,6 +70,7 @@ class Landing:
     received: Callable[[int], None]  # on the loop: n body bytes arrived (progress, counters)
     recorded: Callable[[int, int], None]  # any thread: the resume record may claim the span
     on_disk: Callable[[int, int], None]  # on the loop, after ``recorded``: the hasher may read it
+    pace: Throttle | None = None  # the request's own, after the fetcher's
 
 
 OpenBody = Callable[[str, Landing, bool], Body]

@@ -155,8 +155,11 @@ class AiohttpBody:
                     if chunk_ended:
                         continue
                     break
-                if self._throttle is not None and (pause := self._throttle(len(piece))) > 0:
-                    await asyncio.sleep(pause)
+                if self._throttle is not None:
+                    pause = self._throttle(len(piece))
+                    while pause > 0:
+                        await asyncio.sleep(pause)
+                        pause = self._throttle(0)
                 pieces.append(piece)
                 n = len(piece)
                 pending += n

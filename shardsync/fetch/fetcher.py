@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import ssl
 import time
 from collections import Counter
@@ -63,6 +64,7 @@ from shardsync.fetch.request import (
     Sleep,
     Throttle,
     Turn,
+    joined,
 )
 from shardsync.fetch.session import Session, default_timeout
 from shardsync.fetch.transfer import Climbers, FileDownload, Services, Tally
@@ -366,13 +368,14 @@ class Fetcher:
         """A file's body path: the pump on direct http(s) connections, else aiohttp (through
         a proxy; and one whole-file GET, a direct request or a restart in one stream, which
         needs no worker threads started for it). The pump hands aiohttp what only it reads."""
+        throttle = joined(self._throttle, landing.pace)
         plain = AiohttpBody(
             landing,
             send=self._http.request,
             refuse=self._http.raise_for_status,
             config=self.config,
             clock=self._clock,
-            throttle=self._throttle,
+            throttle=throttle,
         )
         if whole_only or not serves(url, self.network):
             return plain
@@ -382,7 +385,7 @@ class Fetcher:
             self.tls() if urlsplit(url).scheme == "https" else None,
             config=self.config,
             clock=self._clock,
-            throttle=self._throttle,
+            throttle=throttle,
             headers=self._http.headers,
             traffic=self._traffic,
         )
@@ -427,16 +430,26 @@ async def _read_at_most(resp: aiohttp.ClientResponse, n: int) -> bytes:
 class IntoSlot:
     """One download slot as an origin or the tier fills it (``origins.base.Into``): a
     request through the fetcher, in the file's ``turn`` when it streams in one (the file
-    then gets the turn's connections), or a copy of a file the origin opens itself."""
+    then gets the turn's connections), its reads held back by ``pace`` if given (a claim
+    holder's ``tier_parts.Lead``), or a copy of a file the origin opens itself."""
 
-    __slots__ = ("_fetcher", "_slot", "_turn")
+    __slots__ = ("_fetcher", "_pace", "_slot", "_turn")
 
-    def __init__(self, fetcher: Fetcher, slot: Slot, turn: Turn | None = None) -> None:
+    def __init__(
+        self,
+        fetcher: Fetcher,
+        slot: Slot,
+        turn: Turn | None = None,
+        pace: Throttle | None = None,
+    ) -> None:
         self._fetcher = fetcher
         self._slot = slot
         self._turn = turn
+        self._pace = pace
 
     async def fetch(self, request: BlobRequest, progress: ProgressFn) -> VerifiedFile:
+        if self._pace is not None:
+            request = dataclasses.replace(request, pace=self._pace)
         return await self._fetcher.fetch(request, self._slot, progress, turn=self._turn)
 
     async def copy(self, source: Path, version: str | None) -> VerifiedFile:

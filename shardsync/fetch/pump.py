@@ -245,8 +245,8 @@ class Pump:
         self.received += n
         _track_rate(t, n, previous, t.last)
         try:
-            if self._throttle is not None and (pause := self._throttle(n)) > 0:
-                time.sleep(pause)  # a bandwidth cap: this file's connections all wait
+            if self._throttle is not None:
+                self._hold(n)
             if t.pos - t.reported >= self._report_size:
                 t.landed(t.reported, t.pos)
                 t.reported = t.pos
@@ -258,6 +258,15 @@ class Pump:
             self._finish(active, selector, t, None)  # short: the fetcher asks for the rest
         else:
             _set_lowat(t, t.rate)
+
+    def _hold(self, n: int) -> None:
+        """Pause as long as the throttle says (this file's connections all wait), asking it
+        again after each pause; an abort or the pump's close ends the wait early."""
+        assert self._throttle is not None
+        pause = self._throttle(n)
+        while pause > 0 and not (self._aborted or self._closing):
+            time.sleep(pause)
+            pause = self._throttle(0)
 
     def _finish(
         self,

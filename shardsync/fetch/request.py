@@ -26,6 +26,7 @@ __all__ = [
     "Throttle",
     "Turn",
     "Validator",
+    "joined",
     "redact_url",
 ]
 
@@ -34,7 +35,18 @@ Validator = Literal["If-Range", "If-Match"]
 Throttle = Callable[[int], float]
 """Told each body read's size, on the event loop or on a pump thread (so it must be
 thread-safe), it answers how many seconds that reader pauses (0: none): a shared bandwidth
-budget (the daemon's token bucket). Raising stops the transfer."""
+budget (the daemon's token bucket), or a claim holder held to its uploads. After the pause
+the reader asks again with 0 and reads on only when told 0, so a throttle can hold a file
+for as long as it must. Raising stops the transfer."""
+
+
+def joined(first: Throttle | None, second: Throttle | None) -> Throttle | None:
+    """Both throttles, each told every read: the reader pauses for the longer answer."""
+    if first is None or second is None:
+        return first or second
+    return lambda n: max(first(n), second(n))
+
+
 Header = Callable[[str], "str | None"]  # a response header by case-insensitive name
 ProgressFn = Callable[[int], None]
 
@@ -69,6 +81,9 @@ class BlobRequest:
     with one GET of ``url``, redirects followed by hand, on the shared connections: no HEAD
     first, no Range, no resume. The hash, not an ETag, says the bytes are the ones asked for.
     A relocation or restart asks the usual way.
+
+    ``pace`` holds this file's reads back as a ``Throttle`` does, beside the fetcher's own:
+    a claim holder kept within reach of what the tier holds of its download.
     """
 
     url: str
@@ -82,6 +97,7 @@ class BlobRequest:
     verify_attempts: int | None = None  # full downloads after a mismatch (None: the config's)
     direct: bool = False
     connections: int | None = None  # most connections (an origin's own cap; None: the config's)
+    pace: Throttle | None = None  # this file's own, after the fetcher's (``tier_parts.Lead``)
 
 
 @dataclass(frozen=True, slots=True)

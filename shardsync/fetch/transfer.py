@@ -236,6 +236,7 @@ class FileDownload:
             received=received,
             recorded=state.keeper.landed,
             on_disk=state.on_disk,
+            pace=request.pace,
         )
 
     async def _run_connections(
