@@ -158,7 +158,8 @@ class TierConfig:
     accepts no progress from the holder before it downloads from the origin itself.
     ``upload_floor``: the slowest upload rate (bytes/s) a waiting host tolerates from the
     holder once its download is done. ``part_size``: the blocks a holder publishes as it
-    downloads, for a host that takes its claim over to resume from (0: none).
+    downloads, for a host that takes its claim over to resume from (0: none); its download
+    is held within eight of them of what the tier has taken (``tier_parts.Lead``).
     ``claim_courtesy``: how long a host that already downloads a blob for the fleet lets
     the others claim the next one first (0: claim at once).
     """
