@@ -419,6 +419,31 @@ MUTANTS: tuple[Mutant, ...] = (
         "a holder on a slow link publishes nothing until a piece fills, and its death costs it all",
     ),
     Mutant(
+        "pump-throttle-asked-once",
+        "shardsync/fetch/pump.py",
+        (("            pause = self._throttle(0)", "            pause = 0.0"),),
+        (
+            "tests/adversarial/test_transfer_integrity.py::"
+            "test_a_throttle_holds_every_read_until_it_says_go_on_every_body_path",
+        ),
+        "a throttle cannot hold the pump's reads: one pause per read, then on",
+    ),
+    Mutant(
+        "aiohttp-throttle-asked-once",
+        "shardsync/fetch/body_aiohttp.py",
+        (
+            (
+                "                        pause = self._throttle(0)",
+                "                        pause = 0.0",
+            ),
+        ),
+        (
+            "tests/adversarial/test_transfer_integrity.py::"
+            "test_a_throttle_holds_every_read_until_it_says_go_on_every_body_path",
+        ),
+        "a throttle cannot hold aiohttp's reads (chunked bodies, proxies): one pause per read",
+    ),
+    Mutant(
         "holder-runs-ahead-of-its-parts",
         "shardsync/tier_parts.py",
         (

@@ -20,6 +20,7 @@ import asyncio
 import json
 import os
 import re
+import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,7 @@ from bodypaths import BodyPath
 from helpers import assert_snapshot_matches, assert_store_verified, fast_config
 
 from shardsync.errors import ShardsyncError
-from shardsync.prefetch import prefetch
+from shardsync.prefetch import Engine, prefetch
 from shardsync.records import PrefetchResult
 from shardsync.retry import RetryPolicy
 from shardsync.testing import (
@@ -111,6 +112,49 @@ async def run(
     result = await prefetch(source(hub, kind), path.configure(config))
     path.check()
     return result
+
+
+async def test_a_throttle_holds_every_read_until_it_says_go_on_every_body_path(
+    hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path, body_path: BodyPath
+) -> None:
+    """A throttle may hold a file as long as it must (the tier's lead holds a claim holder's
+    download so): after each pause it is asked again, and reads go on only when it answers
+    0. While it holds, each connection reads at most the one piece it was charged for;
+    asked once per read instead, the rest of the checkpoint came in during the hold."""
+    lock, charged, asked_again = threading.Lock(), [0], [0]
+    holding = threading.Event()
+    at_hold: list[int] = []
+
+    def throttle(nbytes: int) -> float:
+        with lock:
+            charged[0] += nbytes
+            asked_again[0] += nbytes == 0
+            if not at_hold and charged[0] >= 256 << 10:
+                at_hold.append(charged[0])
+                holding.set()
+        return 0.001 if holding.is_set() else 0.0
+
+    async def release_later() -> int:
+        await asyncio.to_thread(holding.wait, 30)
+        await asyncio.sleep(0.5)
+        with lock:
+            seen = charged[0]
+        holding.clear()
+        return seen
+
+    config = body_path.configure(fast_config(tmp_path, hub.endpoint))
+    releasing = asyncio.ensure_future(release_later())
+    async with Engine(config, throttle=throttle) as engine:
+        job = engine.job(engine.origin(REPO))
+        await job.prepare()
+        await job.download()
+        snapshot = job.snapshot_path
+    at_release = await releasing
+    body_path.check()
+    assert_snapshot_matches(snapshot, checkpoint)
+    assert asked_again[0] > 0
+    # a piece (64 KiB reads) per connection at most: 2 shards x 4, and the small files
+    assert at_release - at_hold[0] <= (2 * 4 + 4) * (64 << 10)
 
 
 # --------------------------------------------------------------------------- one run, lying server
