@@ -75,7 +75,7 @@ __all__ = ["Tier", "TierCounters", "Upload"]
 log = logging.getLogger("shardsync.tier")
 
 Progress = Callable[[int], None]
-FromOrigin = Callable[[Progress, Throttle | None], Awaitable[VerifiedFile]]  # reads paced
+FromOrigin = Callable[[Progress, Throttle | None], Awaitable[VerifiedFile]]  # its reads paced
 _MAX_ROUNDS = 4  # miss -> wait -> (taken over | released) -> ... before going to the origin
 _POLL_FIRST, _POLL_MAX = 0.2, 2.0  # and at most a quarter of the lease apart
 _ANSWER_S = 5.0  # the longest a tier request but an upload may take (S3 answers in ms)
@@ -440,7 +440,7 @@ class Tier:
         return seeded
 
     async def _publish(self, claim: _Claim, slot: Slot, there: RangeSet, lead: Lead) -> None:
-        """Our parts as they land, but what the tier holds already (``there``); ``lead``."""
+        """Our parts as they land, all but what the tier holds (``there``), paced by ``lead``."""
 
         def downloading() -> bool:
             return claim.phase == "download" and not claim.lost and self._usable()
