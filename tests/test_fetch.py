@@ -16,6 +16,7 @@ from helpers import fast_config
 from shardsync.errors import ProtocolError
 from shardsync.fetch.answers import follow as _follow
 from shardsync.fetch.fetcher import Fetcher
+from shardsync.fetch.request import joined
 from shardsync.prefetch import prefetch
 from shardsync.testing import Bandwidth, FakeHub, serve_in_thread
 
@@ -169,3 +170,22 @@ async def test_the_resume_record_follows_the_bytes_while_the_event_loop_is_busy(
     for start, end in claimed:
         assert on_disk[start:end] == data[start:end]
     assert (result.snapshot_path / "model.safetensors").read_bytes() == data
+
+
+def test_joined_throttles_each_hear_every_read_and_the_longer_pause_wins() -> None:
+    """The daemon's bandwidth cap beside a claim holder's lead: both are charged every read
+    (the cap must count bytes the lead holds back too), and the reader waits for the longer."""
+    heard: dict[str, list[int]] = {"cap": [], "lead": []}
+
+    def cap(n: int) -> float:
+        heard["cap"].append(n)
+        return 0.5
+
+    def lead(n: int) -> float:
+        heard["lead"].append(n)
+        return 0.02
+
+    both = joined(cap, lead)
+    assert both is not None and both(100) == 0.5 and both(0) == 0.5
+    assert heard == {"cap": [100, 0], "lead": [100, 0]}
+    assert joined(cap, None) is cap and joined(None, lead) is lead and joined(None, None) is None
