@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 from faultgate import FaultGate
-from helpers import assert_snapshot_matches, fast_config, s3, s3_keys, serving
+from helpers import assert_snapshot_matches, fast_config, s3, s3_keys, serving, until
 
 from shardsync.config import Config, S3Config, TierConfig
 from shardsync.prefetch import Engine, prefetch
@@ -390,3 +390,35 @@ async def test_a_holder_stays_within_its_lead_of_a_slow_tier(
     assert served == len(data)
     assert len(ahead) > 20  # the watch saw the download, not only its end
     assert max(ahead) <= Lead.of_parts(part).limit + 3 * part  # 8.5 MiB seen; unpaced 19
+
+
+async def test_a_held_download_is_cancelled_at_once(
+    s3server: S3Server, s3bucket: str, one_large: Checkpoint, aws_env: None, tmp_path: Path
+) -> None:
+    """A job cancelled while its download waits for a tier that takes no part: the pump stops
+    waiting at the abort, so the job ends in moments, not after the lead's patience (5 s)
+    or the part uploads' 30 s."""
+    shard = one_large.shards[0]
+    part = 1 << 20
+    async with FakeHub() as hub, FaultGate(s3server.endpoint, slow_puts=("/parts/", 30)) as gate:
+        hub.add_checkpoint(REPO, one_large)
+        hub.faults.add(Bandwidth(4_000_000))
+        via = S3Server(**{**s3server.__dict__, "endpoint": gate.endpoint})
+        config = host(tmp_path / "h", hub, via, s3bucket)
+        config = replace(
+            config,
+            tier=replace(config.tier, part_size=part),
+            fetch=replace(config.fetch, connections_per_file=2),
+        )
+        job = asyncio.ensure_future(prefetch(REPO, config))
+        async with asyncio.timeout(30):
+            await until(lambda: hub.bytes_served(shard) >= Lead.of_parts(part).limit)
+        await asyncio.sleep(0.5)  # held: the tier has taken nothing
+        served = hub.bytes_served(shard)
+        began = time.monotonic()
+        job.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await job
+        took = time.monotonic() - began
+    assert served < len(one_large.path(shard).read_bytes())  # it was held, not done
+    assert took < 3.0  # 0.03 s seen; deaf to the abort, 4.5 s

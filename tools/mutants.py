@@ -444,6 +444,18 @@ MUTANTS: tuple[Mutant, ...] = (
         "a throttle cannot hold aiohttp's reads (chunked bodies, proxies): one pause per read",
     ),
     Mutant(
+        "held-pump-deaf-to-aborts",
+        "shardsync/fetch/pump.py",
+        (
+            (
+                "        while pause > 0 and not (self._aborted or self._closing):",
+                "        while pause > 0:",
+            ),
+        ),
+        ("tests/test_tier_parts.py::test_a_held_download_is_cancelled_at_once",),
+        "a cancelled job whose download a throttle holds waits out the throttle",
+    ),
+    Mutant(
         "holder-runs-ahead-of-its-parts",
         "shardsync/tier_parts.py",
         (
