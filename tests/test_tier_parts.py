@@ -340,6 +340,22 @@ def test_a_released_lead_never_holds() -> None:
     assert lead(0) == 0 and lead(1 << 30) == 0 and not lead.held
 
 
+SMALL_PART = 1 << 20  # the smallest part_size: the lead is 8 MiB
+
+
+def paced_host(
+    cache_dir: Path, hub: FakeHub, server: S3Server, gate: FaultGate, bucket: str
+) -> Config:
+    """A host whose tier is behind ``gate``, with 1 MiB parts and 2 connections per file."""
+    via = S3Server(**{**server.__dict__, "endpoint": gate.endpoint})
+    config = host(cache_dir, hub, via, bucket)
+    return replace(
+        config,
+        tier=replace(config.tier, part_size=SMALL_PART),
+        fetch=replace(config.fetch, connections_per_file=2),
+    )
+
+
 @pytest.fixture(scope="module")
 def one_large(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
     """One shard of ~24 MiB."""
@@ -355,18 +371,12 @@ async def test_a_holder_stays_within_its_lead_of_a_slow_tier(
     shard = one_large.shards[0]
     data = one_large.path(shard).read_bytes()
     sha = hashlib.sha256(data).hexdigest()
-    part = 1 << 20
+    part = SMALL_PART
     ahead: list[int] = []
     async with FakeHub() as hub, FaultGate(s3server.endpoint, slow_puts=("/parts/", 1.5)) as gate:
         hub.add_checkpoint(REPO, one_large)
         hub.faults.add(Bandwidth(4_000_000))  # 8 MB/s on 2 connections; the tier: 2.7 MiB/s
-        via = S3Server(**{**s3server.__dict__, "endpoint": gate.endpoint})
-        config = host(tmp_path / "h", hub, via, s3bucket)
-        config = replace(
-            config,
-            tier=replace(config.tier, part_size=part),
-            fetch=replace(config.fetch, connections_per_file=2),
-        )
+        config = paced_host(tmp_path / "h", hub, s3server, gate, s3bucket)
 
         def in_tier() -> int:
             keys = s3_keys(s3server, s3bucket, parts_prefix(PREFIX, sha))
@@ -399,17 +409,11 @@ async def test_a_held_download_is_cancelled_at_once(
     waiting at the abort, so the job ends in moments, not after the lead's patience (5 s)
     or the part uploads' 30 s."""
     shard = one_large.shards[0]
-    part = 1 << 20
+    part = SMALL_PART
     async with FakeHub() as hub, FaultGate(s3server.endpoint, slow_puts=("/parts/", 30)) as gate:
         hub.add_checkpoint(REPO, one_large)
         hub.faults.add(Bandwidth(4_000_000))
-        via = S3Server(**{**s3server.__dict__, "endpoint": gate.endpoint})
-        config = host(tmp_path / "h", hub, via, s3bucket)
-        config = replace(
-            config,
-            tier=replace(config.tier, part_size=part),
-            fetch=replace(config.fetch, connections_per_file=2),
-        )
+        config = paced_host(tmp_path / "h", hub, s3server, gate, s3bucket)
         job = asyncio.ensure_future(prefetch(REPO, config))
         async with asyncio.timeout(30):
             await until(lambda: hub.bytes_served(shard) >= Lead.of_parts(part).limit)
