@@ -219,6 +219,7 @@ def client_sockets(daemon: DaemonConfig, environ: Mapping[str, str]) -> tuple[Pa
     return tuple(dict.fromkeys((own, SYSTEM_SOCKET, tmp) if own != tmp else (SYSTEM_SOCKET, tmp)))
 
 
+_S3_SIZES = ("connections_per_file", "chunk_size")
 _FETCH_KEYS = {
     "connections_per_file": int,
     "chunk_size": "size",
@@ -347,7 +348,7 @@ def _load_config(
         ("hub", {"endpoint"}),
         ("daemon", set(_DAEMON_KEYS)),
         ("prune", set(_PRUNE_KEYS)),
-        ("s3", {"endpoint", "region", "addressing", "profile", "connections_per_file"}),
+        ("s3", {"endpoint", "region", "addressing", "profile", *_S3_SIZES}),
         (
             "tier",
             {"url", "claim_lease", "claim_stall", "claim_courtesy", "upload_floor", "part_size"},
@@ -515,12 +516,18 @@ def _s3_config(section: Mapping[str, Any]) -> S3Config:
     connections = section.get("connections_per_file", S3Config().connections_per_file)
     if isinstance(connections, bool) or not isinstance(connections, int) or connections < 1:
         raise ConfigError(f"s3.connections_per_file must be at least 1 (got {connections!r})")
+    chunk = S3Config().chunk_size
+    if "chunk_size" in section:
+        chunk = _coerce("s3.chunk_size", section["chunk_size"], "size")
+        if chunk < 1 << 20:
+            raise ConfigError("s3.chunk_size must be at least 1MiB")
     return S3Config(
         endpoint=endpoint,
         region=text("region"),
         addressing=addressing,
         profile=text("profile"),
         connections_per_file=connections,
+        chunk_size=chunk,
     )
 
 

@@ -331,9 +331,7 @@ class Tier:
         async def locate() -> Located:
             info = known.pop() if known else await client.head(bucket, key, checksum=False)
             url = await client.presign_get(bucket, key)
-            return Located(
-                url=url, headers={}, size=info.size, etag=info.etag, linked_etag=None, commit=None
-            )
+            return Located(url, {}, info.size, info.etag, linked_etag=None, commit=None)
 
         request = BlobRequest(
             url=f"s3://{bucket}/{key}",
@@ -345,6 +343,7 @@ class Tier:
             validator="If-Match",
             verify_attempts=1,  # one mismatch means a corrupt object, not a flaky link
             connections=client.config.connections_per_file,
+            chunk_size=client.config.chunk_size,
         )
         try:  # a failed fetch takes its bytes back off the progress it reported
             fetched = await slot_fetch(request, progress)

@@ -76,6 +76,8 @@ def test_env_overrides(tmp_path: Path) -> None:
         ("[download]\nbogus = 1\n", "download.bogus"),
         ("[s3]\nconnections_per_file = 0\n", "s3.connections_per_file"),
         ("[s3]\nconnections_per_file = true\n", "s3.connections_per_file"),
+        ("[s3]\nchunk_size = '512KiB'\n", "s3.chunk_size"),
+        ("[s3]\nchunk_size = 'big'\n", "s3.chunk_size"),
         ("[nope]\n", "nope"),
         ("[retry]\nmax_attempts = 0\n", "max_attempts"),
         ("[tier]\nclaim_courtesy = 'soon'\n", "tier.claim_courtesy"),
@@ -89,6 +91,14 @@ def test_invalid_config_names_the_key(tmp_path: Path, body: str, needle: str) ->
     cfg.write_text(body)
     with pytest.raises(ConfigError, match=needle):
         load_config(cfg, {}, cache_dir=tmp_path)
+
+
+def test_s3_ranges_have_their_own_size(tmp_path: Path) -> None:
+    """``[s3] chunk_size`` sizes S3 ranges; ``[download]``'s stays for every other origin."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[download]\nchunk_size = "2MiB"\n[s3]\nchunk_size = "8MiB"\n')
+    config = load_config(cfg, {}, cache_dir=tmp_path)
+    assert (config.fetch.chunk_size, config.s3.chunk_size) == (2 << 20, 8 << 20)
 
 
 def test_bad_env_value(tmp_path: Path) -> None:

@@ -51,8 +51,9 @@ def s3_multipart_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Checkpo
 
 
 def s3_config(cache_dir: Path, server: S3Server) -> Config:
-    s3 = S3Config(endpoint=server.endpoint, region=server.region, addressing="path")
-    return replace(fast_config(cache_dir), s3=s3)
+    config = fast_config(cache_dir)  # its small ranges for S3 objects too
+    s3 = S3Config(server.endpoint, server.region, "path", chunk_size=config.fetch.chunk_size)
+    return replace(config, s3=s3)
 
 
 def upload(
@@ -272,6 +273,35 @@ async def test_s3_objects_take_at_most_their_own_connection_cap(
     assert_snapshot_matches(result.snapshot_path, s3_checkpoint)
     shards = [gate.most_at_once[f"/{s3bucket}/{PREFIX}/{s}"] for s in s3_checkpoint.shards]
     assert max(shards) == (cap or config.fetch.connections_per_file)
+
+
+@pytest.mark.parametrize("s3_chunk", [1 << 20, 4 << 20])
+async def test_s3_ranges_are_as_large_as_the_s3_section_says(
+    s3server: S3Server,
+    s3bucket: str,
+    s3_multipart_checkpoint: Checkpoint,
+    aws_env: None,
+    tmp_path: Path,
+    s3_chunk: int,
+) -> None:
+    """An object store is asked for at most ``[s3] chunk_size`` per Range (fewer requests
+    cost the store less), not for the download section's smaller ranges (11 MiB over 4
+    connections: 1 MiB ranges, or four of about 2.9 MiB)."""
+    checkpoint = s3_multipart_checkpoint
+    upload(s3server, s3bucket, checkpoint, checksums=True)
+    async with FaultGate(s3server.endpoint) as gate:
+        config = s3_config(tmp_path / "cache", replace(s3server, endpoint=gate.endpoint))
+        config = replace(config, s3=replace(config.s3, chunk_size=s3_chunk))
+        result = await prefetch(f"s3://{s3bucket}/{PREFIX}/", config)
+    assert_snapshot_matches(result.snapshot_path, checkpoint)
+    sizes = []
+    for seen in gate.seen:
+        first, dash, last = seen.headers.get("range", "").removeprefix("bytes=").partition("-")
+        if seen.method == "GET" and seen.target.partition("?")[0].endswith(checkpoint.shards):
+            assert dash, "every shard is read by Range"
+            sizes.append(int(last) - int(first) + 1)
+    assert sum(sizes) == sum(checkpoint.path(s).stat().st_size for s in checkpoint.shards)
+    assert config.fetch.chunk_size < max(sizes) <= s3_chunk
 
 
 def test_load_from_s3_gives_the_exact_tensors(

@@ -456,6 +456,18 @@ MUTANTS: tuple[Mutant, ...] = (
         "a cancelled job whose download a throttle holds waits out the throttle",
     ),
     Mutant(
+        "s3-ranges-sized-by-download",
+        "shardsync/fetch/transfer.py",
+        (
+            (
+                "        most = request.chunk_size or self.config.chunk_size",
+                "        most = self.config.chunk_size",
+            ),
+        ),
+        ("tests/test_s3_origin.py::test_s3_ranges_are_as_large_as_the_s3_section_says",),
+        "an object store is asked for the CDN's small ranges, each one a request it pays for",
+    ),
+    Mutant(
         "holder-runs-ahead-of-its-parts",
         "shardsync/tier_parts.py",
         (

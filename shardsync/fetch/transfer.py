@@ -255,7 +255,7 @@ class FileDownload:
             state.at_tail = turn.at_tail
         if state.single_stream:
             most = 1
-        chunk = state.size if state.single_stream else self._chunk(missing, most)
+        chunk = state.size if state.single_stream else self._chunk(missing, most, request)
         pieces = [
             (start + first, start + stop)
             for start, end in missing
@@ -308,15 +308,18 @@ class FileDownload:
         if climbs:
             self._services.climbers.hand_on(state.wanted)
 
-    def _chunk(self, missing: Sequence[tuple[int, int]], connections: int) -> int:
-        """``chunk_size`` or less, so that every connection gets as many ranges as the others:
-        a file ends with its last range, and an uneven last round (31 ranges over 8
-        connections) costs a whole range's time on a capped link. Never under ``_MIN_SPLIT``:
-        each Range costs a round trip."""
+    def _chunk(
+        self, missing: Sequence[tuple[int, int]], connections: int, request: BlobRequest
+    ) -> int:
+        """The request's ``chunk_size`` (else the config's) or less, so that every connection
+        gets as many ranges as the others: a file ends with its last range, and an uneven last
+        round (31 ranges over 8 connections) costs a whole range's time on a capped link.
+        Never under ``_MIN_SPLIT``: each Range costs a round trip."""
+        most = request.chunk_size or self.config.chunk_size
         left = sum(end - start for start, end in missing)
-        rounds = max(1, -(-left // (self.config.chunk_size * connections)))
+        rounds = max(1, -(-left // (most * connections)))
         even = -(-left // (rounds * connections))
-        return min(self.config.chunk_size, max(_MIN_SPLIT, even))
+        return min(most, max(_MIN_SPLIT, even))
 
     async def _ranges(
         self,

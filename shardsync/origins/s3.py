@@ -130,6 +130,7 @@ class S3Origin(RequestOrigin):
             locator=locate,
             validator="If-Match",
             connections=self.client.config.connections_per_file,
+            chunk_size=self.client.config.chunk_size,
         )
 
     async def version(self, fetcher: Http, entry: Entry) -> str | None:
