@@ -54,7 +54,8 @@ symlinks followed) against the checkpoint's sha256, the tensors a loading tool r
 count and bytes; then the destination is deleted. The machine's own cost of hashing
 (``hashlib.sha256``, ``xxhash.xxh3_128``, ISA-L's ``crc32``, awscrt's ``crc32c`` and
 ``crc64nvme``, CPU-s/GB over a 256 MiB buffer) is measured in this process at the start and
-at the end, so shardsync's CPU can be read as "beyond sha256". ``--rounds`` interleave the
+at the end, so shardsync's CPU can be read as "beyond sha256". After each upload one untimed
+copy (the first tool, the first prefix) warms the machine up. ``--rounds`` interleave the
 tools (the order rotates each round); a row shows medians and the range. The table, the
 targets as PASS/FAIL, ``<out>/s3.json`` (every run, the machine, versions, commit, HEAD
 answers, hash costs) and ``<out>/s3.png`` (needs matplotlib) come out; ``--out`` defaults to
@@ -805,6 +806,20 @@ def run_size(
     runs_dir = scratch / "runs"
     runs_dir.mkdir(exist_ok=True)
     runs = []
+    # Untimed: the first copy after the upload took 1.5-2x the system CPU of later ones here,
+    # whichever tool made it (the VM's memory touched afresh), which would tax one tool's
+    # first round only.
+    compile_shardsync()
+    warm = run_once(
+        tools[0],
+        -1,
+        server,
+        Source(bucket, settings.prefixes[0]),
+        checkpoint,
+        runs_dir,
+        shardsync_toml,
+    )
+    log(f"{checkpoint.label} warm-up ({tools[0]}, untimed): {warm.seconds:.2f} s")
     for round_no in range(settings.rounds):
         compile_shardsync()  # shardsync's bytecode current before any clock (see common.py)
         shift = round_no % len(tools)
