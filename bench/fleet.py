@@ -21,7 +21,12 @@ Everything is a real server or a real process:
 
 For each N of ``--hosts`` (and each of ``--rounds``): N hosts at once, then one more host after
 they all finished ("late"), then (not timed) every host's snapshot is compared by sha256 with
-the checkpoint and the caches are deleted. Before that, one host without a tier gives the
+the checkpoint and the caches are deleted. After the late host, a tier read is measured beside
+an ``s3://`` read of the same bytes from the same store: one more host reading the model from
+the tier, and one ``shardsync prefetch s3://<bucket>/model/`` of the checkpoint uploaded once at
+the start (one PutObject per file, no tier configured), each with a fresh cache (checked and
+deleted at once), their order alternating by round, after one untimed tier read; their wall,
+CPU-s/GB and SeaweedFS's CPU meanwhile are printed, with medians at the end. Before that, one host without a tier gives the
 baseline single-host time. Per N it reports the Hub's egress per model (goal <= 1.05 x for any
 N), the slowest and median host time against the baseline, the late host's time and egress,
 and what waiting costs: ``after_origin_s``, the slowest host's end minus the moment nginx sent
@@ -98,6 +103,7 @@ STRIKE_AT = 0.4  # of the first claim's blob
 HOST_TIMEOUT_S = 600.0
 """A host still running after this is killed and reported as failed (hung)."""
 TIER_PREFIX = "fleet/"
+S3_READ_PREFIX = "model"
 _TIER_COUNTERS = (
     "hits",
     "misses",
@@ -197,6 +203,13 @@ class Round:
     # host -> its exit minus its snapshot's completed_at (the cache's own record, written as
     # the snapshot became complete): what the tier's uploads kept it waiting
     exit_after_snapshot_s: dict[str, float] = field(default_factory=dict)
+    late_seaweedfs_cpu_s: float | None = None  # the store's CPU while the late host ran
+    # after the late host (``compare_reads``): one more host reading the model from the tier,
+    # and one reading the same checkpoint as a plain s3:// model from the same store
+    tier_read: Host | None = None
+    tier_read_seaweedfs_cpu_s: float | None = None
+    s3_read: Host | None = None
+    s3_read_seaweedfs_cpu_s: float | None = None
 
     @property
     def survivors(self) -> list[Host]:
@@ -429,10 +442,12 @@ def write_config(
     return path
 
 
-def host_argv(config: Path, hub: str, cache: Path) -> list[str]:
+def host_argv(config: Path, hub: str, cache: Path, source: str | None = None) -> list[str]:
+    """``shardsync prefetch`` of the Hub's model, or of ``source`` (an ``s3://`` URL)."""
     executable = Path(sys.executable).with_name("shardsync")
     argv = [str(executable)] if executable.exists() else [sys.executable, "-m", "shardsync.cli"]
-    argv += ["--config", str(config), "prefetch", REPO_ID, "--endpoint", hub]
+    argv += ["--config", str(config), "prefetch"]
+    argv += [source] if source is not None else [REPO_ID, "--endpoint", hub]
     argv += ["--cache-dir", str(cache), "--no-daemon", "--json", "--quiet"]
     return argv
 
@@ -445,10 +460,12 @@ def run_hosts(
     hub: str,
     s3: S3Server | None,
     during: Callable[[Mapping[int, str]], None] | None = None,
+    source: str | None = None,
 ) -> list[Host]:
     """Start one process per name at once; wait for all. Each is reaped with wait4 by its
     own thread, so its end time and CPU are its own. ``during`` runs meanwhile in a thread of
-    its own with the hosts' names by pid (a fault to strike)."""
+    its own with the hosts' names by pid (a fault to strike). ``source``: an ``s3://`` model
+    instead of the Hub's."""
     env = host_env(work, hub, s3)
     procs: list[tuple[str, subprocess.Popen[bytes], float, float, Path, Path]] = []
     for name in names:
@@ -456,7 +473,10 @@ def run_hosts(
         with out.open("wb") as stdout, err.open("wb") as stderr:
             started_wall, started = time.time(), time.perf_counter()
             proc = subprocess.Popen(
-                host_argv(config, hub, caches / name), env=env, stdout=stdout, stderr=stderr
+                host_argv(config, hub, caches / name, source),
+                env=env,
+                stdout=stdout,
+                stderr=stderr,
             )
         procs.append((name, proc, started_wall, started, out, err))
 
@@ -595,6 +615,7 @@ class Servers:
     cache_root: Path
     part_size: str | None = None
     log_offset: int = 0
+    s3_read_bucket: str | None = None  # the checkpoint as a plain s3:// model (upload_s3_read)
 
     def cdn_since_last(self) -> Cdn:
         digests = {rel: digest for rel, (_, digest) in self.origin.lfs.items()}
@@ -644,15 +665,20 @@ def one_round(
     time.sleep(0.2)  # nginx writes a request's line as it ends: let the last ones land
     cdn = servers.cdn_since_last()
     weed_after, nginx_after = process_cpu_s(store.pid), process_cpu_s(servers.nginx.pid)
-    late, late_cdn = None, None
+    late, late_cdn, late_weed, reads = None, None, None, None
     if tier and fault is None:
+        before = process_cpu_s(store.pid)
         (late,) = run_hosts(["late"], work, caches, config, servers.hub, s3)
+        late_weed = _delta(before, process_cpu_s(store.pid))
         time.sleep(0.2)
         late_cdn = servers.cdn_since_last()
+        if servers.s3_read_bucket is not None:
+            reads = compare_reads(servers, store, work, caches, config, index)
     struck = None if striker is None else striker.fault
     victim = None if struck is None else struck.victim
     checked = [h for h in [*hosts, *([late] if late else [])] if h.name != victim]
     problems = [p for h in checked for p in verify_host(h, work, servers.origin)]
+    problems += reads[4] if reads else []
     if fault == "holder" and victim is None:
         problems.append("no claim holder was killed (the hosts finished first, or none was ours)")
     warned = {h.name: tier_warnings(work / f"{h.name}.err") for h in hosts if h.name != victim}
@@ -682,6 +708,11 @@ def one_round(
         fault=struck,
         tier_warnings=warned,
         exit_after_snapshot_s=lag,
+        late_seaweedfs_cpu_s=late_weed,
+        tier_read=reads[0] if reads else None,
+        tier_read_seaweedfs_cpu_s=reads[1] if reads else None,
+        s3_read=reads[2] if reads else None,
+        s3_read_seaweedfs_cpu_s=reads[3] if reads else None,
     )
 
 
@@ -712,7 +743,85 @@ def describe(r: Round, model: int) -> str:
     text = f"{label}: hosts {times} s; Hub egress {r.cdn.bytes_sent / model:.3f} x model"
     if r.late is not None and r.late_cdn is not None:
         text += f"; late {r.late.wall_s:.1f} s, egress {r.late_cdn.bytes_sent} B"
+        text += f", {_read_cost(r.late, r.late_seaweedfs_cpu_s, model)}"
+    if r.tier_read is not None and r.s3_read is not None:
+        text += f"; tier read {r.tier_read.wall_s:.1f} s, "
+        text += _read_cost(r.tier_read, r.tier_read_seaweedfs_cpu_s, model)
+        text += f"; s3:// read {r.s3_read.wall_s:.1f} s, "
+        text += _read_cost(r.s3_read, r.s3_read_seaweedfs_cpu_s, model)
     return text + ("" if r.verified else f"; PROBLEMS: {'; '.join(r.problems)}")
+
+
+def _read_cost(host: Host, weed_cpu_s: float | None, model: int) -> str:
+    weed = "?" if weed_cpu_s is None else f"{weed_cpu_s:.2f}"
+    return f"{host.cpu_s / (model / 1e9):.2f} CPU-s/GB, SeaweedFS {weed} CPU-s"
+
+
+def compare_reads(
+    servers: Servers, store: S3Server, work: Path, caches: Path, config: Path, index: int
+) -> tuple[Host, float | None, Host, float | None, list[str]]:
+    """One host reading the model from the tier and one reading the same bytes as a plain
+    ``s3://`` model (no tier), each with a fresh cache and the store's CPU meanwhile. Each
+    host's snapshot is checked and its cache deleted at once, so the next one writes into
+    memory the VM has touched before (a read whose 2 GB land in fresh memory costs up to
+    twice the CPU here), and the order alternates with the round. Returns (tier host, its
+    store CPU, s3:// host, its store CPU, what was wrong with their snapshots). An untimed
+    tier read before them touches that memory first."""
+    plain = work / "s3-read.toml"  # the store, no tier
+    plain.write_text(
+        f'[s3]\nendpoint = "{store.endpoint}"\nregion = "{store.region}"\naddressing = "path"\n'
+    )
+    source = f"s3://{servers.s3_read_bucket}/{S3_READ_PREFIX}/"
+    found: dict[str, tuple[Host, float | None]] = {}
+    problems: list[str] = []
+    # untimed: the first 2 GB written after memory was freed a while ago cost up to twice the
+    # CPU here (whichever read it was: the VM's freed pages come back slowly)
+    run_hosts(["warm-read"], work, caches, config, servers.hub, store)
+    remove_tree(caches / "warm-read")
+    for which in ("tier", "s3") if index % 2 == 0 else ("s3", "tier"):
+        before = process_cpu_s(store.pid)
+        if which == "tier":
+            (host,) = run_hosts(["tier-read"], work, caches, config, servers.hub, store)
+        else:
+            (host,) = run_hosts(["s3-read"], work, caches, plain, servers.hub, store, source=source)
+        found[which] = host, _delta(before, process_cpu_s(store.pid))
+        problems += verify_host(host, work, servers.origin)
+        remove_tree(caches / host.name)
+    return (*found["tier"], *found["s3"], problems)
+
+
+def print_reads(rounds: Sequence[Round], model: int) -> None:
+    """Medians (and ranges) of the tier reads against the s3:// reads of the same bytes."""
+    pairs = [r for r in rounds if r.tier_read is not None and r.s3_read is not None]
+    if not pairs:
+        return
+    gb = model / 1e9
+    print("reads after the late host, medians (ranges) over the rounds:")
+    for label, host_of, weed_of in (
+        ("tier read  ", lambda r: r.tier_read, lambda r: r.tier_read_seaweedfs_cpu_s),
+        ("s3:// read ", lambda r: r.s3_read, lambda r: r.s3_read_seaweedfs_cpu_s),
+    ):
+        walls = [host_of(r).wall_s for r in pairs]
+        cpus = [host_of(r).cpu_s / gb for r in pairs]
+        weeds = [w for r in pairs if (w := weed_of(r)) is not None]
+        text = f"  {label} {_spread(walls, 's')}, {_spread(cpus, ' CPU-s/GB')}"
+        print(text + (f", SeaweedFS {_spread(weeds, ' CPU-s')}" if weeds else ""))
+
+
+def _spread(values: Sequence[float], unit: str) -> str:
+    return f"{statistics.median(values):.2f}{unit} ({min(values):.2f}-{max(values):.2f})"
+
+
+def upload_s3_read(s3: S3Server, origin: Origin) -> str:
+    """The checkpoint as a plain ``s3://`` model in a bucket of its own (one PutObject per
+    file, no checksum asked), for the read the late host's tier read is compared with."""
+    bucket = s3.new_bucket("fleet-s3-read")
+    for rel in origin.files:
+        data = (origin.directory / rel).read_bytes()
+        status, body = s3.signed_request("PUT", f"/{bucket}/{S3_READ_PREFIX}/{rel}", body=data)
+        if status != 200:
+            raise RuntimeError(f"uploading {rel} answered {status}: {body[:200]!r}")
+    return bucket
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1053,6 +1162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ):
             servers = Servers(origin, hub, nginx, s3, cache_root, settings.part_size)
             log(f"fake Hub {hub}, CDN nginx {nginx.url}, tier SeaweedFS {s3.endpoint}")
+            servers.s3_read_bucket = upload_s3_read(s3, origin)
             for index in range(settings.rounds):
                 baseline_rounds.append(one_round(servers, 1, index, False, scratch))
                 log(describe(baseline_rounds[-1], model))
@@ -1078,6 +1188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     fault_rows = summarize_faults(rounds, model)
     print_report(rows, baseline, model)
     print_faults(fault_rows)
+    print_reads(rounds, model)
     problems = [p for r in [*baseline_rounds, *rounds] for p in r.problems]
     for problem in problems:
         print(f"PROBLEM: {problem}")
