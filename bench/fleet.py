@@ -26,12 +26,13 @@ an ``s3://`` read of the same bytes from the same store: one more host reading t
 the tier, and one ``shardsync prefetch s3://<bucket>/model/`` of the checkpoint uploaded once at
 the start (one PutObject per file, no tier configured), each with a fresh cache (checked and
 deleted at once), their order alternating by round, after one untimed tier read; their wall,
-CPU-s/GB and SeaweedFS's CPU meanwhile are printed, with medians at the end. Before that, one host without a tier gives the
-baseline single-host time. Per N it reports the Hub's egress per model (goal <= 1.05 x for any
-N), the slowest and median host time against the baseline, the late host's time and egress,
-and what waiting costs: ``after_origin_s``, the slowest host's end minus the moment nginx sent
-the model's last byte (the claim holders' upload to the tier, the waiters' poll, read, verify
-and publish: everything a fleet host pays beyond the origin's own download).
+CPU-s/GB and SeaweedFS's CPU meanwhile are printed, with medians at the end. Before that, one
+host without a tier gives the baseline single-host time. Per N it reports the Hub's egress per
+model (goal <= 1.05 x for any N), the slowest and median host time against the baseline, the
+late host's time and egress, and what waiting costs: ``after_origin_s``, the slowest host's
+end minus the moment nginx sent the model's last byte (the claim holders' upload to the tier,
+the waiters' poll, read, verify and publish: everything a fleet host pays beyond the origin's
+own download).
 
 ``--faults holder,tier`` adds, per round, N = the largest of ``--hosts`` with a fault struck
 when the first claim in the tier reports 40% of its blob done: ``holder`` kills that claim's
