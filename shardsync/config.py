@@ -219,7 +219,7 @@ def client_sockets(daemon: DaemonConfig, environ: Mapping[str, str]) -> tuple[Pa
     return tuple(dict.fromkeys((own, SYSTEM_SOCKET, tmp) if own != tmp else (SYSTEM_SOCKET, tmp)))
 
 
-_S3_SIZES = ("connections_per_file", "chunk_size")
+_S3_TRANSFER_KEYS = ("connections_per_file", "chunk_size")
 _FETCH_KEYS = {
     "connections_per_file": int,
     "chunk_size": "size",
@@ -348,7 +348,7 @@ def _load_config(
         ("hub", {"endpoint"}),
         ("daemon", set(_DAEMON_KEYS)),
         ("prune", set(_PRUNE_KEYS)),
-        ("s3", {"endpoint", "region", "addressing", "profile", *_S3_SIZES}),
+        ("s3", {"endpoint", "region", "addressing", "profile", *_S3_TRANSFER_KEYS}),
         (
             "tier",
             {"url", "claim_lease", "claim_stall", "claim_courtesy", "upload_floor", "part_size"},

@@ -252,7 +252,7 @@ class S3Config:
     # most Range connections per object and the most bytes per Range request (s3:// sources
     # and tier reads; the connections at most the download section's). s5cmd's own choice
     # is alike (5 x 50 MiB). Against SeaweedFS on 2 cores, 4 x 64 MiB took 1.66-1.77 client
-    # CPU-s/GB and 2.3-2.4 of the store's CPU-s per 2 GB where 8 x 16 MiB took 2.1-2.4 and
-    # 2.6-3.2 (bench/README.md, s3.py); raise the connections for AWS S3 on a fast NIC
+    # CPU-s/GB and 2.32-2.40 of the store's CPU-s per 2 GB where 8 x 16 MiB took 2.13-2.18
+    # and 2.62-2.85 (bench/README.md, s3.py); raise the connections for AWS S3 on a fast NIC
     connections_per_file: int = 4
     chunk_size: int = 64 << 20
