@@ -679,7 +679,7 @@ def one_round(
     victim = None if struck is None else struck.victim
     checked = [h for h in [*hosts, *([late] if late else [])] if h.name != victim]
     problems = [p for h in checked for p in verify_host(h, work, servers.origin)]
-    problems += reads[4] if reads else []
+    problems += reads.problems if reads else []
     if fault == "holder" and victim is None:
         problems.append("no claim holder was killed (the hosts finished first, or none was ours)")
     warned = {h.name: tier_warnings(work / f"{h.name}.err") for h in hosts if h.name != victim}
@@ -710,10 +710,10 @@ def one_round(
         tier_warnings=warned,
         exit_after_snapshot_s=lag,
         late_seaweedfs_cpu_s=late_weed,
-        tier_read=reads[0] if reads else None,
-        tier_read_seaweedfs_cpu_s=reads[1] if reads else None,
-        s3_read=reads[2] if reads else None,
-        s3_read_seaweedfs_cpu_s=reads[3] if reads else None,
+        tier_read=reads.tier if reads else None,
+        tier_read_seaweedfs_cpu_s=reads.tier_seaweedfs_cpu_s if reads else None,
+        s3_read=reads.s3 if reads else None,
+        s3_read_seaweedfs_cpu_s=reads.s3_seaweedfs_cpu_s if reads else None,
     )
 
 
@@ -758,16 +758,27 @@ def _read_cost(host: Host, weed_cpu_s: float | None, model: int) -> str:
     return f"{host.cpu_s / (model / 1e9):.2f} CPU-s/GB, SeaweedFS {weed} CPU-s"
 
 
+@dataclass(frozen=True, slots=True)
+class Reads:
+    """``compare_reads``' hosts, the store's CPU while each ran, and what was wrong with
+    their snapshots."""
+
+    tier: Host
+    tier_seaweedfs_cpu_s: float | None
+    s3: Host
+    s3_seaweedfs_cpu_s: float | None
+    problems: list[str]
+
+
 def compare_reads(
     servers: Servers, store: S3Server, work: Path, caches: Path, config: Path, index: int
-) -> tuple[Host, float | None, Host, float | None, list[str]]:
+) -> Reads:
     """One host reading the model from the tier and one reading the same bytes as a plain
     ``s3://`` model (no tier), each with a fresh cache and the store's CPU meanwhile. Each
     host's snapshot is checked and its cache deleted at once, so the next one writes into
     memory the VM has touched before (a read whose 2 GB land in fresh memory costs up to
-    twice the CPU here), and the order alternates with the round. Returns (tier host, its
-    store CPU, s3:// host, its store CPU, what was wrong with their snapshots). An untimed
-    tier read before them touches that memory first."""
+    twice the CPU here), and the order alternates with the round. An untimed tier read
+    before them touches that memory first."""
     plain = work / "s3-read.toml"  # the store, no tier
     plain.write_text(
         f'[s3]\nendpoint = "{store.endpoint}"\nregion = "{store.region}"\naddressing = "path"\n'
@@ -788,7 +799,7 @@ def compare_reads(
         found[which] = host, _delta(before, process_cpu_s(store.pid))
         problems += verify_host(host, work, servers.origin)
         remove_tree(caches / host.name)
-    return (*found["tier"], *found["s3"], problems)
+    return Reads(*found["tier"], *found["s3"], problems)
 
 
 def print_reads(rounds: Sequence[Round], model: int) -> None:
