@@ -275,7 +275,7 @@ async def test_s3_objects_take_at_most_their_own_connection_cap(
     assert max(shards) == (cap or config.fetch.connections_per_file)
 
 
-@pytest.mark.parametrize("s3_chunk", [1 << 20, 4 << 20])
+@pytest.mark.parametrize(("s3_chunk", "connections"), [(1 << 20, 4), (4 << 20, 4), (8 << 20, 1)])
 async def test_s3_ranges_are_as_large_as_the_s3_section_says(
     s3server: S3Server,
     s3bucket: str,
@@ -283,25 +283,35 @@ async def test_s3_ranges_are_as_large_as_the_s3_section_says(
     aws_env: None,
     tmp_path: Path,
     s3_chunk: int,
+    connections: int,
 ) -> None:
     """An object store is asked for at most ``[s3] chunk_size`` per Range (fewer requests
     cost the store less), not for the download section's smaller ranges (11 MiB over 4
-    connections: 1 MiB ranges, or four of about 2.9 MiB)."""
+    connections: 1 MiB ranges, or four of about 2.9 MiB), and its last ranges are not cut
+    finer as a CDN's are (over one connection in 8 MiB ranges: two of 5.5 MiB, not one of
+    5.5 and two of 2.75)."""
     checkpoint = s3_multipart_checkpoint
     upload(s3server, s3bucket, checkpoint, checksums=True)
     async with FaultGate(s3server.endpoint) as gate:
         config = s3_config(tmp_path / "cache", replace(s3server, endpoint=gate.endpoint))
-        config = replace(config, s3=replace(config.s3, chunk_size=s3_chunk))
+        s3 = replace(config.s3, chunk_size=s3_chunk, connections_per_file=connections)
+        config = replace(config, s3=s3)
         result = await prefetch(f"s3://{s3bucket}/{PREFIX}/", config)
     assert_snapshot_matches(result.snapshot_path, checkpoint)
-    sizes = []
+    ranges: dict[str, list[tuple[int, int]]] = {}
     for seen in gate.seen:
+        path = seen.target.partition("?")[0]
         first, dash, last = seen.headers.get("range", "").removeprefix("bytes=").partition("-")
-        if seen.method == "GET" and seen.target.partition("?")[0].endswith(checkpoint.shards):
+        if seen.method == "GET" and path.endswith(checkpoint.shards):
             assert dash, "every shard is read by Range"
-            sizes.append(int(last) - int(first) + 1)
+            ranges.setdefault(path, []).append((int(first), int(last) + 1))
+    assert len(ranges) == len(checkpoint.shards)
+    sizes = [end - start for got in ranges.values() for start, end in got]
     assert sum(sizes) == sum(checkpoint.path(s).stat().st_size for s in checkpoint.shards)
     assert config.fetch.chunk_size < max(sizes) <= s3_chunk
+    for got in ranges.values():  # an even split: every range but the last is the same size
+        lengths = [end - start for start, end in sorted(got)]
+        assert len(set(lengths[:-1])) <= 1 and lengths[-1] <= lengths[0]
 
 
 def test_load_from_s3_gives_the_exact_tensors(

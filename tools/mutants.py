@@ -468,6 +468,18 @@ MUTANTS: tuple[Mutant, ...] = (
         "an object store is asked for the CDN's small ranges, each one a request it pays for",
     ),
     Mutant(
+        "s3-tail-cut-finer",
+        "shardsync/fetch/transfer.py",
+        (
+            (
+                "        whole = state.single_stream or request.chunk_size is not None",
+                "        whole = state.single_stream",
+            ),
+        ),
+        ("tests/test_s3_origin.py::test_s3_ranges_are_as_large_as_the_s3_section_says",),
+        "an object's last ranges are cut in four as a CDN's are: more requests the store pays for",
+    ),
+    Mutant(
         "holder-runs-ahead-of-its-parts",
         "shardsync/tier_parts.py",
         (

@@ -97,7 +97,7 @@ class BlobRequest:
     verify_attempts: int | None = None  # full downloads after a mismatch (None: the config's)
     direct: bool = False
     connections: int | None = None  # most connections (an origin's own cap; None: the config's)
-    chunk_size: int | None = None  # most bytes per Range request (an origin's own; ditto)
+    chunk_size: int | None = None  # most bytes per Range, none cut at the tail (an origin's own)
     pace: Throttle | None = None  # this file's own, after the fetcher's (``tier_parts.Lead``)
 
 

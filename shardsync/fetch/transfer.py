@@ -262,7 +262,12 @@ class FileDownload:
             for first, stop in split_ranges(end - start, max(chunk, 1))
         ]
         queue: asyncio.Queue[tuple[int, int]] = asyncio.Queue()
-        last_round = 0 if state.single_stream else most
+        # the last round is cut finer for a file read in the config's ranges (a CDN's
+        # connections are often capped one by one: they share it); an origin that sizes its
+        # own ranges (an object store) gets them whole, since each extra range costs the
+        # store a request and its connections are not capped one by one
+        whole = state.single_stream or request.chunk_size is not None
+        last_round = 0 if whole else most
         for piece in split_tail(pieces, last_round, _TAIL_PARTS, 2 * _MIN_SPLIT):
             queue.put_nowait(piece)
         assert state.body is not None
