@@ -89,7 +89,8 @@ class ObjectInfo:
 
 
 class S3Client:
-    """One aiobotocore client, opened on first use and shared by every caller.
+    """One aiobotocore client, opened on first use and shared by every caller (plus one
+    per other region a bucket turns out to live in, only to presign its GETs).
 
     ``aclose`` releases it; an unused instance owns nothing, so making one is free.
     A request is tried ``attempts`` times: by botocore, with its backoff (up to 1 s before
@@ -111,24 +112,50 @@ class S3Client:
         self.attempts = attempts
         self.retry_wait = retry_wait
         self._stack: contextlib.AsyncExitStack | None = None
+        self._session: Any = None
         self._client: _Client | None = None
         self._opening = asyncio.Lock()
+        self._regions: dict[str, str] = {}  # bucket -> the region botocore signs it for
+        self._regional: dict[str, _Client] = {}  # region -> a client that presigns for it
 
     async def _get(self) -> _Client:
         if self._client is not None:
             return self._client
         async with self._opening:
             if self._client is None:
-                self._client = await self._open()
+                client = await self._open(self.config.region)
+                client.meta.events.register_last("before-endpoint-resolution.s3", self._note_region)
+                self._client = client
         return self._client
 
-    async def _open(self) -> _Client:
+    async def _for_region(self, region: str) -> _Client:
+        """A client of the same session that signs for ``region`` (made once)."""
+        async with self._opening:
+            if region not in self._regional:
+                self._regional[region] = await self._open(region)
+        return self._regional[region]
+
+    def _note_region(
+        self, builtins: dict[str, Any], params: dict[str, Any], context: dict[str, Any], **_: Any
+    ) -> None:
+        """Remember the region botocore resolves each bucket's requests for. After a store
+        answers "wrong region", botocore sends that bucket's later requests to its own
+        region, but still signs presigned URLs for the client's: S3 refuses those (400)."""
+        bucket, region = params.get("Bucket"), builtins.get("AWS::Region")
+        if context.get("is_presign_request") or not isinstance(bucket, str):
+            return
+        if isinstance(region, str):
+            self._regions[bucket] = region
+
+    async def _open(self, region: str | None) -> _Client:
         # imported here: botocore's import costs ~0.3 s that Hub-only runs never pay
         from aiobotocore.config import AioConfig
         from aiobotocore.session import AioSession
 
         cfg = self.config
-        session = AioSession(profile=cfg.profile)
+        if self._session is None:
+            self._session = AioSession(profile=cfg.profile)
+        session = self._session
         # the endpoint botocore will use: [s3], else the chain's variables, else AWS
         endpoint = (
             cfg.endpoint
@@ -159,25 +186,31 @@ class S3Client:
             request_checksum_calculation="when_required",
             response_checksum_validation="when_required",
         )
-        stack = contextlib.AsyncExitStack()
+        if self._stack is None:
+            self._stack = contextlib.AsyncExitStack()
         try:
-            client = await stack.enter_async_context(
+            client = await self._stack.enter_async_context(
                 session.create_client(
                     "s3",
                     endpoint_url=cfg.endpoint,
-                    region_name=cfg.region,
+                    region_name=region,
                     config=client_config,
                     verify=str(self.network.ca_bundle) if self.network.ca_bundle else None,
                 )
             )
         except Exception as exc:
-            await stack.aclose()
             raise _mapped(exc, "open an S3 client", "") from None
-        self._stack = stack
+        client.meta.events.register_last(
+            "before-endpoint-resolution.s3",
+            partial(_presign_for_own_region, region=client.meta.region_name),
+        )
         return client
 
     async def aclose(self) -> None:
         stack, self._stack, self._client = self._stack, None, None
+        self._session = None
+        self._regional.clear()
+        self._regions.clear()
         if stack is not None:
             await stack.aclose()
 
@@ -292,9 +325,13 @@ class S3Client:
         return (first,) * (parts - 1) + (last,)
 
     async def presign_get(self, bucket: str, key: str) -> str:
-        """A GET URL that carries its own signature (valid for an hour)."""
+        """A GET URL that carries its own signature (valid for an hour), signed for the
+        bucket's own region once a listing or ``HEAD`` has learned it."""
 
         async def run(client: _Client) -> str:
+            region = self._regions.get(bucket)
+            if region is not None and region != client.meta.region_name:
+                client = await self._for_region(region)
             return str(
                 await client.generate_presigned_url(
                     "get_object",
@@ -418,6 +455,16 @@ class S3Client:
                 )
 
             await self._call("delete", f"s3://{bucket}/{batch[0]['Key']}", run)
+
+
+def _presign_for_own_region(
+    builtins: dict[str, Any], context: dict[str, Any], region: str | None, **_: Any
+) -> None:
+    """Point a presigned URL at its region's own host. botocore points it at the global
+    one (``BUCKET.s3.amazonaws.com``), which refuses buckets in the regions opened since
+    2019 (``me-south-1``, ``ap-east-1``, ...); every region's own host serves its buckets."""
+    if context.get("is_presign_request") and region and builtins.get("AWS::Region") == "aws-global":
+        builtins["AWS::Region"] = region
 
 
 def _unquoted(etag: str) -> str:

@@ -136,6 +136,9 @@ class FaultGate:
     # (part of a path, seconds): PUTs to such paths wait that long first (a tier slower than
     # the origin)
     slow_puts: tuple[str, float] | None = None
+    # the store's region: a request signed for another is refused as S3 refuses it (a 400
+    # naming this region, in ``x-amz-bucket-region`` and, but for a HEAD, in the body)
+    home_region: str | None = None
     # the most GETs of each object (by path) the gate was answering at one time
     most_at_once: dict[str, int] = field(default_factory=dict)
     _at_once: Counter[str] = field(default_factory=Counter)
@@ -250,6 +253,10 @@ class FaultGate:
             record("status", self.refuse_puts)
             code = _S3_CODES.get(self.refuse_puts, "Error")
             return _s3_error(self.refuse_puts, code, target)
+        signed = _parse(target, headers) if self.home_region else None
+        if signed is not None and signed.scope.split("/")[1:2] != [self.home_region]:
+            record("status", 400)
+            return _wrong_region(request.method, signed.presigned, str(self.home_region), target)
         if token is not None and self.identity is not None:
             verified = token == self.identity.token and _verify(
                 request.method, target, headers, self.identity
@@ -335,14 +342,24 @@ def _reset(request: web.BaseRequest) -> None:
     transport.abort()
 
 
-def _s3_error(status: int, code: str, target: str) -> web.Response:
+def _s3_error(status: int, code: str, target: str, more: str = "") -> web.Response:
     resource = target.partition("?")[0]
     body = (
         '<?xml version="1.0" encoding="UTF-8"?>\n'
-        f"<Error><Code>{code}</Code><Message>injected by the fault gate</Message>"
+        f"<Error><Code>{code}</Code><Message>injected by the fault gate</Message>{more}"
         f"<Resource>{resource}</Resource><RequestId>FAULTGATE</RequestId></Error>"
     )
     return web.Response(status=status, text=body, content_type="application/xml")
+
+
+def _wrong_region(method: str, presigned: bool, region: str, target: str) -> web.Response:
+    """S3's answer to a signature scoped to another region than the bucket's."""
+    if method == "HEAD":
+        return web.Response(status=400, headers={"x-amz-bucket-region": region})
+    code = "AuthorizationQueryParametersError" if presigned else "AuthorizationHeaderMalformed"
+    answer = _s3_error(400, code, target, f"<Region>{region}</Region>")
+    answer.headers["x-amz-bucket-region"] = region
+    return answer
 
 
 # ---------------------------------------------------------------------- SigV4

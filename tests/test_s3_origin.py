@@ -16,7 +16,8 @@ import sys
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
+from urllib.parse import parse_qsl, urlsplit
 
 import pytest
 from daemons import daemon_in_loop, short_tmp
@@ -29,6 +30,7 @@ from shardsync.errors import AuthError, ConfigError, IntegrityError, UnsafeNameE
 from shardsync.network import network_from_env
 from shardsync.prefetch import Engine, prefetch
 from shardsync.records import FileOutcome
+from shardsync.s3 import S3Client
 from shardsync.testing import Checkpoint, build_checkpoint, serve_in_thread
 from shardsync.testing.relay import Relay, without_fields
 from shardsync.testing.seaweedfs import S3Server
@@ -251,6 +253,57 @@ async def test_each_object_costs_one_head_and_no_more_round_trips(
     assert sorted(heads) == sorted(f"/{s3bucket}/{PREFIX}/{rel}" for rel in checkpoint.files)
     attributes = [seen for seen in gate.seen if "attributes" in seen.target]
     assert len(attributes) == len(checkpoint.shards)
+
+
+async def test_a_bucket_in_another_region_gets_urls_signed_for_its_region(
+    s3server: S3Server, s3bucket: str, s3_checkpoint: Checkpoint, aws_env: None, tmp_path: Path
+) -> None:
+    """botocore follows the store's "wrong region" answers for the listing and the HEADs,
+    but signs presigned URLs for the client's region, which S3 refuses (400)."""
+    home = "eu-west-1"
+    assert s3server.region != home
+    upload(s3server, s3bucket, s3_checkpoint, checksums=True)
+    async with FaultGate(s3server.endpoint, home_region=home) as gate:
+        config = s3_config(tmp_path / "cache", replace(s3server, endpoint=gate.endpoint))
+        result = await prefetch(f"s3://{s3bucket}/{PREFIX}/", config)
+    assert_snapshot_matches(result.snapshot_path, s3_checkpoint)
+    assert {f.verified for f in result.files} == {"sha256"}
+    gets = [seen for seen in gate.seen if seen.presigned]
+    assert gets
+    assert all(seen.status in (200, 206) for seen in gets)
+    assert all(f"%2F{home}%2Fs3%2F" in seen.target for seen in gets)
+
+
+@pytest.mark.parametrize("addressing", ["auto", "path"])
+async def test_presigned_urls_point_at_the_buckets_own_region(
+    addressing: Literal["auto", "path"], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """AWS's global host refuses buckets in the regions opened since 2019 (me-south-1 here):
+    a URL must name the region it is signed for, in its host too. Signing is local."""
+    for name in list(os.environ):
+        if name.startswith("AWS_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIDEXAMPLE")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    client = S3Client(S3Config(region="me-south-1", addressing=addressing))
+    try:
+        url = urlsplit(await client.presign_get("models-bucket", "llama/model.safetensors"))
+    finally:
+        await client.aclose()
+    credential = dict(parse_qsl(url.query))["X-Amz-Credential"]
+    assert credential.split("/")[2] == "me-south-1"
+    if addressing == "path":
+        assert (url.netloc, url.path) == (
+            "s3.me-south-1.amazonaws.com",
+            "/models-bucket/llama/model.safetensors",
+        )
+    else:
+        assert (url.netloc, url.path) == (
+            "models-bucket.s3.me-south-1.amazonaws.com",
+            "/llama/model.safetensors",
+        )
 
 
 @pytest.mark.parametrize("cap", [2, None])

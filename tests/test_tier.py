@@ -140,6 +140,29 @@ async def test_hosts_at_once_cost_the_hub_one_copy_and_fill_the_tier_per_the_con
     assert fifth.bytes_from_tier == shard_bytes(model)
 
 
+async def test_a_tier_bucket_in_another_region_is_filled_and_read(
+    s3server: S3Server, s3bucket: str, model: Checkpoint, hub: FakeHub, aws_env: None,
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    """The tier's bucket lives in another region than the hosts' client: its claims and
+    uploads follow the store's "wrong region" answers, and its presigned GETs must be
+    signed for the bucket's region too (S3 refuses any other with 400)."""
+    home = "eu-west-1"
+    assert s3server.region != home
+    async with FaultGate(s3server.endpoint, home_region=home) as gate:
+        via = S3Server(**{**s3server.__dict__, "endpoint": gate.endpoint})
+        first = await prefetch(REPO, host(tmp_path / "h1", hub, via, s3bucket))
+        hub.reset_log()
+        second = await prefetch(REPO, host(tmp_path / "h2", hub, via, s3bucket))
+    for result in (first, second):
+        assert_snapshot_matches(result.snapshot_path, model)
+    assert first.tier is not None and first.tier.uploads == len(model.shards)
+    assert sources(second, model) == ["tier"] * len(model.shards)
+    assert hub.bytes_served("*.safetensors") == 0
+    gets = [seen for seen in gate.seen if seen.presigned]
+    assert gets and all(seen.status in (200, 206) for seen in gets)
+
+
 async def test_hosts_that_start_together_each_win_a_claim(
     s3server: S3Server,
     s3bucket: str,
