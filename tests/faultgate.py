@@ -88,6 +88,8 @@ class GateFault:
     echo: Literal["", "text", "json"] = ""
     stall_s: float = 5.0  # the gate lets go sooner when it closes
     key: str = ""  # only GETs whose path ends with this (all when empty)
+    error: str = ""  # ``status``: the S3 error code answered (else the status's usual one)
+    times: int = 0  # the most requests it answers (0: every one)
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,6 +232,8 @@ class FaultGate:
         object_get = request.method == "GET" and any(k == "X-Amz-Signature" for k, _ in params)
         path = target.partition("?")[0]
         fault = self.fault if object_get and path.endswith(self.fault.key) else GateFault()
+        if fault.times and self.fired >= fault.times:
+            fault = GateFault()
 
         def record(kind: FaultKind, status: int) -> None:
             self.seen.append(
@@ -273,7 +277,8 @@ class FaultGate:
                 return web.json_response({"error": quoted}, status=fault.code)
             if fault.echo == "text":
                 return web.Response(status=fault.code, text=quoted + "\n")
-            return _s3_error(fault.code, _S3_CODES.get(fault.code, "Error"), target)
+            code = fault.error or _S3_CODES.get(fault.code, "Error")
+            return _s3_error(fault.code, code, target)
         if fault.kind == "redirect":
             record("redirect", 307)
             location = self.endpoint + request.raw_path

@@ -274,6 +274,36 @@ async def test_a_bucket_in_another_region_gets_urls_signed_for_its_region(
     assert all(f"%2F{home}%2Fs3%2F" in seen.target for seen in gets)
 
 
+@pytest.mark.parametrize("via", ["direct", "proxy"])
+async def test_a_url_whose_session_token_expired_is_signed_again(
+    s3server: S3Server,
+    s3bucket: str,
+    s3_checkpoint: Checkpoint,
+    aws_env: None,
+    tmp_path: Path,
+    via: str,
+) -> None:
+    """A URL signed with temporary credentials dies with its token, before its own expiry:
+    S3 answers 400 ExpiredToken (not 403). The file signs a fresh URL and goes on, on each
+    body path."""
+    upload(s3server, s3bucket, s3_checkpoint, checksums=True)
+    shard = s3_checkpoint.shards[1]
+    async with contextlib.AsyncExitStack() as stack:
+        gate = await stack.enter_async_context(FaultGate(s3server.endpoint))
+        key = f"/{PREFIX}/{shard}"
+        gate.fault = GateFault("status", 400, error="ExpiredToken", key=key, times=1)
+        config = s3_config(tmp_path / "cache", replace(s3server, endpoint=gate.endpoint))
+        if via == "proxy":
+            proxy = await stack.enter_async_context(Relay())
+            config = replace(config, network=network_from_env({"http_proxy": proxy.url}))
+        result = await prefetch(f"s3://{s3bucket}/{PREFIX}/", config)
+        if via == "proxy":
+            assert proxy.statuses("GET")
+    assert gate.fired == 1
+    assert_snapshot_matches(result.snapshot_path, s3_checkpoint)
+    assert result.fetch is not None and result.fetch.retries.get("relocate") == 1
+
+
 @pytest.mark.parametrize("addressing", ["auto", "path"])
 async def test_presigned_urls_point_at_the_buckets_own_region(
     addressing: Literal["auto", "path"], monkeypatch: pytest.MonkeyPatch, tmp_path: Path

@@ -592,6 +592,40 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_slot.py::test_a_copy_that_fills_the_disk_fails_clearly_and_leaves_nothing",),
         "a local origin's copy that fails halfway leaves its private file in the cache's tmp/",
     ),
+    Mutant(
+        "presigned-for-the-clients-region",
+        "shardsync/s3.py",
+        (
+            (
+                "            if region is not None and region != client.meta.region_name:",
+                "            if False:",
+            ),
+        ),
+        (
+            "tests/test_s3_origin.py::test_a_bucket_in_another_region_gets_urls_signed_for_its_region",
+            "tests/test_tier.py::test_a_tier_bucket_in_another_region_is_filled_and_read",
+        ),
+        "presigned GETs of a bucket in another region are signed for the client's (S3: 400)",
+    ),
+    Mutant(
+        "presigned-for-the-global-host",
+        "shardsync/s3.py",
+        (('builtins["AWS::Region"] = region', "pass"),),
+        ("tests/test_s3_origin.py::test_presigned_urls_point_at_the_buckets_own_region",),
+        "presigned URLs name the global host, which refuses the regions opened since 2019",
+    ),
+    Mutant(
+        "expired-token-is-fatal",
+        "shardsync/fetch/answers.py",
+        (
+            (
+                "    if status == 400 and relocatable and code in _TOKEN_EXPIRED:",
+                "    if False:",
+            ),
+        ),
+        ("tests/test_s3_origin.py::test_a_url_whose_session_token_expired_is_signed_again",),
+        "a URL whose session token expired (S3: 400 ExpiredToken) fails the file",
+    ),
 )
 
 

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import socket
 import ssl
 import threading
@@ -73,6 +74,10 @@ REDIRECTS = frozenset({301, 302, 303, 307, 308})
 MAX_REDIRECTS = 5
 ERROR_BODY = 4096  # bytes of an error answer read for its message
 _CREDENTIAL_HEADERS = ("authorization", "cookie", "proxy-authorization", "x-amz-security-token")
+_STORE_CODE = re.compile(rb"<Code>([A-Za-z]{1,64})</Code>")  # an S3 error document's code
+# S3's 400s to a signed URL whose session token ran out before the URL did: a URL signed
+# afresh (with credentials the SDK has refreshed by then) is the cure, as for a 403
+_TOKEN_EXPIRED = frozenset({"ExpiredToken", "TokenRefreshRequired"})
 
 TRANSIENT = (aiohttp.ClientError, OSError, StalledError, ProtocolError)
 """What a failed Range request may raise that a connection's retry loop hands to the
@@ -189,11 +194,14 @@ def status_error(
 ) -> Exception:
     """What a non-success answer means: the error to raise (``RetryLater`` when a retry may
     help, ``Relocate`` when a fresh URL may, ``Restart`` when the object changed)."""
-    code = header("X-Error-Code") or ""
+    store_code = _STORE_CODE.search(body)
+    code = header("X-Error-Code") or (store_code[1].decode() if store_code else "")
     message = error_message(body)
     detail = (
         f"{label}: HTTP {status}{' ' + code if code else ''}{': ' + message if message else ''}"
     )
+    if status == 400 and relocatable and code in _TOKEN_EXPIRED:
+        return Relocate(detail)
     if code == "RepoNotFound":
         return RepoNotFoundError(detail)
     if code == "RevisionNotFound":
