@@ -26,7 +26,13 @@ from helpers import assert_snapshot_matches, assert_store_verified, fast_config,
 
 from shardsync.client import Client
 from shardsync.config import Config, S3Config
-from shardsync.errors import AuthError, ConfigError, IntegrityError, UnsafeNameError
+from shardsync.errors import (
+    AuthError,
+    ConfigError,
+    IntegrityError,
+    OriginError,
+    UnsafeNameError,
+)
 from shardsync.network import network_from_env
 from shardsync.prefetch import Engine, prefetch
 from shardsync.records import FileOutcome
@@ -302,6 +308,24 @@ async def test_a_url_whose_session_token_expired_is_signed_again(
     assert gate.fired == 1
     assert_snapshot_matches(result.snapshot_path, s3_checkpoint)
     assert result.fetch is not None and result.fetch.retries.get("relocate") == 1
+
+
+async def test_an_archived_object_fails_at_once_without_new_urls(
+    s3server: S3Server, s3bucket: str, s3_checkpoint: Checkpoint, aws_env: None, tmp_path: Path
+) -> None:
+    """S3 answers a GET of an object in Glacier (or an archive tier) 403 InvalidObjectState:
+    unlike an expired URL's 403, signing again cannot help, so the file fails at once."""
+    upload(s3server, s3bucket, s3_checkpoint, checksums=True)
+    shard = s3_checkpoint.shards[1]
+    async with FaultGate(s3server.endpoint) as gate:
+        key = f"/{PREFIX}/{shard}"
+        gate.fault = GateFault("status", 403, error="InvalidObjectState", key=key)
+        config = s3_config(tmp_path / "cache", replace(s3server, endpoint=gate.endpoint))
+        with pytest.raises(OriginError) as raised:
+            await prefetch(f"s3://{s3bucket}/{PREFIX}/", config)
+    assert not isinstance(raised.value, AuthError)
+    assert 1 <= gate.fired <= config.s3.connections_per_file  # each first look, no more
+    assert not list((config.cache_dir / "other").glob("*/snapshots/*/" + shard))
 
 
 @pytest.mark.parametrize("addressing", ["auto", "path"])

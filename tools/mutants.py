@@ -626,6 +626,13 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_s3_origin.py::test_a_url_whose_session_token_expired_is_signed_again",),
         "a URL whose session token expired (S3: 400 ExpiredToken) fails the file",
     ),
+    Mutant(
+        "archived-object-signed-again",
+        "shardsync/fetch/answers.py",
+        (('    if code == "InvalidObjectState":', "    if False:"),),
+        ("tests/test_s3_origin.py::test_an_archived_object_fails_at_once_without_new_urls",),
+        "an archived object's 403 is taken for an expired URL and signed again and again",
+    ),
 )
 
 

@@ -202,6 +202,8 @@ def status_error(
     )
     if status == 400 and relocatable and code in _TOKEN_EXPIRED:
         return Relocate(detail)
+    if code == "InvalidObjectState":  # S3's 403 for an archived object: no fresh URL helps
+        return OriginError(f"{detail}: the object is archived; restore it first")
     if code == "RepoNotFound":
         return RepoNotFoundError(detail)
     if code == "RevisionNotFound":
