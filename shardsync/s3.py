@@ -17,6 +17,7 @@ import base64
 import binascii
 import builtins
 import contextlib
+import logging
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -48,6 +49,7 @@ __all__ = [
 ]
 
 _T = TypeVar("_T")
+log = logging.getLogger(__name__)
 MAX_SINGLE_PUT = 5 << 30  # S3's limit for one PutObject; larger objects go multipart
 _PART_SIZE = 512 << 20
 _DELETE_BATCH = 1000  # S3's most keys per DeleteObjects
@@ -113,6 +115,7 @@ class S3Client:
         self.retry_wait = retry_wait
         self._stack: contextlib.AsyncExitStack | None = None
         self._session: Any = None
+        self._unsigned = False  # the chain found no credentials: requests go unsigned
         self._client: _Client | None = None
         self._opening = asyncio.Lock()
         self._regions: dict[str, str] = {}  # bucket -> the region botocore signs it for
@@ -151,10 +154,18 @@ class S3Client:
         # imported here: botocore's import costs ~0.3 s that Hub-only runs never pay
         from aiobotocore.config import AioConfig
         from aiobotocore.session import AioSession
+        from botocore import UNSIGNED
 
         cfg = self.config
         if self._session is None:
-            self._session = AioSession(profile=cfg.profile)
+            session = AioSession(profile=cfg.profile)
+            try:
+                found = await session.get_credentials()
+            except Exception as exc:
+                raise _mapped(exc, "find AWS credentials", "") from None
+            self._session, self._unsigned = session, found is None
+            if found is None:
+                log.info("no AWS credentials found: S3 requests go unsigned (public buckets)")
         session = self._session
         # the endpoint botocore will use: [s3], else the chain's variables, else AWS
         endpoint = (
@@ -169,7 +180,9 @@ class S3Client:
         if proxy is not None and proxy.username is not None:
             proxies = {k: _with_userinfo(proxy.url, proxy) for k in ("http", "https")}
         client_config = AioConfig(
-            signature_version="s3v4",  # presigned URLs too (botocore may pick SigV2 for them)
+            # SigV4 for presigned URLs too (botocore may pick SigV2 for them); none at all, as
+            # `aws --no-sign-request`, when there is nothing to sign with
+            signature_version=UNSIGNED if self._unsigned else "s3v4",
             proxies=proxies,
             # Bodies carry their SHA-256 in ChecksumSHA256, which the store checks; signing
             # the payload too would make botocore hash each upload again, in the event loop
@@ -223,7 +236,7 @@ class S3Client:
             except ShardsyncError as exc:
                 error = exc
             except Exception as exc:
-                error = _mapped(exc, what, where)
+                error = _mapped(exc, what, where, unsigned=self._unsigned)
             if not left or not isinstance(error, TransferError):
                 raise error from None
             left -= 1
@@ -497,17 +510,16 @@ def _whole_object_sha256(answer: dict[str, Any]) -> str | None:
     return raw.hex() if len(raw) == 32 else None
 
 
-def _mapped(exc: Exception, what: str, where: str) -> ShardsyncError:
+def _mapped(exc: Exception, what: str, where: str, *, unsigned: bool = False) -> ShardsyncError:
     """botocore's errors in our tree; the message names the object and the store's code,
-    never a credential (botocore puts none in ``Error.Code``/``Message``)."""
+    never a credential (botocore puts none in ``Error.Code``/``Message``). ``unsigned``:
+    the request went without credentials, so a refusal says where they would come from."""
     from botocore import exceptions as bx
 
     target = f"{where}: " if where else ""
+    chain = "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or ~/.aws/credentials"
     if isinstance(exc, bx.NoCredentialsError | bx.PartialCredentialsError):
-        return AuthError(
-            f"{target}no AWS credentials found for S3 (set AWS_ACCESS_KEY_ID and "
-            "AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or ~/.aws/credentials)"
-        )
+        return AuthError(f"{target}no AWS credentials found for S3 ({chain})")
     if isinstance(exc, bx.ProfileNotFound):
         return ConfigError(f"AWS profile not found: {exc.kwargs.get('profile')!r}")
     if isinstance(exc, bx.ClientError):
@@ -522,6 +534,10 @@ def _mapped(exc: Exception, what: str, where: str) -> ShardsyncError:
             return RepoNotFoundError(detail)
         if codes & _MISSING_CODES:
             return EntryNotFoundError(detail)
+        if codes & _AUTH_CODES and unsigned:
+            return AuthError(
+                f"{detail} (no AWS credentials found, so the request went unsigned: {chain})"
+            )
         if codes & _AUTH_CODES:
             return AuthError(
                 f"{detail} (the store refused the credentials: check the AWS chain or [s3] profile)"

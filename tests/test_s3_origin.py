@@ -494,14 +494,40 @@ def test_wrong_credentials_are_one_clear_error_without_secrets(
 def test_no_credentials_at_all_is_an_auth_error(
     s3server: S3Server,
     s3bucket: str,
+    s3_checkpoint: Checkpoint,
     aws_env: None,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """Unsigned requests to a bucket that is not public: refused, one clear error."""
+    upload(s3server, s3bucket, s3_checkpoint, checksums=False)
     monkeypatch.delenv("AWS_ACCESS_KEY_ID")
     monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
     with pytest.raises(AuthError):
         _run(prefetch(f"s3://{s3bucket}/{PREFIX}/", s3_config(tmp_path / "c", s3server)))
+
+
+async def test_a_public_bucket_is_read_unsigned_without_credentials(
+    s3server: S3Server,
+    s3_checkpoint: Checkpoint,
+    aws_env: None,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No credentials anywhere in the chain: requests go unsigned, as with
+    ``aws --no-sign-request``, and a bucket anyone may read downloads, verified."""
+    bucket, prefix = s3server.public_bucket(), f"anon/{tmp_path.name}"
+    upload(s3server, bucket, s3_checkpoint, checksums=True, prefix=prefix)
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    async with FaultGate(s3server.endpoint) as gate:
+        config = s3_config(tmp_path / "cache", replace(s3server, endpoint=gate.endpoint))
+        result = await prefetch(f"s3://{bucket}/{prefix}/", config)
+    assert_snapshot_matches(result.snapshot_path, s3_checkpoint)
+    assert {f.verified for f in result.files} == {"sha256"}
+    assert any(seen.method == "GET" and "list-type" not in seen.target for seen in gate.seen)
+    for seen in gate.seen:
+        assert "authorization" not in seen.headers and "Signature=" not in seen.target
 
 
 @pytest.mark.parametrize(

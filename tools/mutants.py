@@ -633,6 +633,18 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_s3_origin.py::test_an_archived_object_fails_at_once_without_new_urls",),
         "an archived object's 403 is taken for an expired URL and signed again and again",
     ),
+    Mutant(
+        "no-credentials-no-public-buckets",
+        "shardsync/s3.py",
+        (
+            (
+                'signature_version=UNSIGNED if self._unsigned else "s3v4",',
+                'signature_version="s3v4",',
+            ),
+        ),
+        ("tests/test_s3_origin.py::test_a_public_bucket_is_read_unsigned_without_credentials",),
+        "without credentials even a public bucket is refused (botocore: NoCredentialsError)",
+    ),
 )
 
 

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 REGION = "us-east-1"
+PUBLIC_BUCKET = "public-models"  # the one bucket unsigned requests may read and list
 START_TIMEOUT_S = 30.0
 KILL_GRACE_S = 1.0
 
@@ -100,6 +101,13 @@ class S3Server:
         if status != 200:
             raise RuntimeError(f"CreateBucket {name} answered {status}: {body[:300]!r}")
         return name
+
+    def public_bucket(self) -> str:
+        """``PUBLIC_BUCKET``, made on first use: unsigned requests may read and list it."""
+        status, body = self.signed_request("PUT", f"/{PUBLIC_BUCKET}")
+        if status not in (200, 409):  # 409: made already
+            raise RuntimeError(f"CreateBucket {PUBLIC_BUCKET} answered {status}: {body[:300]!r}")
+        return PUBLIC_BUCKET
 
     def signed_request(
         self, method: str, path: str, body: bytes = b"", timeout: float = 5.0
@@ -201,6 +209,8 @@ def _s3_config(access_key: str, secret_key: str, ro_key: str, ro_secret: str) ->
                 "credentials": [{"accessKey": ro_key, "secretKey": ro_secret}],
                 "actions": ["Read", "List"],
             },
+            # unsigned requests: they may read and list PUBLIC_BUCKET, and nothing else
+            {"name": "anonymous", "actions": [f"Read:{PUBLIC_BUCKET}", f"List:{PUBLIC_BUCKET}"]},
         ]
     }
 
