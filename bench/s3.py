@@ -35,6 +35,11 @@ empty destination per run:
   cache_dir=D, config=...)`` and counting every tensor it returns; no daemon can be reached
   (``SHARDSYNC_SOCKET`` names a socket that does not exist), so it downloads in-process with
   the same checks as prefetch.
+- ``shardsync-load-daemon``: the same ``shardsync.load`` handed to a warm daemon serving D,
+  as ``shardsync-daemon``'s (its warm-up job a load of the 4 KiB model): the daemon downloads
+  and verifies while the child imports torch, then the child places each verified shard's
+  tensors. The CPU counted is both's; a run whose daemon did not do the download (its CPU
+  below half the sha256 of the bytes) is an error.
 - ``s5cmd``: ``s5cmd --endpoint-url URL cp 's3://B/P/*' D/``, its defaults: no verification.
 - ``boto3``: one s3transfer ``TransferManager`` (classic, ``TransferConfig(max_concurrency=10,
   multipart_chunksize=8 MiB)``) with every object of the prefix submitted at once, path
@@ -112,22 +117,26 @@ TOOLS = (
     "shardsync-prefetch",
     "shardsync-daemon",
     "shardsync-load",
+    "shardsync-load-daemon",
     "s5cmd",
     "boto3",
     "runai",
     "s5cmd+load_file",
 )
 PREFIXES = ("sha256", "default")
-LOADERS = ("shardsync-load", "runai", "s5cmd+load_file")
+LOADERS = ("shardsync-load", "shardsync-load-daemon", "runai", "s5cmd+load_file")
 """Tools that hand back tensors: checked by the count and bytes they report."""
 DOWNLOADERS = ("shardsync-prefetch", "shardsync-daemon", "s5cmd", "boto3", "s5cmd+load_file")
 PREFETCHERS = ("shardsync-prefetch", "shardsync-daemon")
+DAEMONS = ("shardsync-daemon", "shardsync-load-daemon")
+"""Tools handed to a warm daemon started before the clock."""
 """Tools whose ``--json`` names the snapshot and what verified each file."""
 """Tools that leave files: checked by sha256."""
 VERIFIES = {
     "shardsync-prefetch": "-",
     "shardsync-daemon": "as prefetch",
     "shardsync-load": "as prefetch",
+    "shardsync-load-daemon": "as prefetch",
     "s5cmd": "no",
     "boto3": "no",
     "runai": "no",
@@ -330,6 +339,7 @@ GOALS = (
     Goal(BIG, "sha256", "shardsync-prefetch", "s5cmd", "wall", 1.5),
     Goal(BIG, "default", "shardsync-prefetch", "s5cmd", "wall", 1.1),
     Goal(BIG, None, "shardsync-load", "runai", "wall", 1.0),
+    Goal(BIG, None, "shardsync-load-daemon", "runai", "wall", 1.0),
     Goal(SMALL, None, "shardsync-prefetch", "s5cmd", "wall", 2.0),
     Goal(SMALL, None, "shardsync-daemon", "s5cmd", "wall", 2.0),
 )
@@ -631,6 +641,10 @@ def invocation(
         argv += [source.url, "--quiet", "--json"]
     elif tool == "shardsync-load":
         argv = [python, "-c", _LOAD_SCRIPT, source.url, str(dest), str(shardsync_toml)]
+    elif tool == "shardsync-load-daemon":
+        env["SHARDSYNC_SOCKET"] = str(_daemon_socket(work))
+        config = _daemon_config(work, dest)
+        argv = [python, "-c", _LOAD_SCRIPT, source.url, str(dest), str(config)]
     elif tool == "s5cmd":
         argv = _s5cmd_argv(server, source, dest)
     elif tool == "boto3":
@@ -670,9 +684,9 @@ def _daemon_config(work: Path, cache: Path) -> Path:
 
 @contextlib.contextmanager
 def running_daemon(tool: str, call: Invocation, work: Path, source: Source) -> Iterator[int | None]:
-    """For ``shardsync-daemon``: a daemon serving ``call.dest`` (its pid), which has already
-    done one small job from the same store (untimed); for other tools nothing (None)."""
-    if tool != "shardsync-daemon":
+    """For ``DAEMONS``: a daemon serving ``call.dest`` (its pid), which has already done one
+    small job from the same store (untimed); for other tools nothing (None)."""
+    if tool not in DAEMONS:
         yield None
         return
     _daemon_socket(work).parent.mkdir(mode=0o700)
@@ -714,7 +728,11 @@ def run_once(
             else:
                 error = None if result.returncode == 0 else f"exit {result.returncode}"
             if daemon is not None:  # the daemon's work for this job is the tool's CPU too
-                cpu_s += server_cpu_seconds(daemon) - daemon_before
+                daemon_cpu_s = server_cpu_seconds(daemon) - daemon_before
+                cpu_s += daemon_cpu_s
+                # whoever downloads computes the sha256 (0.5-0.8 CPU-s/GB on the CPUs we know)
+                if error is None and daemon_cpu_s < 0.25 * checkpoint.total_size / 1e9:
+                    error = f"the daemon did not download ({daemon_cpu_s:.2f} CPU-s)"
             weed_cpu_s = server_cpu_seconds(server.pid) - weed_before
         run = Run(
             size=checkpoint.label,
