@@ -115,6 +115,17 @@ def test_store_checksums_verify_every_shard(
     assert {verified[s] for s in s3_checkpoint.shards} == {"sha256"}
 
 
+async def _on_body_path(
+    stack: contextlib.AsyncExitStack, config: Config, via: str
+) -> tuple[Config, Relay | None]:
+    """``config`` for one body path: "direct" (the fast pump) as is, "proxy" (the aiohttp
+    path) through a forward proxy on loopback, entered on ``stack`` and returned too."""
+    if via == "direct":
+        return config, None
+    proxy = await stack.enter_async_context(Relay())
+    return replace(config, network=network_from_env({"http_proxy": proxy.url})), proxy
+
+
 _PART = 5 << 20  # S3's (and SeaweedFS's) smallest part but the last
 
 
@@ -208,12 +219,10 @@ async def test_a_flipped_byte_in_a_crc_checked_object_is_never_published(
         gate = await stack.enter_async_context(FaultGate(s3server.endpoint))
         gate.fault = GateFault("flip", key=f"/{PREFIX}/{shard}")
         config = s3_config(tmp_path / "cache", replace(s3server, endpoint=gate.endpoint))
-        if via == "proxy":
-            proxy = await stack.enter_async_context(Relay())
-            config = replace(config, network=network_from_env({"http_proxy": proxy.url}))
+        config, proxy = await _on_body_path(stack, config, via)
         with pytest.raises(IntegrityError):
             await prefetch(f"s3://{s3bucket}/{PREFIX}/", config)
-        if via == "proxy":
+        if proxy is not None:
             assert proxy.statuses("GET")
     assert gate.fired
     assert_store_verified(config.cache_dir, checkpoint)
@@ -307,11 +316,9 @@ async def test_a_url_whose_session_token_expired_is_signed_again(
         key = f"/{PREFIX}/{shard}"
         gate.fault = GateFault("status", 400, error="ExpiredToken", key=key, times=1)
         config = s3_config(tmp_path / "cache", replace(s3server, endpoint=gate.endpoint))
-        if via == "proxy":
-            proxy = await stack.enter_async_context(Relay())
-            config = replace(config, network=network_from_env({"http_proxy": proxy.url}))
+        config, proxy = await _on_body_path(stack, config, via)
         result = await prefetch(f"s3://{s3bucket}/{PREFIX}/", config)
-        if via == "proxy":
+        if proxy is not None:
             assert proxy.statuses("GET")
     assert gate.fired == 1
     assert_snapshot_matches(result.snapshot_path, s3_checkpoint)
