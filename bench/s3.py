@@ -50,6 +50,11 @@ empty destination per run:
   verification.
 - ``s5cmd+load_file``: ``s5cmd`` as above, then ``safetensors.torch.load_file`` of every shard
   in one ``python -c`` (``sh -c '... && ...'``, timed together): no verification.
+- ``aiobotocore+sha256``: the plainest Python client that verifies: aiobotocore lists the
+  prefix, one ``get_object`` per object (all at once), each body written in the chunks it
+  arrives in (up to 1 MiB) and hashed by sha256 as it streams, every digest compared with the
+  checkpoint's (handed to it as a file). No resume, no Range, no fsync, no cache: what
+  verified bytes cost a Python process at least, beside shardsync's "beyond sha256".
 
 Per run: the wall seconds, the client's CPU (``getrusage(RUSAGE_CHILDREN)`` delta around the
 child, user + system, its own children included) per GB (1e9 bytes of the checkpoint) and the
@@ -122,16 +127,26 @@ TOOLS = (
     "boto3",
     "runai",
     "s5cmd+load_file",
+    "aiobotocore+sha256",
 )
 PREFIXES = ("sha256", "default")
 LOADERS = ("shardsync-load", "shardsync-load-daemon", "runai", "s5cmd+load_file")
 """Tools that hand back tensors: checked by the count and bytes they report."""
-DOWNLOADERS = ("shardsync-prefetch", "shardsync-daemon", "s5cmd", "boto3", "s5cmd+load_file")
+DOWNLOADERS = (
+    "shardsync-prefetch",
+    "shardsync-daemon",
+    "s5cmd",
+    "boto3",
+    "s5cmd+load_file",
+    "aiobotocore+sha256",
+)
+"""Tools that leave files: checked by sha256."""
 PREFETCHERS = ("shardsync-prefetch", "shardsync-daemon")
+"""Tools whose ``--json`` names the snapshot and what verified each file."""
 DAEMONS = ("shardsync-daemon", "shardsync-load-daemon")
 """Tools handed to a warm daemon started before the clock."""
-"""Tools whose ``--json`` names the snapshot and what verified each file."""
-"""Tools that leave files: checked by sha256."""
+PLAIN = "aiobotocore+sha256"
+"""The reference a verified download's CPU "beyond sha256" is read against, besides s5cmd."""
 VERIFIES = {
     "shardsync-prefetch": "-",
     "shardsync-daemon": "as prefetch",
@@ -141,6 +156,7 @@ VERIFIES = {
     "boto3": "no",
     "runai": "no",
     "s5cmd+load_file": "no",
+    "aiobotocore+sha256": "sha256 (given)",
 }
 INDEX = "model.safetensors.index.json"
 WRITE_CHUNK = 64 * MiB
@@ -186,6 +202,40 @@ for path in sorted(Path(sys.argv[1]).glob("*.safetensors")):
         count += 1
         size += tensor.numel() * tensor.element_size()
 print(json.dumps({"tensors": count, "bytes": size}))
+"""
+_PLAIN_SCRIPT = """\
+import asyncio, hashlib, json, os, sys
+from aiobotocore.session import get_session
+from botocore.config import Config
+bucket, prefix, dest, digests = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+expected = {name: sha for name, (_size, sha) in json.load(open(digests))["files"].items()}
+async def fetch(client, key):
+    answer = await client.get_object(Bucket=bucket, Key=key)
+    name, digest = key[len(prefix):], hashlib.sha256()
+    fd = os.open(os.path.join(dest, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        async with answer["Body"] as body:
+            async for chunk in body.iter_chunks(1 << 20):
+                os.write(fd, chunk)
+                digest.update(chunk)
+    finally:
+        os.close(fd)
+    if digest.hexdigest() != expected[name]:
+        raise SystemExit(f"{name}: sha256 differs")
+async def main():
+    config = Config(
+        s3={"addressing_style": "path"},
+        request_checksum_calculation="when_required",
+        response_checksum_validation="when_required",
+    )
+    async with get_session().create_client("s3", config=config) as client:
+        keys = []
+        async for page in client.get_paginator("list_objects_v2").paginate(
+            Bucket=bucket, Prefix=prefix
+        ):
+            keys += [o["Key"] for o in page.get("Contents", ())]
+        await asyncio.gather(*(fetch(client, key) for key in keys))
+asyncio.run(main())
 """
 _BOTO3_SCRIPT = """\
 import sys
@@ -651,6 +701,9 @@ def invocation(
         argv = [python, "-c", _BOTO3_SCRIPT, source.bucket, f"{source.prefix}/", str(dest)]
     elif tool == "runai":
         argv = [python, "-c", _RUNAI_SCRIPT, *(source.url + name for name in checkpoint.shards)]
+    elif tool == PLAIN:
+        digests = str(checkpoint.directory.parent / "sha256.json")
+        argv = [python, "-c", _PLAIN_SCRIPT, source.bucket, f"{source.prefix}/", str(dest), digests]
     elif tool == "s5cmd+load_file":
         load = shlex.join([python, "-c", _LOAD_FILE_SCRIPT, str(dest)])
         argv = ["sh", "-c", f"{shlex.join(_s5cmd_argv(server, source, dest))} && {load}"]
@@ -1002,7 +1055,7 @@ def print_report(
     print(f"CPU beyond sha256 (CPU-s/GB minus this machine's sha256, {sha256_cpu:.3f}):")
     for row in rows:
         s5cmd = table.get((row.size, row.prefix, "s5cmd"))
-        if not row.tool.startswith("shardsync") or row.cpu_s_per_gb is None:
+        if not (row.tool.startswith("shardsync") or row.tool == PLAIN) or not row.cpu_s_per_gb:
             continue
         beyond = row.cpu_s_per_gb - sha256_cpu
         versus = ""
