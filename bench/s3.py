@@ -1030,7 +1030,7 @@ def print_report(
     skipped: Mapping[str, str],
 ) -> None:
     header = (
-        f"{'size':<6} {'prefix':<8} {'tool':<19} {'wall s':>7} {'range s':>12} "
+        f"{'size':<6} {'prefix':<8} {'tool':<21} {'wall s':>7} {'range s':>12} "
         f"{'CPU-s/GB':>9} {'weed CPU-s':>10} {'vs s5cmd':>9}  verified"
     )
     print(header)
@@ -1038,7 +1038,7 @@ def print_report(
     for row in rows:
         spread = "-" if row.seconds_min is None else f"{row.seconds_min:.2f}-{row.seconds_max:.2f}"
         print(
-            f"{row.size:<6} {row.prefix + '/':<8} {row.tool:<19} {_cell(row.seconds, '.2f', 7)} "
+            f"{row.size:<6} {row.prefix + '/':<8} {row.tool:<21} {_cell(row.seconds, '.2f', 7)} "
             f"{spread:>12} {_cell(row.cpu_s_per_gb, '.2f', 9)} {_cell(row.weed_cpu_s, '.2f', 10)} "
             f"{_cell(row.vs_s5cmd, '.2f', 9, 'x')}  {row.verified}"
         )
@@ -1063,7 +1063,7 @@ def print_report(
             ratio = beyond / s5cmd.cpu_s_per_gb
             versus = f" = {ratio:.2f}x s5cmd's {s5cmd.cpu_s_per_gb:.2f}"
         print(
-            f"  {row.size:<6} {row.prefix + '/':<8} {row.tool:<19} "
+            f"  {row.size:<6} {row.prefix + '/':<8} {row.tool:<21} "
             f"{row.cpu_s_per_gb:.2f} - {sha256_cpu:.2f} = {beyond:.2f}{versus}"
         )
     print()
@@ -1218,8 +1218,10 @@ def write_png(path: Path, rows: Sequence[Row], settings: Settings) -> None:
         fontsize=10,
     )
     handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncols=len(tools), frameon=False)
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    columns = min(len(tools), 5)
+    legend_rows = -(-len(tools) // columns)
+    fig.legend(handles, labels, loc="lower center", ncols=columns, frameon=False)
+    fig.tight_layout(rect=(0, 0.03 * legend_rows + 0.02, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
