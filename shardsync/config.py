@@ -348,7 +348,10 @@ def _load_config(
         ("hub", {"endpoint"}),
         ("daemon", set(_DAEMON_KEYS)),
         ("prune", set(_PRUNE_KEYS)),
-        ("s3", {"endpoint", "region", "addressing", "profile", *_S3_TRANSFER_KEYS}),
+        (
+            "s3",
+            {"endpoint", "region", "addressing", "profile", "requester_pays", *_S3_TRANSFER_KEYS},
+        ),
         (
             "tier",
             {"url", "claim_lease", "claim_stall", "claim_courtesy", "upload_floor", "part_size"},
@@ -521,6 +524,9 @@ def _s3_config(section: Mapping[str, Any]) -> S3Config:
         chunk = _coerce("s3.chunk_size", section["chunk_size"], "size")
         if chunk < 1 << 20:
             raise ConfigError("s3.chunk_size must be at least 1MiB")
+    payer = section.get("requester_pays", False)
+    if not isinstance(payer, bool):
+        raise ConfigError(f"s3.requester_pays must be true or false (got {payer!r})")
     return S3Config(
         endpoint=endpoint,
         region=text("region"),
@@ -528,6 +534,7 @@ def _s3_config(section: Mapping[str, Any]) -> S3Config:
         profile=text("profile"),
         connections_per_file=connections,
         chunk_size=chunk,
+        requester_pays=payer,
     )
 
 

@@ -256,3 +256,6 @@ class S3Config:
     # and 2.62-2.85 (bench/README.md, s3.py); raise the connections for AWS S3 on a fast NIC
     connections_per_file: int = 4
     chunk_size: int = 64 << 20
+    # every request says the reader pays (``x-amz-request-payer: requester``): S3 refuses
+    # any other with 403 on a Requester Pays bucket; harmless on others
+    requester_pays: bool = False

@@ -217,7 +217,14 @@ class S3Client:
             "before-endpoint-resolution.s3",
             partial(_presign_for_own_region, region=client.meta.region_name),
         )
+        if cfg.requester_pays:
+            client.meta.events.register("before-parameter-build.s3", _requester_pays)
         return client
+
+    @property
+    def get_headers(self) -> dict[str, str]:
+        """What every GET of a presigned URL must send: the headers it was signed with."""
+        return {"x-amz-request-payer": "requester"} if self.config.requester_pays else {}
 
     async def aclose(self) -> None:
         stack, self._stack, self._client = self._stack, None, None
@@ -236,7 +243,9 @@ class S3Client:
             except ShardsyncError as exc:
                 error = exc
             except Exception as exc:
-                error = _mapped(exc, what, where, unsigned=self._unsigned)
+                error = _mapped(
+                    exc, what, where, unsigned=self._unsigned, pays=self.config.requester_pays
+                )
             if not left or not isinstance(error, TransferError):
                 raise error from None
             left -= 1
@@ -480,6 +489,14 @@ def _presign_for_own_region(
         builtins["AWS::Region"] = region
 
 
+def _requester_pays(params: dict[str, Any], model: Any, **_: Any) -> None:
+    """Every operation that can say so says the reader pays (``[s3] requester_pays``); a
+    presigned GET then signs the header, and its requests must send it (``get_headers``)."""
+    shape = model.input_shape
+    if shape is not None and "RequestPayer" in shape.members:
+        params.setdefault("RequestPayer", "requester")
+
+
 def _unquoted(etag: str) -> str:
     return etag.removeprefix("W/").strip('"')
 
@@ -510,10 +527,13 @@ def _whole_object_sha256(answer: dict[str, Any]) -> str | None:
     return raw.hex() if len(raw) == 32 else None
 
 
-def _mapped(exc: Exception, what: str, where: str, *, unsigned: bool = False) -> ShardsyncError:
+def _mapped(
+    exc: Exception, what: str, where: str, *, unsigned: bool = False, pays: bool = True
+) -> ShardsyncError:
     """botocore's errors in our tree; the message names the object and the store's code,
     never a credential (botocore puts none in ``Error.Code``/``Message``). ``unsigned``:
-    the request went without credentials, so a refusal says where they would come from."""
+    the request went without credentials, so a refusal says where they would come from;
+    ``pays``: it said the reader pays, else an AccessDenied names that setting too."""
     from botocore import exceptions as bx
 
     target = f"{where}: " if where else ""
@@ -539,8 +559,10 @@ def _mapped(exc: Exception, what: str, where: str, *, unsigned: bool = False) ->
                 f"{detail} (no AWS credentials found, so the request went unsigned: {chain})"
             )
         if codes & _AUTH_CODES:
+            payer = "" if pays or code != "AccessDenied" else "; or set [s3] requester_pays = true"
             return AuthError(
-                f"{detail} (the store refused the credentials: check the AWS chain or [s3] profile)"
+                f"{detail} (the store refused the credentials: check the AWS chain or [s3] "
+                f"profile{payer})"
             )
         if isinstance(status, int) and (status >= 500 or status == 429):
             return TransferError(detail)

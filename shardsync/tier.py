@@ -331,7 +331,8 @@ class Tier:
         async def locate() -> Located:
             info = known.pop() if known else await client.head(bucket, key, checksum=False)
             url = await client.presign_get(bucket, key)
-            return Located(url, {}, info.size, info.etag, linked_etag=None, commit=None)
+            headers = client.get_headers
+            return Located(url, headers, info.size, info.etag, linked_etag=None, commit=None)
 
         request = BlobRequest(
             url=f"s3://{bucket}/{key}",

@@ -141,6 +141,9 @@ class FaultGate:
     # the store's region: a request signed for another is refused as S3 refuses it (a 400
     # naming this region, in ``x-amz-bucket-region`` and, but for a HEAD, in the body)
     home_region: str | None = None
+    # a Requester Pays bucket: a request that does not say the reader pays
+    # (``x-amz-request-payer: requester``, or in the query of a signed URL) is refused 403
+    requester_pays: bool = False
     # the most GETs of each object (by path) the gate was answering at one time
     most_at_once: dict[str, int] = field(default_factory=dict)
     _at_once: Counter[str] = field(default_factory=Counter)
@@ -257,6 +260,9 @@ class FaultGate:
             record("status", self.refuse_puts)
             code = _S3_CODES.get(self.refuse_puts, "Error")
             return _s3_error(self.refuse_puts, code, target)
+        if self.requester_pays and not _pays(headers, params):
+            record("status", 403)
+            return _s3_error(403, "AccessDenied", target)
         signed = _parse(target, headers) if self.home_region else None
         if signed is not None and signed.scope.split("/")[1:2] != [self.home_region]:
             record("status", 400)
@@ -333,6 +339,13 @@ class FaultGate:
             if method == "HEAD" and "Content-Length" in up.headers:
                 back["Content-Length"] = up.headers["Content-Length"]
             return up.status, back, data
+
+
+def _pays(headers: CIMultiDict[str], params: list[tuple[str, str]]) -> bool:
+    """Whether a request says the reader pays, as S3 reads it: the header, or for a signed
+    URL the query parameter."""
+    said = headers.get("x-amz-request-payer") or dict(params).get("x-amz-request-payer")
+    return (said or "").lower() == "requester"
 
 
 def _reset(request: web.BaseRequest) -> None:

@@ -78,6 +78,7 @@ def test_env_overrides(tmp_path: Path) -> None:
         ("[s3]\nconnections_per_file = true\n", "s3.connections_per_file"),
         ("[s3]\nchunk_size = '512KiB'\n", "s3.chunk_size"),
         ("[s3]\nchunk_size = 'big'\n", "s3.chunk_size"),
+        ("[s3]\nrequester_pays = 'yes'\n", "s3.requester_pays"),
         ("[nope]\n", "nope"),
         ("[retry]\nmax_attempts = 0\n", "max_attempts"),
         ("[tier]\nclaim_courtesy = 'soon'\n", "tier.claim_courtesy"),
@@ -99,6 +100,9 @@ def test_s3_ranges_have_their_own_size(tmp_path: Path) -> None:
     cfg.write_text('[download]\nchunk_size = "2MiB"\n[s3]\nchunk_size = "8MiB"\n')
     config = load_config(cfg, {}, cache_dir=tmp_path)
     assert (config.fetch.chunk_size, config.s3.chunk_size) == (2 << 20, 8 << 20)
+    assert not config.s3.requester_pays
+    cfg.write_text("[s3]\nrequester_pays = true\n")
+    assert load_config(cfg, {}, cache_dir=tmp_path).s3.requester_pays
 
 
 def test_bad_env_value(tmp_path: Path) -> None:

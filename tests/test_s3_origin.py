@@ -298,6 +298,41 @@ async def test_a_bucket_in_another_region_gets_urls_signed_for_its_region(
 
 
 @pytest.mark.parametrize("via", ["direct", "proxy"])
+async def test_a_requester_pays_bucket_is_read_when_the_config_says_so(
+    s3server: S3Server,
+    s3bucket: str,
+    s3_checkpoint: Checkpoint,
+    aws_env: None,
+    tmp_path: Path,
+    via: str,
+) -> None:
+    """A Requester Pays bucket refuses (403) every request that does not say the reader
+    pays. Without ``[s3] requester_pays`` that is one AuthError and nothing lands; with it
+    every request says so: the listing, the HEADs and each Range GET of a presigned URL
+    (which signs the header, so the store itself checks it was sent), on each body path."""
+    upload(s3server, s3bucket, s3_checkpoint, checksums=True)
+    source = f"s3://{s3bucket}/{PREFIX}/"
+    async with contextlib.AsyncExitStack() as stack:
+        gate = await stack.enter_async_context(FaultGate(s3server.endpoint, requester_pays=True))
+        config = s3_config(tmp_path / "cache", replace(s3server, endpoint=gate.endpoint))
+        with pytest.raises(AuthError):
+            await prefetch(source, config)
+        assert not list(config.cache_dir.glob("other/*/snapshots/*/*"))
+        refused = len(gate.seen)
+        paying = replace(config, s3=replace(config.s3, requester_pays=True))
+        paying, proxy = await _on_body_path(stack, paying, via)
+        result = await prefetch(source, paying)
+        if proxy is not None:
+            assert proxy.statuses("GET")
+    assert_snapshot_matches(result.snapshot_path, s3_checkpoint)
+    assert {f.verified for f in result.files} == {"sha256"}
+    paid = gate.seen[refused:]
+    assert [seen for seen in paid if seen.presigned]
+    assert all(seen.status in (200, 206) for seen in paid)
+    assert all(seen.headers.get("x-amz-request-payer") == "requester" for seen in paid)
+
+
+@pytest.mark.parametrize("via", ["direct", "proxy"])
 async def test_a_url_whose_session_token_expired_is_signed_again(
     s3server: S3Server,
     s3bucket: str,

@@ -163,6 +163,28 @@ async def test_a_tier_bucket_in_another_region_is_filled_and_read(
     assert gets and all(seen.status in (200, 206) for seen in gets)
 
 
+async def test_a_requester_pays_tier_bucket_is_filled_and_read(
+    s3server: S3Server, s3bucket: str, model: Checkpoint, hub: FakeHub, aws_env: None,
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    """With ``[s3] requester_pays`` the tier's claims, uploads, HEADs and presigned GETs
+    all say the reader pays, so a Requester Pays bucket serves as the fleet's tier."""
+    async with FaultGate(s3server.endpoint, requester_pays=True) as gate:
+        via = S3Server(**{**s3server.__dict__, "endpoint": gate.endpoint})
+        configs = [host(tmp_path / f"h{i}", hub, via, s3bucket) for i in (1, 2)]
+        paying = [replace(c, s3=replace(c.s3, requester_pays=True)) for c in configs]
+        first = await prefetch(REPO, paying[0])
+        hub.reset_log()
+        second = await prefetch(REPO, paying[1])
+    for result in (first, second):
+        assert_snapshot_matches(result.snapshot_path, model)
+    assert first.tier is not None and first.tier.uploads == len(model.shards)
+    assert sources(second, model) == ["tier"] * len(model.shards)
+    assert hub.bytes_served("*.safetensors") == 0
+    assert [seen for seen in gate.seen if seen.presigned]
+    assert all(seen.status != 403 for seen in gate.seen)  # none refused for not paying
+
+
 async def test_hosts_that_start_together_each_win_a_claim(
     s3server: S3Server,
     s3bucket: str,

@@ -645,6 +645,30 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_s3_origin.py::test_a_public_bucket_is_read_unsigned_without_credentials",),
         "without credentials even a public bucket is refused (botocore: NoCredentialsError)",
     ),
+    Mutant(
+        "requester-pays-not-said",
+        "shardsync/s3.py",
+        (('register("before-parameter-build.s3", _req', 'register("never-emitted", _req'),),
+        (
+            "tests/test_s3_origin.py::test_a_requester_pays_bucket_is_read_when_the_config_says_so",
+            "tests/test_tier.py::test_a_requester_pays_tier_bucket_is_filled_and_read",
+        ),
+        "[s3] requester_pays is ignored: a Requester Pays bucket refuses every request (403)",
+    ),
+    Mutant(
+        "requester-pays-header-not-sent",
+        "shardsync/origins/s3.py",
+        (("                headers=self.client.get_headers,", "                headers={},"),),
+        ("tests/test_s3_origin.py::test_a_requester_pays_bucket_is_read_when_the_config_says_so",),
+        "a presigned GET signed with x-amz-request-payer goes without it (the store: 403)",
+    ),
+    Mutant(
+        "requester-pays-tier-header-not-sent",
+        "shardsync/tier.py",
+        (("            headers = client.get_headers", "            headers = {}"),),
+        ("tests/test_tier.py::test_a_requester_pays_tier_bucket_is_filled_and_read",),
+        "the tier's presigned GETs go without the header they were signed with",
+    ),
 )
 
 

@@ -113,7 +113,7 @@ class S3Origin(RequestOrigin):
             url = await self.client.presign_get(bucket, key)
             return Located(
                 url=url,
-                headers={},
+                headers=self.client.get_headers,
                 size=head.size,
                 etag=head.etag,
                 linked_etag=None,
