@@ -221,11 +221,6 @@ class S3Client:
             client.meta.events.register("before-parameter-build.s3", _requester_pays)
         return client
 
-    @property
-    def get_headers(self) -> dict[str, str]:
-        """What every GET of a presigned URL must send: the headers it was signed with."""
-        return {"x-amz-request-payer": "requester"} if self.config.requester_pays else {}
-
     async def aclose(self) -> None:
         stack, self._stack, self._client = self._stack, None, None
         self._session = None
@@ -346,9 +341,11 @@ class S3Client:
         last = await self._call("head part", where, partial(part, number=parts))
         return (first,) * (parts - 1) + (last,)
 
-    async def presign_get(self, bucket: str, key: str) -> str:
+    async def presign_get(self, bucket: str, key: str) -> tuple[str, dict[str, str]]:
         """A GET URL that carries its own signature (valid for an hour), signed for the
-        bucket's own region once a listing or ``HEAD`` has learned it."""
+        bucket's own region once a listing or ``HEAD`` has learned it, and the headers it
+        was signed with, which each request of it must send."""
+        signed = {"x-amz-request-payer": "requester"} if self.config.requester_pays else {}
 
         async def run(client: _Client) -> str:
             region = self._regions.get(bucket)
@@ -362,7 +359,7 @@ class S3Client:
                 )
             )
 
-        return await self._call("sign", f"s3://{bucket}/{key}", run)
+        return await self._call("sign", f"s3://{bucket}/{key}", run), signed
 
     async def get_small(self, bucket: str, key: str, *, max_size: int) -> tuple[bytes, str]:
         """A small object's bytes and ETag (claims, markers); larger ones are refused."""
@@ -491,7 +488,7 @@ def _presign_for_own_region(
 
 def _requester_pays(params: dict[str, Any], model: Any, **_: Any) -> None:
     """Every operation that can say so says the reader pays (``[s3] requester_pays``); a
-    presigned GET then signs the header, and its requests must send it (``get_headers``)."""
+    presigned GET then signs the header, and its requests must send it (``presign_get``)."""
     shape = model.input_shape
     if shape is not None and "RequestPayer" in shape.members:
         params.setdefault("RequestPayer", "requester")

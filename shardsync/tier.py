@@ -330,8 +330,7 @@ class Tier:
 
         async def locate() -> Located:
             info = known.pop() if known else await client.head(bucket, key, checksum=False)
-            url = await client.presign_get(bucket, key)
-            headers = client.get_headers
+            url, headers = await client.presign_get(bucket, key)
             return Located(url, headers, info.size, info.etag, linked_etag=None, commit=None)
 
         request = BlobRequest(

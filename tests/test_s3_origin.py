@@ -393,7 +393,7 @@ async def test_presigned_urls_point_at_the_buckets_own_region(
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
     client = S3Client(S3Config(region="me-south-1", addressing=addressing))
     try:
-        url = urlsplit(await client.presign_get("models-bucket", "llama/model.safetensors"))
+        url = urlsplit((await client.presign_get("models-bucket", "llama/model.safetensors"))[0])
     finally:
         await client.aclose()
     credential = dict(parse_qsl(url.query))["X-Amz-Credential"]

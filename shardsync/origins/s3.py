@@ -110,10 +110,10 @@ class S3Origin(RequestOrigin):
                     bucket, key, parts=checksum.parts, etag=head.etag
                 )
                 checksum = checksum.with_part_sizes(sizes, head.size)
-            url = await self.client.presign_get(bucket, key)
+            url, headers = await self.client.presign_get(bucket, key)
             return Located(
                 url=url,
-                headers=self.client.get_headers,
+                headers=headers,
                 size=head.size,
                 etag=head.etag,
                 linked_etag=None,
