@@ -58,9 +58,11 @@ def s3_multipart_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Checkpo
     return build_checkpoint(tmp_path_factory.mktemp("s3mp"), total_bytes=22 << 20, n_shards=2)
 
 
-def s3_config(cache_dir: Path, server: S3Server) -> Config:
+def s3_config(cache_dir: Path, server: S3Server, *, through: FaultGate | None = None) -> Config:
+    """A config reading ``server``, or the gate in front of it (``through``)."""
     config = fast_config(cache_dir)  # its small ranges for S3 objects too
-    s3 = S3Config(server.endpoint, server.region, "path", chunk_size=config.fetch.chunk_size)
+    endpoint = server.endpoint if through is None else through.endpoint
+    s3 = S3Config(endpoint, server.region, "path", chunk_size=config.fetch.chunk_size)
     return replace(config, s3=s3)
 
 
@@ -218,7 +220,7 @@ async def test_a_flipped_byte_in_a_crc_checked_object_is_never_published(
     async with contextlib.AsyncExitStack() as stack:
         gate = await stack.enter_async_context(FaultGate(s3server.endpoint))
         gate.fault = GateFault("flip", key=f"/{PREFIX}/{shard}")
-        config = s3_config(tmp_path / "cache", replace(s3server, endpoint=gate.endpoint))
+        config = s3_config(tmp_path / "cache", s3server, through=gate)
         config, proxy = await _on_body_path(stack, config, via)
         with pytest.raises(IntegrityError):
             await prefetch(f"s3://{s3bucket}/{PREFIX}/", config)
@@ -241,7 +243,7 @@ async def test_composite_parts_are_learned_without_get_object_attributes(
     checkpoint = s3_multipart_checkpoint
     upload_with(s3server, s3bucket, checkpoint, "CRC32C", multipart=True)
     async with FaultGate(s3server.endpoint, refuse=frozenset({"attributes"})) as gate:
-        config = s3_config(tmp_path / "cache", replace(s3server, endpoint=gate.endpoint))
+        config = s3_config(tmp_path / "cache", s3server, through=gate)
         result = await prefetch(f"s3://{s3bucket}/{PREFIX}/", config)
     assert gate.fired  # the store's refusal was met
     assert any("partNumber=3" in seen.target for seen in gate.seen if seen.method == "HEAD")
@@ -261,7 +263,7 @@ async def test_each_object_costs_one_head_and_no_more_round_trips(
     checkpoint = s3_multipart_checkpoint
     upload_with(s3server, s3bucket, checkpoint, "CRC32", multipart=True)
     async with FaultGate(s3server.endpoint) as gate:
-        config = s3_config(tmp_path / "cache", replace(s3server, endpoint=gate.endpoint))
+        config = s3_config(tmp_path / "cache", s3server, through=gate)
         result = await prefetch(f"s3://{s3bucket}/{PREFIX}/", config)
     assert_snapshot_matches(result.snapshot_path, checkpoint)
     heads = [seen.target.partition("?")[0] for seen in gate.seen if seen.method == "HEAD"]
@@ -285,7 +287,7 @@ async def test_a_bucket_in_another_region_gets_urls_signed_for_its_region(
     home = "eu-west-1"
     upload(s3server, s3bucket, s3_checkpoint, checksums=True)
     async with FaultGate(s3server.endpoint, home_region=home) as gate:
-        config = s3_config(tmp_path / "cache", replace(s3server, endpoint=gate.endpoint))
+        config = s3_config(tmp_path / "cache", s3server, through=gate)
         config = replace(config, s3=replace(config.s3, region=client_region))
         result = await prefetch(f"s3://{s3bucket}/{PREFIX}/", config)
     assert_snapshot_matches(result.snapshot_path, s3_checkpoint)
@@ -314,7 +316,7 @@ async def test_a_requester_pays_bucket_is_read_when_the_config_says_so(
     source = f"s3://{s3bucket}/{PREFIX}/"
     async with contextlib.AsyncExitStack() as stack:
         gate = await stack.enter_async_context(FaultGate(s3server.endpoint, requester_pays=True))
-        config = s3_config(tmp_path / "cache", replace(s3server, endpoint=gate.endpoint))
+        config = s3_config(tmp_path / "cache", s3server, through=gate)
         with pytest.raises(AuthError):
             await prefetch(source, config)
         assert not list(config.cache_dir.glob("other/*/snapshots/*/*"))
@@ -350,7 +352,7 @@ async def test_a_url_whose_session_token_expired_is_signed_again(
         gate = await stack.enter_async_context(FaultGate(s3server.endpoint))
         key = f"/{PREFIX}/{shard}"
         gate.fault = GateFault("status", 400, error="ExpiredToken", key=key, times=1)
-        config = s3_config(tmp_path / "cache", replace(s3server, endpoint=gate.endpoint))
+        config = s3_config(tmp_path / "cache", s3server, through=gate)
         config, proxy = await _on_body_path(stack, config, via)
         result = await prefetch(f"s3://{s3bucket}/{PREFIX}/", config)
         if proxy is not None:
@@ -370,7 +372,7 @@ async def test_an_archived_object_fails_at_once_without_new_urls(
     async with FaultGate(s3server.endpoint) as gate:
         key = f"/{PREFIX}/{shard}"
         gate.fault = GateFault("status", 403, error="InvalidObjectState", key=key)
-        config = s3_config(tmp_path / "cache", replace(s3server, endpoint=gate.endpoint))
+        config = s3_config(tmp_path / "cache", s3server, through=gate)
         with pytest.raises(OriginError) as raised:
             await prefetch(f"s3://{s3bucket}/{PREFIX}/", config)
     assert not isinstance(raised.value, AuthError)
@@ -423,7 +425,7 @@ async def test_s3_objects_take_at_most_their_own_connection_cap(
     download section's 4; without it, all 4 are used."""
     upload(s3server, s3bucket, s3_checkpoint, checksums=True)
     async with FaultGate(s3server.endpoint) as gate:
-        config = s3_config(tmp_path / "cache", replace(s3server, endpoint=gate.endpoint))
+        config = s3_config(tmp_path / "cache", s3server, through=gate)
         if cap is not None:
             config = replace(config, s3=replace(config.s3, connections_per_file=cap))
         result = await prefetch(f"s3://{s3bucket}/{PREFIX}/", config)
@@ -450,7 +452,7 @@ async def test_s3_ranges_are_as_large_as_the_s3_section_says(
     checkpoint = s3_multipart_checkpoint
     upload(s3server, s3bucket, checkpoint, checksums=True)
     async with FaultGate(s3server.endpoint) as gate:
-        config = s3_config(tmp_path / "cache", replace(s3server, endpoint=gate.endpoint))
+        config = s3_config(tmp_path / "cache", s3server, through=gate)
         s3 = replace(config.s3, chunk_size=s3_chunk, connections_per_file=connections)
         config = replace(config, s3=s3)
         result = await prefetch(f"s3://{s3bucket}/{PREFIX}/", config)
@@ -563,7 +565,7 @@ async def test_a_public_bucket_is_read_unsigned_without_credentials(
     monkeypatch.delenv("AWS_ACCESS_KEY_ID")
     monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
     async with FaultGate(s3server.endpoint) as gate:
-        config = s3_config(tmp_path / "cache", replace(s3server, endpoint=gate.endpoint))
+        config = s3_config(tmp_path / "cache", s3server, through=gate)
         result = await prefetch(f"s3://{bucket}/{prefix}/", config)
     assert_snapshot_matches(result.snapshot_path, s3_checkpoint)
     assert {f.verified for f in result.files} == {"sha256"}
