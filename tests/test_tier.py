@@ -140,6 +140,30 @@ async def test_hosts_at_once_cost_the_hub_one_copy_and_fill_the_tier_per_the_con
     assert fifth.bytes_from_tier == shard_bytes(model)
 
 
+async def _fill_then_read(
+    gate: FaultGate,
+    server: S3Server,
+    bucket: str,
+    hub: FakeHub,
+    model: Checkpoint,
+    tmp_path: Path,
+    **s3: Any,
+) -> None:
+    """One host fills the tier through ``gate`` (``s3``: its [s3] settings), a second reads
+    every shard from it, and both snapshots are the model's."""
+    via = S3Server(**{**server.__dict__, "endpoint": gate.endpoint})
+    configs = [host(tmp_path / f"h{i}", hub, via, bucket) for i in (1, 2)]
+    first, second = (replace(c, s3=replace(c.s3, **s3)) for c in configs)
+    filled = await prefetch(REPO, first)
+    hub.reset_log()
+    read = await prefetch(REPO, second)
+    for result in (filled, read):
+        assert_snapshot_matches(result.snapshot_path, model)
+    assert filled.tier is not None and filled.tier.uploads == len(model.shards)
+    assert sources(read, model) == ["tier"] * len(model.shards)
+    assert hub.bytes_served("*.safetensors") == 0
+
+
 async def test_a_tier_bucket_in_another_region_is_filled_and_read(
     s3server: S3Server, s3bucket: str, model: Checkpoint, hub: FakeHub, aws_env: None,
     tmp_path: Path,
@@ -150,15 +174,7 @@ async def test_a_tier_bucket_in_another_region_is_filled_and_read(
     home = "eu-west-1"
     assert s3server.region != home
     async with FaultGate(s3server.endpoint, home_region=home) as gate:
-        via = S3Server(**{**s3server.__dict__, "endpoint": gate.endpoint})
-        first = await prefetch(REPO, host(tmp_path / "h1", hub, via, s3bucket))
-        hub.reset_log()
-        second = await prefetch(REPO, host(tmp_path / "h2", hub, via, s3bucket))
-    for result in (first, second):
-        assert_snapshot_matches(result.snapshot_path, model)
-    assert first.tier is not None and first.tier.uploads == len(model.shards)
-    assert sources(second, model) == ["tier"] * len(model.shards)
-    assert hub.bytes_served("*.safetensors") == 0
+        await _fill_then_read(gate, s3server, s3bucket, hub, model, tmp_path)
     gets = [seen for seen in gate.seen if seen.presigned]
     assert gets and all(seen.status in (200, 206) for seen in gets)
 
@@ -170,17 +186,7 @@ async def test_a_requester_pays_tier_bucket_is_filled_and_read(
     """With ``[s3] requester_pays`` the tier's claims, uploads, HEADs and presigned GETs
     all say the reader pays, so a Requester Pays bucket serves as the fleet's tier."""
     async with FaultGate(s3server.endpoint, requester_pays=True) as gate:
-        via = S3Server(**{**s3server.__dict__, "endpoint": gate.endpoint})
-        configs = [host(tmp_path / f"h{i}", hub, via, s3bucket) for i in (1, 2)]
-        paying = [replace(c, s3=replace(c.s3, requester_pays=True)) for c in configs]
-        first = await prefetch(REPO, paying[0])
-        hub.reset_log()
-        second = await prefetch(REPO, paying[1])
-    for result in (first, second):
-        assert_snapshot_matches(result.snapshot_path, model)
-    assert first.tier is not None and first.tier.uploads == len(model.shards)
-    assert sources(second, model) == ["tier"] * len(model.shards)
-    assert hub.bytes_served("*.safetensors") == 0
+        await _fill_then_read(gate, s3server, s3bucket, hub, model, tmp_path, requester_pays=True)
     assert [seen for seen in gate.seen if seen.presigned]
     assert all(seen.status != 403 for seen in gate.seen)  # none refused for not paying
 
