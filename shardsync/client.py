@@ -37,6 +37,7 @@ from shardsync.events import JobEvent
 from shardsync.inventory import cache_summary
 from shardsync.jobs import JobClient, JobHandle, Mode, Shard, Transport, daemon_for
 from shardsync.prefetch import Engine
+from shardsync.prepared import Prepared
 from shardsync.prune import CacheRoom
 from shardsync.records import PrefetchResult, ProgressSink, TierStatistics
 from shardsync.scheduler import Scheduler, SharedJob
@@ -66,6 +67,12 @@ class LocalTransport:
     async def submit(self, request: JobRequest) -> tuple[Mapping[str, Any], bool]:
         job, created = await self.scheduler.submit(request)
         return job.info(), created
+
+    async def prepare(self, request: JobRequest) -> Prepared:
+        origin = self.engine.origin(request.source)
+        return await self.engine.prepare(
+            origin, revision=request.revision, allow_pickle=request.allow_pickle
+        )
 
     async def info(self, job_id: str) -> Mapping[str, Any]:
         return self._job(job_id).info()

@@ -9,6 +9,7 @@ so nothing that starts work or names a repository is reachable over it.
 
 Routes (see the README for the shapes)::
 
+    POST   /v1/prepare              a model's fetch list and shard headers, for a stream
     POST   /v1/jobs                 submit (or join) a prefetch job
     GET    /v1/jobs                 every known job
     GET    /v1/jobs/{id}            one job
@@ -268,6 +269,7 @@ class Daemon:
 
     def _app(self) -> web.Application:
         app = web.Application(middlewares=[self._errors, self._guard], client_max_size=_MAX_BODY)
+        app.router.add_post("/v1/prepare", self._prepare)
         app.router.add_post("/v1/jobs", self._submit)
         app.router.add_get("/v1/jobs", self._list)
         app.router.add_get("/v1/jobs/{id}", self._get)
@@ -338,13 +340,22 @@ class Daemon:
             raise DaemonStoppingError("the daemon is not serving")
         return self._scheduler
 
+    async def _prepare(self, request: web.Request) -> web.Response:
+        wanted = JobRequest.from_json(await _json_body(request))
+        if wanted.checkpoint is not None:
+            raise ConfigError("prepare reads a model's headers, not a training checkpoint's")
+        if self._engine is None:
+            raise DaemonStoppingError("the daemon is not serving")
+        origin = self._engine.origin(wanted.source)
+        if origin.caller_only:
+            raise ConfigError("the daemon does not read local directories on a client's behalf")
+        prepared = await self._engine.prepare(
+            origin, revision=wanted.revision, allow_pickle=wanted.allow_pickle
+        )
+        return web.json_response(prepared.to_json())
+
     async def _submit(self, request: web.Request) -> web.Response:
-        body = await request.read()
-        try:
-            obj = strict_json.loads(body)
-        except strict_json.StrictJSONError as exc:
-            return _error(400, "bad_request", f"the body is not valid JSON: {exc}")
-        job, created = await self._sched.submit(JobRequest.from_json(obj))
+        job, created = await self._sched.submit(JobRequest.from_json(await _json_body(request)))
         return web.json_response(job.info(), status=201 if created else 200)
 
     async def _list(self, request: web.Request) -> web.Response:
@@ -448,6 +459,13 @@ _HTTP_CODES = {
 
 def _error(status: int, code: str, message: str) -> web.Response:
     return web.json_response({"error": {"code": code, "message": message}}, status=status)
+
+
+async def _json_body(request: web.Request) -> object:
+    try:
+        return strict_json.loads(await request.read())
+    except strict_json.StrictJSONError as exc:
+        raise web.HTTPBadRequest(text=f"the body is not valid JSON: {exc}") from exc
 
 
 def _status_for(exc: ShardsyncError) -> int:

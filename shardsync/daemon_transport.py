@@ -27,6 +27,7 @@ import h11
 from shardsync.api import JobRequest, error_class
 from shardsync.errors import DaemonError, DaemonUnavailableError, ShardsyncError
 from shardsync.events import TERMINAL_EVENTS, ErrorInfo, JobEvent, parse_event
+from shardsync.prepared import Prepared
 
 __all__ = ["DaemonTransport", "error_from"]
 
@@ -121,6 +122,13 @@ class DaemonTransport:
             exchange.close()
 
     async def request(self, method: str, path: str, body: object = None) -> tuple[int, Any]:
+        status, obj = await self._request(method, path, body)
+        if status >= 400:
+            raise _answer_error(obj, f"HTTP {status}")
+        return status, obj
+
+    async def _request(self, method: str, path: str, body: object) -> tuple[int, Any]:
+        """The answer's status and JSON body, whatever the status."""
         payload = None if body is None else json.dumps(body).encode()
         async with self._exchange() as exchange:
             try:
@@ -134,13 +142,19 @@ class DaemonTransport:
             obj = json.loads(data)
         except ValueError as exc:
             raise DaemonError(f"the daemon answered {status} with a body that is not JSON") from exc
-        if status >= 400:
-            raise _answer_error(obj, f"HTTP {status}")
         return status, obj
 
     async def submit(self, request: JobRequest) -> tuple[Mapping[str, Any], bool]:
         status, info = await self.request("POST", "/v1/jobs", request.to_json())
         return info, status == 201
+
+    async def prepare(self, request: JobRequest) -> Prepared | None:
+        status, answer = await self._request("POST", "/v1/prepare", request.to_json())
+        if status == 404 and _code(answer) == "not_found":
+            return None  # a daemon from before the route
+        if status >= 400:
+            raise _answer_error(answer, f"HTTP {status}")
+        return Prepared.from_json(answer)
 
     async def info(self, job_id: str) -> Mapping[str, Any]:
         _, info = await self.request("GET", f"/v1/jobs/{job_id}")
@@ -187,6 +201,11 @@ class DaemonTransport:
                     "is back"
                 ) from exc
         raise DaemonError(f"the daemon closed the event stream of job {job_id} before it ended")
+
+
+def _code(body: object) -> str | None:
+    error = body.get("error") if isinstance(body, dict) else None
+    return str(error.get("code")) if isinstance(error, dict) else None
 
 
 def _answer_error(body: object, fallback: str) -> ShardsyncError:

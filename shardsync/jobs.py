@@ -36,6 +36,7 @@ from shardsync.events import (
     Resolved,
     Verified,
 )
+from shardsync.prepared import Prepared
 from shardsync.records import PrefetchResult, ProgressSink, TierStatistics
 
 __all__ = [
@@ -120,6 +121,10 @@ class Transport(Protocol):
 
     async def info(self, job_id: str) -> Mapping[str, Any]:
         """The job as ``GET /v1/jobs/{id}`` shows it."""
+
+    async def prepare(self, request: JobRequest) -> Prepared | None:
+        """What a job for ``request`` plans from: its fetch list and its shards' headers;
+        None from a daemon older than ``POST /v1/prepare``."""
 
     async def cancel(self, job_id: str) -> Mapping[str, Any]:
         """Cancel the job for every client; its record afterwards."""
@@ -391,6 +396,16 @@ class JobClient:
         )
         info, created = await self._connection.submit(request)
         return JobHandle(self._connection, info, created=created)
+
+    async def prepare(
+        self, source: str, *, revision: str | None = None, allow_pickle: bool = False
+    ) -> Prepared | None:
+        """The fetch list of ``source`` and every safetensors shard's header, read by the
+        daemon (``POST /v1/prepare``) or in this process: a stream plans its devices from
+        them before it asks for the shards (``prefetch`` with the commit they came from).
+        None: the daemon is older than that route; read them yourself."""
+        request = JobRequest(source=source, revision=revision, allow_pickle=allow_pickle)
+        return await self._connection.prepare(request)
 
     async def job(self, job_id: str) -> JobHandle:
         """A handle on an existing job (after a restart, the daemon keeps unfinished ids)."""

@@ -25,7 +25,7 @@ import resource
 import threading
 import time
 import weakref
-from collections.abc import Awaitable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import TracebackType
@@ -34,22 +34,22 @@ from typing import TYPE_CHECKING, Any
 from shardsync.cache import CacheStore
 from shardsync.config import Config, check_endpoint, load_config
 from shardsync.devicemap import MODES, DevicePlan, parse_memory
-from shardsync.errors import ConfigError, HeaderError, LoadError, raise_first
+from shardsync.errors import ConfigError, LoadError, raise_first
 from shardsync.events import Verified
 from shardsync.manifest import Manifest, ManifestEntry
-from shardsync.origins import Origin, parse_source
+from shardsync.origins import parse_source
 from shardsync.placement import DeviceMap, ShardPlacer, fill_model, find_devices, plan_from_headers
 from shardsync.prefetch import Engine, Job
 from shardsync.records import FileOutcome
-from shardsync.safetensors_header import Header, check_index, header_length, parse_header
+from shardsync.safetensors_header import Header, check_index, parse_header
 from shardsync.snapshot_use import Lease, Leases
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["LoadResult", "LoadStatistics", "TensorStream", "load", "stream"]
+    from shardsync.jobs import JobClient
 
-_HEADER_PROBE = 64 * 1024  # one request usually covers the length prefix and the header
+__all__ = ["LoadResult", "LoadStatistics", "TensorStream", "load", "stream"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -339,6 +339,18 @@ class TensorStream:
             loop.close()
 
     async def _produce(self, request: _Request) -> None:
+        client = await _daemon(request)
+        if client is None:
+            await self._produce_here(request)
+        else:
+            try:
+                await self._produce_via(client, request)
+            finally:
+                await client.close()
+        self._handoff.messages.put(("done", None))
+
+    async def _produce_here(self, request: _Request) -> None:
+        """No daemon serves us: list, read the headers and download in this process."""
         async with Engine(request.config) as engine:
             origin = engine.origin(request.source, token=request.token)
             sink = _ShardSink(self._handoff)
@@ -352,58 +364,32 @@ class TensorStream:
             sink.engine_job = job
             manifest = await job.prepare(include=())
             sink.resolved(manifest)
-            headers: dict[str, Header] = {}
-            if not _is_pickle(manifest):
-                headers = await _read_headers(engine, job, manifest)
-                if manifest.weight_map:
-                    check_index(manifest.weight_map, headers)
-            elif isinstance(request.device_map, str) and request.device_map in MODES:
-                raise ConfigError(
-                    f"device_map={request.device_map!r} plans from safetensors headers; "
-                    "for a pickle checkpoint give a device or an explicit {prefix: device} map"
-                )
-            try:
-                async with asyncio.TaskGroup() as tg:
-                    if not request.gated:  # the download does not need the plan: start now
-                        tg.create_task(self._download(request, origin, job))
-                    devices, budgets = await asyncio.wrap_future(self._handoff.devices)
-                    plan = plan_from_headers(
-                        manifest,
-                        headers,
-                        request.device_map,
-                        devices=devices,
-                        budgets=budgets,
-                        no_split=request.no_split,
-                    )
-                    self._handoff.go = asyncio.Event()
-                    self._handoff.messages.put(("plan", (manifest, headers, plan)))
-                    if request.gated:
-                        await self._handoff.go.wait()  # the consumer checked the keys first
-                        await self._download(request, origin, job)
-            except BaseExceptionGroup as group:
-                raise_first(group)
-        self._handoff.messages.put(("done", None))
+            raw = await job.read_headers()
 
-    async def _download(self, request: _Request, origin: Origin, job: Job) -> None:
-        if origin.caller_only or not await self._via_daemon(request, job):
-            await job.download()
+            async def download() -> None:
+                await job.download()
 
-    async def _via_daemon(self, request: _Request, job: Job) -> bool:
-        """Let a running daemon download (each byte once per host); False when none answers.
+            await self._plan_then(request, manifest, raw, download)
 
-        The commit our headers came from is pinned, so the daemon fetches those exact shards.
-        """
-        from shardsync.jobs import daemon_for
-
-        client = await daemon_for(
-            request.config, cache_dir=request.named_cache, endpoint=request.named_endpoint
+    async def _produce_via(self, client: JobClient, request: _Request) -> None:
+        """A daemon lists, reads the headers and downloads (each byte once per host); this
+        process asks the origin nothing. The commit the headers came from is pinned, so the
+        daemon fetches those exact shards."""
+        prepared = await client.prepare(
+            request.source, revision=request.revision, allow_pickle=request.allow_pickle
         )
-        if client is None:
-            return False
-        try:
+        if prepared is None:  # a daemon older than ``POST /v1/prepare``: read them here
+            async with Engine(request.config) as engine:
+                origin = engine.origin(request.source, token=request.token)
+                prepared = await engine.prepare(
+                    origin, revision=request.revision, allow_pickle=request.allow_pickle
+                )
+        manifest = prepared.manifest
+
+        async def download() -> None:
             remote = await client.prefetch(
                 request.source,
-                revision=job.commit or request.revision,
+                revision=manifest.commit or request.revision,
                 include=(),
                 allow_pickle=request.allow_pickle,
                 in_order=True,
@@ -412,9 +398,61 @@ class TensorStream:
                 if isinstance(event, Verified):
                     self._handoff.messages.put(("verified", event))
             await remote.wait()
-        finally:
-            await client.close()
-        return True
+
+        await self._plan_then(request, manifest, prepared.headers, download)
+
+    async def _plan_then(
+        self,
+        request: _Request,
+        manifest: Manifest,
+        raw: Mapping[str, bytes],
+        download: Callable[[], Coroutine[Any, Any, None]],
+    ) -> None:
+        """Parse the headers, plan the devices once the consumer found them, and download:
+        at once, or (``gated``) once the consumer has checked the keys."""
+        sizes = {e.path: e.size for e in manifest.shards}
+        headers = {p: parse_header(h, shard=p, file_size=sizes[p]) for p, h in raw.items()}
+        if _is_pickle(manifest):
+            if isinstance(request.device_map, str) and request.device_map in MODES:
+                raise ConfigError(
+                    f"device_map={request.device_map!r} plans from safetensors headers; "
+                    "for a pickle checkpoint give a device or an explicit {prefix: device} map"
+                )
+        elif manifest.weight_map:
+            check_index(manifest.weight_map, headers)
+        try:
+            async with asyncio.TaskGroup() as tg:
+                if not request.gated:  # the download does not need the plan: start now
+                    tg.create_task(download())
+                devices, budgets = await asyncio.wrap_future(self._handoff.devices)
+                plan = plan_from_headers(
+                    manifest,
+                    headers,
+                    request.device_map,
+                    devices=devices,
+                    budgets=budgets,
+                    no_split=request.no_split,
+                )
+                self._handoff.go = asyncio.Event()
+                self._handoff.messages.put(("plan", (manifest, headers, plan)))
+                if request.gated:
+                    await self._handoff.go.wait()  # the consumer checked the keys first
+                    await download()
+        except BaseExceptionGroup as group:
+            raise_first(group)
+
+
+async def _daemon(request: _Request) -> JobClient | None:
+    """The daemon that serves this load, or None: work in this process (always for a local
+    directory, which only its caller reads)."""
+    from shardsync.jobs import daemon_for
+
+    origin = parse_source(request.source, endpoint=request.config.endpoint, token=request.token)
+    if origin.caller_only:
+        return None
+    return await daemon_for(
+        request.config, cache_dir=request.named_cache, endpoint=request.named_endpoint
+    )
 
 
 def _lease(config: Config, source: str, token: str | None) -> Lease:
@@ -426,40 +464,6 @@ def _lease(config: Config, source: str, token: str | None) -> Lease:
 
 def _is_pickle(manifest: Manifest) -> bool:
     return any(not e.path.endswith(".safetensors") for e in manifest.shards)
-
-
-async def _read_headers(engine: Engine, job: Job, manifest: Manifest) -> dict[str, Header]:
-    """Every shard's header, from the cache when the blob is there, else by Range requests."""
-
-    async def one(entry: ManifestEntry) -> tuple[str, Header]:
-        if entry.sha256 is not None and await engine.store.has_blob(entry.sha256, entry.size):
-            blob = engine.cache.blob_path(entry.sha256)
-            return entry.path, await asyncio.to_thread(_header_from_file, blob, entry.path)
-
-        def read(start: int, end: int) -> Awaitable[bytes]:
-            return job.origin.read_range(engine.fetcher, job.commit or None, entry, start, end)
-
-        prefix = await read(0, _HEADER_PROBE)
-        n = header_length(prefix, shard=entry.path, file_size=entry.size)
-        if len(prefix) < 8 + n:
-            prefix += await read(len(prefix), 8 + n)
-        if len(prefix) < 8 + n:
-            raise HeaderError(f"{entry.path}: file ends inside its header")
-        return entry.path, parse_header(prefix[8 : 8 + n], shard=entry.path, file_size=entry.size)
-
-    try:
-        async with asyncio.TaskGroup() as tg:
-            tasks = [tg.create_task(one(e)) for e in manifest.shards]
-    except BaseExceptionGroup as group:
-        raise_first(group)
-    return dict(t.result() for t in tasks)
-
-
-def _header_from_file(path: Path, shard: str) -> Header:
-    size = path.stat().st_size
-    with path.open("rb") as f:
-        n = header_length(f.read(8), shard=shard, file_size=size)
-        return parse_header(f.read(n), shard=shard, file_size=size)
 
 
 def stream(

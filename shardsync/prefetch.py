@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import hashlib
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import replace
 from pathlib import Path
@@ -39,9 +39,11 @@ from shardsync.manifest import (
 from shardsync.network import ssl_context
 from shardsync.origins import Origin, parse_source
 from shardsync.origins.base import Forget, Progress
+from shardsync.prepared import Prepared
 from shardsync.records import (
     FileOutcome,
     FileRecord,
+    NoProgress,
     PrefetchResult,
     ProgressSink,
     RepoRef,
@@ -50,6 +52,7 @@ from shardsync.records import (
     VerifiedFile,
 )
 from shardsync.s3 import S3Client
+from shardsync.shard_headers import read_headers
 from shardsync.slot import Slot
 from shardsync.snapshot_use import AccessLog, Lease, Leases
 from shardsync.store import AsyncStore
@@ -60,17 +63,6 @@ __all__ = ["Engine", "Job", "prefetch"]
 
 def _open_gate(entry: ManifestEntry, position: int) -> AbstractAsyncContextManager[None]:
     return contextlib.nullcontext()
-
-
-class _NoProgress:
-    def add_file(self, path: str, size: int | None) -> None:
-        return None
-
-    def advance(self, path: str, nbytes: int) -> None:
-        return None
-
-    def file_done(self, outcome: FileOutcome) -> None:
-        return None
 
 
 _MAX_INDEX = 64 << 20
@@ -178,6 +170,16 @@ class Engine:
             self._origins[key] = origin
         return origin
 
+    async def prepare(
+        self, origin: Origin, *, revision: str | None = None, allow_pickle: bool = False
+    ) -> Prepared:
+        """What a stream plans from before any shard lands (``POST /v1/prepare``): the fetch
+        list and every safetensors shard's header. The index lands in the cache, no shard
+        does, and nothing is located ahead for a download that may never come."""
+        job = self.job(origin, revision=revision, allow_pickle=allow_pickle)
+        manifest = await job.prepare(include=(), locate_ahead=False)
+        return Prepared(manifest, await job.read_headers())
+
     def job(
         self,
         origin: Origin,
@@ -194,7 +196,7 @@ class Engine:
             self.fetcher,
             max_files=self.config.max_files,
             revision=revision or origin.default_revision,
-            sink=sink or _NoProgress(),
+            sink=sink or NoProgress(),
             allow_pickle=allow_pickle,
             gate=gate,
             tier=self.tier,
@@ -325,15 +327,29 @@ class Job:
         exclude: Sequence[str] = (),
         *,
         select: Select | None = None,
+        locate_ahead: bool = True,
     ) -> Manifest:
         """List the origin, get the index, and decide every file to fetch, in order;
-        ``select`` decides the files from the listing instead (``include``/``exclude`` unused)."""
+        ``select`` decides the files from the listing instead (``include``/``exclude`` unused).
+        ``locate_ahead``: have the origin find the first shards while the index downloads."""
         async with await self._lease():
             try:
-                return await self._prepare(include, exclude, select)
+                return await self._prepare(include, exclude, select, locate_ahead)
             except BaseException:
                 self._forget_ahead()
                 raise
+
+    async def read_headers(self) -> dict[str, bytes]:
+        """Every safetensors shard's header, after ``prepare`` (``shard_headers``)."""
+
+        async def cached(entry: ManifestEntry) -> Path | None:
+            held = entry.sha256 is not None and await self.store.has_blob(entry.sha256, entry.size)
+            return self.cache.blob_path(entry.sha256) if held and entry.sha256 else None
+
+        def read(entry: ManifestEntry, start: int, end: int) -> Awaitable[bytes]:
+            return self.origin.read_range(self.fetcher, self.commit or None, entry, start, end)
+
+        return await read_headers(self.manifest.shards, cached=cached, read=read)
 
     async def download(self) -> tuple[FileOutcome, ...]:
         """Fetch (or reuse) every file; the snapshot is complete when this returns."""
@@ -405,7 +421,11 @@ class Job:
         )
 
     async def _prepare(
-        self, include: Sequence[str] | None, exclude: Sequence[str], select: Select | None
+        self,
+        include: Sequence[str] | None,
+        exclude: Sequence[str],
+        select: Select | None,
+        locate_ahead: bool,
     ) -> Manifest:
         # A crashed run's temp names go first: one is a second name of its partial, which
         # would otherwise look like a live download and not be resumed.
@@ -420,14 +440,9 @@ class Job:
         weights = select_weights(listing, allow_pickle=self.allow_pickle)
         index = None
         if weights.path.endswith(".index.json"):
-            await self._locate_ahead(likely_shards(listing, weights))
-            entry = ManifestEntry(
-                path=weights.path,
-                size=weights.size,
-                sha256=weights.sha256,
-                blob_id=weights.blob_id,
-                role="index",
-            )
+            if locate_ahead:
+                await self._locate_ahead(likely_shards(listing, weights))
+            entry = ManifestEntry.from_remote(weights, "index")
             self.sink.add_file(entry.path, entry.size)
             record, self._outcomes[entry.path] = await self._obtain(entry)
             self._records[entry.path] = record

@@ -37,6 +37,7 @@ __all__ = [
     "FetchStatistics",
     "FileOutcome",
     "FileRecord",
+    "NoProgress",
     "PrefetchResult",
     "ProgressSink",
     "RepoRef",
@@ -327,6 +328,19 @@ class ProgressSink(Protocol):
     def advance(self, path: str, nbytes: int) -> None: ...
 
     def file_done(self, outcome: FileOutcome) -> None: ...
+
+
+class NoProgress:
+    """A ``ProgressSink`` that hears nothing: for a job nobody watches."""
+
+    def add_file(self, path: str, size: int | None) -> None:
+        return None
+
+    def advance(self, path: str, nbytes: int) -> None:
+        return None
+
+    def file_done(self, outcome: FileOutcome) -> None:
+        return None
 
 
 # --------------------------------------------------------------------------- fetcher and tier

@@ -76,12 +76,17 @@ class Recorder:
         self.done.append(outcome)
 
 
+def header_size(checkpoint: Checkpoint, shard: str) -> int:
+    return int.from_bytes(checkpoint.path(shard).read_bytes()[:8], "little")
+
+
 async def test_without_a_daemon_the_same_calls_run_in_process(
     hub: FakeHub, checkpoint: Checkpoint, workdir: Path, daemon: Daemon
 ) -> None:
     config = fast_config(workdir / "own-cache", hub.endpoint)
     async with Client(config, socket=_no_daemon(workdir)) as alone:
         assert alone.mode == "in-process"
+        prepared_here = await alone.prepare(REPO)
         job = await alone.prefetch(REPO)
         shards = [shard async for shard in job.shards()]
         local = await job.wait()
@@ -92,7 +97,13 @@ async def test_without_a_daemon_the_same_calls_run_in_process(
     assert status["mode"] == "in-process" and status["jobs"]["done"] == 1
     async with Client(socket=daemon.socket_path, fallback="error") as client:
         assert client.mode == "daemon"
+        prepared_there = await client.prepare(REPO)
         remote = await (await client.prefetch(REPO)).wait()
+    assert prepared_here is not None and prepared_here == prepared_there
+    assert dict(prepared_here.headers) == {
+        shard: checkpoint.path(shard).read_bytes()[8 : 8 + header_size(checkpoint, shard)]
+        for shard in checkpoint.shards
+    }
     plain = await prefetch(REPO, fast_config(workdir / "plain-cache", hub.endpoint))
     assert _identity(local) == _identity(remote) == _identity(plain)
     assert local.snapshot_path.is_relative_to(workdir / "own-cache")

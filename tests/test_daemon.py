@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import re
@@ -90,6 +91,10 @@ def _mode(path: Path) -> int:
         ("POST", "/v1/jobs", b'{"source": "acme/x", "revision": "a/../b"}', 400, "config", "rev"),
         ("POST", "/v1/jobs", b'{"source": "/etc"}', 400, "config", "local directories"),
         ("POST", "/v1/jobs", b'{"source": "ftp://x/y"}', 400, "config", "unsupported source"),
+        ("POST", "/v1/prepare", b"{not json", 400, "bad_request", "not valid JSON"),
+        ("POST", "/v1/prepare", b'{"source": "/etc"}', 400, "config", "local director"),
+        ("POST", "/v1/prepare", b'{"source": "acme/x", "checkpoint": "latest"}', 400, "config", ""),
+        ("POST", "/v1/prepare", b'{"source": "acme/x", "revision": "a/../b"}', 400, "config", ""),
         ("GET", "/v1/jobs/nope", None, 404, "not_found", "no job 'nope'"),
         ("DELETE", "/v1/jobs/nope", None, 404, "not_found", "no job"),
         ("GET", "/v1/jobs/nope/events", None, 404, "not_found", "no job"),
@@ -140,6 +145,39 @@ async def test_a_late_subscriber_gets_the_earlier_events(
     assert [j["id"] for j in listed] == [job["id"]]
     again = await api(daemon.socket_path, "DELETE", f"/v1/jobs/{job['id']}")
     assert again == (200, {**info, "events": again[1]["events"]})  # done stays done
+
+
+async def test_prepare_answers_the_origins_headers_and_downloads_no_shard(
+    daemon: Daemon, checkpoint: Checkpoint
+) -> None:
+    """``POST /v1/prepare``: the fetch list in index order and each shard's header as the
+    origin holds it, compared with the files served; the index lands, no shard does."""
+    status, answer = await api(
+        daemon.socket_path, "POST", "/v1/prepare", json_body={"source": REPO}
+    )
+    assert status == 200, answer
+    index = json.loads(checkpoint.path(checkpoint.index).read_bytes())
+    shards = list(dict.fromkeys(index["weight_map"].values()))
+    assert [(e["path"], e["role"]) for e in answer["entries"]] == [
+        (checkpoint.index, "index"),
+        *((shard, "shard") for shard in shards),
+    ]
+    for entry in answer["entries"]:
+        data = checkpoint.path(entry["path"]).read_bytes()
+        assert entry["size"] == len(data)
+        if entry["role"] == "shard" or entry["sha256"] is not None:  # the index is no LFS file
+            assert entry["sha256"] == hashlib.sha256(data).hexdigest()
+    assert answer["weight_map"] == index["weight_map"]
+    for shard in shards:
+        data = checkpoint.path(shard).read_bytes()
+        n = int.from_bytes(data[:8], "little")
+        assert answer["headers"][shard].encode() == data[8 : 8 + n]
+    store = Path(daemon.config.cache_dir) / "store"
+    index_sha = hashlib.sha256(checkpoint.path(checkpoint.index).read_bytes()).hexdigest()
+    assert [p.name for p in store.glob("sha256/*/*")] == [index_sha]
+    async with Client(socket=daemon.socket_path, fallback="error") as client:
+        prepared = await client.prepare(REPO)
+    assert prepared.to_json() == answer
 
 
 async def test_status_cache_and_metrics(daemon: Daemon, checkpoint: Checkpoint) -> None:

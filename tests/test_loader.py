@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 from collections.abc import Iterator
@@ -377,7 +378,11 @@ def test_a_stream_gets_the_first_shard_before_the_last_one_downloads(tmp_path: P
 async def test_load_goes_through_a_running_daemon(
     fake_hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path
 ) -> None:
+    """With a daemon serving, the stream's process asks the origin nothing: the daemon lists,
+    reads the headers (``POST /v1/prepare``) and downloads. Here the caller's own endpoint
+    refuses every connection, so one request of its own would fail the load."""
     import asyncio
+    import socket
     from dataclasses import replace
 
     from daemons import daemon_in_loop, short_tmp
@@ -386,13 +391,14 @@ async def test_load_goes_through_a_running_daemon(
     from shardsync.jobs import daemon_for
 
     fake_hub.add_checkpoint(REPO, checkpoint)
-    with short_tmp() as work:
+    with short_tmp() as work, socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))  # bound, never listening: every connection is refused
+        nowhere = f"http://127.0.0.1:{closed.getsockname()[1]}"
         socket_path = work / "shardsync" / "d.sock"
         daemon_config = fast_config(work / "daemon-cache", fake_hub.endpoint)
         async with daemon_in_loop(daemon_config, socket_path) as daemon:
             mine = replace(
-                fast_config(tmp_path / "mine", fake_hub.endpoint),
-                daemon=DaemonConfig(socket=socket_path),
+                fast_config(tmp_path / "mine", nowhere), daemon=DaemonConfig(socket=socket_path)
             )
             got = await asyncio.to_thread(shardsync.load, REPO, device_map="cpu", config=mine)
             jobs = daemon.statistics()
@@ -404,10 +410,46 @@ async def test_load_goes_through_a_running_daemon(
                 await client.close()
         assert isinstance(got, dict)
         _assert_bit_exact(got, _originals(checkpoint))
-        # the daemon downloaded the shards into its cache; ours only got the index
         assert jobs.jobs_submitted == 1
         assert asked == [True]  # the shards in their turn: the stream reads them in order
-        assert len(list((tmp_path / "mine" / "store").glob("sha256/*/*"))) == 1
+        # the daemon downloaded everything into its cache; ours got nothing
+        assert not list((tmp_path / "mine" / "store").glob("sha256/*/*"))
         shard_bytes = sum(checkpoint.path(s).stat().st_size for s in checkpoint.shards)
         header_probes = len(checkpoint.shards) * 65536
         assert fake_hub.bytes_served("*.safetensors") <= shard_bytes + header_probes
+
+
+async def test_a_daemon_older_than_prepare_still_serves_the_load(
+    fake_hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A daemon from before ``POST /v1/prepare`` (an upgraded client, the host's daemon not
+    yet restarted) answers 404: the loader reads the headers itself, the daemon downloads."""
+    import asyncio
+
+    from aiohttp import web
+    from daemons import daemon_in_loop, short_tmp
+
+    from shardsync.config import DaemonConfig
+    from shardsync.daemon import Daemon
+
+    async def no_route(self: Daemon, request: web.Request) -> web.Response:
+        raise web.HTTPNotFound()
+
+    monkeypatch.setattr(Daemon, "_prepare", no_route)
+    fake_hub.add_checkpoint(REPO, checkpoint)
+    with short_tmp() as work:
+        socket_path = work / "shardsync" / "d.sock"
+        async with daemon_in_loop(
+            fast_config(work / "daemon-cache", fake_hub.endpoint), socket_path
+        ) as daemon:
+            mine = replace(
+                fast_config(tmp_path / "mine", fake_hub.endpoint),
+                daemon=DaemonConfig(socket=socket_path),
+            )
+            got = await asyncio.to_thread(shardsync.load, REPO, device_map="cpu", config=mine)
+            jobs = daemon.statistics()
+    assert isinstance(got, dict)
+    _assert_bit_exact(got, _originals(checkpoint))
+    assert jobs.jobs_submitted == 1  # the shards came through the daemon
+    index = hashlib.sha256(checkpoint.path(checkpoint.index).read_bytes()).hexdigest()
+    assert [p.name for p in (tmp_path / "mine" / "store").glob("sha256/*/*")] == [index]

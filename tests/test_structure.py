@@ -21,6 +21,7 @@ PURE = [
     "shardsync.events",
     "shardsync.manifest",
     "shardsync.names",
+    "shardsync.prepared",
     "shardsync.network",
     "shardsync.ramp",
     "shardsync.ranges",
@@ -132,8 +133,8 @@ def test_only_the_consumers_import_torch_and_nothing_imports_the_dcp_reader() ->
 LAYERS: dict[str, set[str]] = {
     "core": {  # values and decisions, no I/O (see PURE for those that import without it)
         "errors", "strict_json", "names", "manifest", "records", "retry", "ranges", "ramp",
-        "checksums", "devicemap", "safetensors_header", "training", "prune_plan", "events",
-        "layout", "version", "limits", "api", "network", "config", "config_access",
+        "checksums", "devicemap", "safetensors_header", "prepared", "training", "prune_plan",
+        "events", "layout", "version", "limits", "api", "network", "config", "config_access",
     },
     "cache": {
         "digest", "cache", "removal", "slot", "store", "snapshot_use", "inventory", "verify",
@@ -145,7 +146,7 @@ LAYERS: dict[str, set[str]] = {
         "fetch.fetcher", "fetch.session", "s3", "tier", "tier_claims", "tier_parts", "origins",
         "origins.base", "origins.http", "origins.hub", "origins.local", "origins.s3",
     },
-    "engine": {"engine_api", "prefetch", "checkpoint", "checkpoint_selection"},
+    "engine": {"engine_api", "prefetch", "shard_headers", "checkpoint", "checkpoint_selection"},
     "service": {
         "scheduler", "job_log", "journal", "daemon", "daemon_transport", "listeners", "notify",
         "jobs", "client",

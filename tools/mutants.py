@@ -665,6 +665,39 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
         "presigned GETs signed with x-amz-request-payer go without it (the store: 403)",
     ),
+    Mutant(
+        "load-via-daemon-lists-itself",
+        "shardsync/loader.py",
+        (("        client = await _daemon(request)\n", "        client = None\n"),),
+        ("tests/test_loader.py::test_load_goes_through_a_running_daemon",),
+        "a load with a daemon running lists the origin and reads the headers in its own process",
+    ),
+    Mutant(
+        "prepared-headers-of-other-files",
+        "shardsync/prepared.py",
+        (("        if set(headers) != wanted:\n", "        if not wanted <= set(headers):\n"),),
+        ("tests/test_prepared.py",),
+        "a daemon's prepared answer with a header for a file that is no shard is taken",
+    ),
+    Mutant(
+        "prepare-404-not-tolerated",
+        "shardsync/daemon_transport.py",
+        (('        if status == 404 and _code(answer) == "not_found":\n', "        if False:\n"),),
+        ("tests/test_loader.py::test_a_daemon_older_than_prepare_still_serves_the_load",),
+        "a daemon older than POST /v1/prepare fails every load instead of serving its download",
+    ),
+    Mutant(
+        "header-with-its-length-prefix",
+        "shardsync/shard_headers.py",
+        (
+            (
+                "        return entry.path, prefix[8 : 8 + n]\n",
+                "        return entry.path, prefix[: 8 + n]\n",
+            ),
+        ),
+        ("tests/test_daemon.py::test_prepare_answers_the_origins_headers_and_downloads_no_shard",),
+        "a header read by Range keeps the 8-byte length prefix",
+    ),
 )
 
 
