@@ -384,7 +384,7 @@ class TensorStream:
                 prepared = await engine.prepare(
                     origin, revision=request.revision, allow_pickle=request.allow_pickle
                 )
-        manifest = prepared.manifest
+        manifest, planned_headers = prepared.manifest, prepared.headers
 
         async def download() -> None:
             remote = await client.prefetch(
@@ -396,10 +396,18 @@ class TensorStream:
             )
             async for event in remote.events():
                 if isinstance(event, Verified):
+                    planned = planned_headers.get(event.outcome.path)
+                    if planned is not None and not await asyncio.to_thread(
+                        _has_header, event.file, planned
+                    ):
+                        raise LoadError(
+                            f"{event.outcome.path} changed at the origin between the plan and "
+                            "its download; load again"
+                        )
                     self._handoff.messages.put(("verified", event))
             await remote.wait()
 
-        await self._plan_then(request, manifest, prepared.headers, download)
+        await self._plan_then(request, manifest, planned_headers, download)
 
     async def _plan_then(
         self,
@@ -453,6 +461,14 @@ async def _daemon(request: _Request) -> JobClient | None:
     return await daemon_for(
         request.config, cache_dir=request.named_cache, endpoint=request.named_endpoint
     )
+
+
+def _has_header(file: Path, header: bytes) -> bool:
+    """Whether ``file`` begins with ``header`` (after its length prefix): a shard the daemon
+    fetched after planning is the one its plan was made from only if so (an S3 object has no
+    commit to pin, so it may have been replaced in between)."""
+    with file.open("rb") as f:
+        return f.read(8) == len(header).to_bytes(8, "little") and f.read(len(header)) == header
 
 
 def _lease(config: Config, source: str, token: str | None) -> Lease:

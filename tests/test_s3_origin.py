@@ -723,6 +723,45 @@ async def test_a_daemon_job_and_the_client_take_s3_sources(
     assert_snapshot_matches(result.snapshot_path, s3_checkpoint)
 
 
+async def test_a_shard_replaced_between_the_daemons_plan_and_its_download_is_never_placed(
+    s3server: S3Server,
+    s3bucket: str,
+    s3_checkpoint: Checkpoint,
+    aws_env: None,
+    workdir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Through a daemon, the headers a load plans from (``POST /v1/prepare``) and the shards
+    (the job after it) are two looks at the store, and an S3 object has no commit to pin. A
+    shard replaced in between by one whose header is longer (the same tensors, their bytes
+    moved) is never placed at the offsets planned from the old header: the load fails."""
+    import shardsync
+    from shardsync.errors import LoadError
+    from shardsync.prefetch import Engine
+
+    upload(s3server, s3bucket, s3_checkpoint, checksums=True)
+    shard = s3_checkpoint.shards[0]
+    data = s3_checkpoint.path(shard).read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    longer = data[8 : 8 + n] + b" " * 64  # JSON may end in spaces: the same header, longer
+    moved = len(longer).to_bytes(8, "little") + longer + data[8 + n :]
+    original = Engine.prepare
+
+    async def prepare_then_replace(self: Engine, *args: Any, **kwargs: Any) -> Any:
+        prepared = await original(self, *args, **kwargs)
+        await asyncio.to_thread(put, s3server, s3bucket, f"{PREFIX}/{shard}", moved, True)
+        return prepared
+
+    monkeypatch.setattr(Engine, "prepare", prepare_then_replace)
+    config = s3_config(workdir / "cache", s3server)
+    async with daemon_in_loop(config, workdir / "d" / "d.sock") as running:
+        mine = replace(s3_config(workdir / "mine", s3server), daemon=running.config.daemon)
+        with pytest.raises(LoadError):
+            await asyncio.to_thread(
+                shardsync.load, f"s3://{s3bucket}/{PREFIX}/", config=mine, device_map="cpu"
+            )
+
+
 def _same_size_other_bytes(data: bytes) -> bytes:
     return bytes((b + 1) & 0xFF for b in data)
 

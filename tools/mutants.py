@@ -673,6 +673,21 @@ MUTANTS: tuple[Mutant, ...] = (
         "a load with a daemon running lists the origin and reads the headers in its own process",
     ),
     Mutant(
+        "load-via-daemon-header-unchecked",
+        "shardsync/loader.py",
+        (
+            (
+                "                    if planned is not None and not await asyncio.to_thread(\n",
+                "                    if False and not await asyncio.to_thread(\n",
+            ),
+        ),
+        (
+            "tests/test_s3_origin.py::"
+            "test_a_shard_replaced_between_the_daemons_plan_and_its_download_is_never_placed",
+        ),
+        "a shard the daemon fetched after the plan is placed without checking its header",
+    ),
+    Mutant(
         "prepared-headers-of-other-files",
         "shardsync/prepared.py",
         (("        if set(headers) != wanted:\n", "        if not wanted <= set(headers):\n"),),
