@@ -3,7 +3,9 @@
 It imports torch lazily (so the CLI and daemon start fast), as ``placement.py`` does.
 A background thread runs the engine's event loop: it lists the origin, reads
 every shard's safetensors header with Range requests *before* any shard body
-lands, plans the device map, then downloads shards in index order. The
+lands, plans the device map, then downloads shards in index order (when a
+daemon serves the load, the daemon lists, reads the headers and downloads;
+this process plans and places). The
 caller's thread takes each shard the moment it is verified, in index order,
 and places its tensors (``placement.py``):
 
