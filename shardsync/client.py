@@ -251,6 +251,13 @@ class SyncClient:
         )
         return SyncJobHandle(self, job)
 
+    def prepare(
+        self, source: str, *, revision: str | None = None, allow_pickle: bool = False
+    ) -> Prepared | None:
+        return self._call(
+            self._client.prepare(source, revision=revision, allow_pickle=allow_pickle)
+        )
+
     def job(self, job_id: str) -> SyncJobHandle:
         return SyncJobHandle(self, self._call(self._client.job(job_id)))
 

@@ -16,6 +16,7 @@ from shardsync.client import Client, SyncClient
 from shardsync.daemon import Daemon
 from shardsync.events import JobDone, Verified
 from shardsync.prefetch import prefetch
+from shardsync.prepared import Prepared
 from shardsync.records import FileOutcome, PrefetchResult
 from shardsync.testing import Bandwidth, Checkpoint, FakeHub
 
@@ -221,14 +222,21 @@ async def test_sync_client_in_process(hub: FakeHub, checkpoint: Checkpoint, work
 
 
 async def test_sync_client_through_the_daemon(checkpoint: Checkpoint, daemon: Daemon) -> None:
-    def use() -> tuple[list[str], Path]:
+    def use() -> tuple[list[str], Path, Prepared | None]:
         with SyncClient(socket=daemon.socket_path, fallback="error") as client:
+            prepared = client.prepare(REPO)
             job = client.prefetch(REPO)
             shards = [s.path for s in job.shards()]
-            return shards, client.wait_file(REPO, "config.json")
+            return shards, client.wait_file(REPO, "config.json"), prepared
 
-    shards, config_json = await asyncio.to_thread(use)  # the daemon needs this loop meanwhile
+    shards, config_json, prepared = await asyncio.to_thread(use)  # the daemon needs this loop
     assert shards == list(checkpoint.shards)
+    assert prepared is not None
+    assert [e.path for e in prepared.manifest.shards] == list(checkpoint.shards)
+    assert dict(prepared.headers) == {
+        shard: checkpoint.path(shard).read_bytes()[8 : 8 + header_size(checkpoint, shard)]
+        for shard in checkpoint.shards
+    }
     assert config_json.name == "config.json"
 
 
