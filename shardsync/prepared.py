@@ -19,8 +19,9 @@ from shardsync.errors import DaemonError, HeaderError, ManifestError
 from shardsync.manifest import Manifest, ManifestEntry
 from shardsync.safetensors_header import MAX_HEADER_SIZE
 
-__all__ = ["Prepared", "header_text"]
+__all__ = ["Prepared"]
 
+_FIELDS = frozenset({"commit", "entries", "weight_map", "headers"})
 _ENTRY_FIELDS = ("path", "size", "sha256", "blob_id", "role")
 
 
@@ -49,7 +50,7 @@ class Prepared:
             "commit": m.commit,
             "entries": [{k: getattr(e, k) for k in _ENTRY_FIELDS} for e in m.entries],
             "weight_map": dict(m.weight_map),
-            "headers": {path: header_text(path, raw) for path, raw in self.headers.items()},
+            "headers": {path: _header_text(path, raw) for path, raw in self.headers.items()},
         }
 
     @classmethod
@@ -57,12 +58,7 @@ class Prepared:
         """Read a daemon's answer; anything malformed is a ``DaemonError`` (the names in it
         are validated as a listing's are, by ``Manifest``)."""
         try:
-            if not isinstance(obj, dict) or set(obj) != {
-                "commit",
-                "entries",
-                "weight_map",
-                "headers",
-            }:
+            if not isinstance(obj, dict) or set(obj) != _FIELDS:
                 raise TypeError("not the fields of a prepared job")
             entries, weights, headers = obj["entries"], obj["weight_map"], obj["headers"]
             if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
@@ -79,7 +75,7 @@ class Prepared:
             raise DaemonError(f"the daemon's prepared job is malformed: {exc}") from exc
 
 
-def header_text(path: str, raw: bytes) -> str:
+def _header_text(path: str, raw: bytes) -> str:
     """A header as JSON text (safetensors headers are UTF-8 JSON; one that is not could
     never parse, so it fails here, naming its shard)."""
     try:
