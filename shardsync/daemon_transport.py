@@ -35,6 +35,10 @@ _MAX_LINE = 64 << 20
 _MAX_HEAD = 64 << 10
 _CONNECT_TIMEOUT_S = 5.0
 _REQUEST_TIMEOUT_S = 60.0
+_PREPARE_TIMEOUT_S = 600.0
+"""A prepare waits on the origin (listing, index, headers) under the daemon's own retries,
+whose backoff alone may add up to more than a minute; this bound is for a daemon that stops
+answering, not for a slow origin."""
 _READ = 1 << 16
 _NOT_THERE = frozenset({errno.ENOENT, errno.ECONNREFUSED, errno.ENOTDIR, errno.EACCES})
 
@@ -127,12 +131,14 @@ class DaemonTransport:
             raise _answer_error(obj, f"HTTP {status}")
         return status, obj
 
-    async def _request(self, method: str, path: str, body: object) -> tuple[int, Any]:
+    async def _request(
+        self, method: str, path: str, body: object, limit_s: float | None = None
+    ) -> tuple[int, Any]:
         """The answer's status and JSON body, whatever the status."""
         payload = None if body is None else json.dumps(body).encode()
         async with self._exchange() as exchange:
             try:
-                async with asyncio.timeout(_REQUEST_TIMEOUT_S):
+                async with asyncio.timeout(limit_s or _REQUEST_TIMEOUT_S):
                     await exchange.send(method, path, payload)
                     data = await exchange.body()
             except (OSError, h11.ProtocolError, TimeoutError) as exc:
@@ -149,7 +155,9 @@ class DaemonTransport:
         return info, status == 201
 
     async def prepare(self, request: JobRequest) -> Prepared | None:
-        status, answer = await self._request("POST", "/v1/prepare", request.to_json())
+        status, answer = await self._request(
+            "POST", "/v1/prepare", request.to_json(), _PREPARE_TIMEOUT_S
+        )
         if status == 404 and _code(answer) == "not_found":
             return None  # a daemon from before the route
         if status >= 400:

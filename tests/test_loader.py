@@ -419,6 +419,40 @@ async def test_load_goes_through_a_running_daemon(
         assert fake_hub.bytes_served("*.safetensors") <= shard_bytes + header_probes
 
 
+async def test_a_prepare_slower_than_a_plain_request_still_serves_the_load(
+    fake_hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The daemon's prepare waits on the origin (here the index, held 1.5 s) and on its own
+    retries: the client gives it longer than a request to the daemon alone (cut to 0.5 s
+    here, 60 s in use)."""
+    import asyncio
+
+    from daemons import daemon_in_loop, short_tmp
+
+    from shardsync import daemon_transport
+    from shardsync.config import DaemonConfig
+    from shardsync.testing import Latency
+
+    monkeypatch.setattr(daemon_transport, "_REQUEST_TIMEOUT_S", 0.5)
+    fake_hub.add_checkpoint(REPO, checkpoint)
+    fake_hub.faults.add(Latency(1.5, path="*.index.json", server="hub", times=None))
+    with short_tmp() as work:
+        socket_path = work / "shardsync" / "d.sock"
+        async with daemon_in_loop(
+            fast_config(work / "daemon-cache", fake_hub.endpoint), socket_path
+        ) as daemon:
+            mine = replace(
+                fast_config(tmp_path / "mine", fake_hub.endpoint),
+                daemon=DaemonConfig(socket=socket_path),
+            )
+            got = await asyncio.to_thread(shardsync.load, REPO, device_map="cpu", config=mine)
+            jobs = daemon.statistics()
+    assert isinstance(got, dict)
+    _assert_bit_exact(got, _originals(checkpoint))
+    assert jobs.jobs_submitted == 1
+    assert not list((tmp_path / "mine" / "store").glob("sha256/*/*"))  # the daemon's work
+
+
 async def test_a_daemon_older_than_prepare_still_serves_the_load(
     fake_hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

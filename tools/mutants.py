@@ -702,6 +702,18 @@ MUTANTS: tuple[Mutant, ...] = (
         "a daemon older than POST /v1/prepare fails every load instead of serving its download",
     ),
     Mutant(
+        "prepare-cut-at-a-requests-timeout",
+        "shardsync/daemon_transport.py",
+        (
+            (
+                '            "POST", "/v1/prepare", request.to_json(), _PREPARE_TIMEOUT_S\n',
+                '            "POST", "/v1/prepare", request.to_json()\n',
+            ),
+        ),
+        ("tests/test_loader.py::test_a_prepare_slower_than_a_plain_request_still_serves_the_load",),
+        "a prepare waiting on a slow origin is cut off at a plain request's timeout",
+    ),
+    Mutant(
         "header-with-its-length-prefix",
         "shardsync/shard_headers.py",
         (
