@@ -158,7 +158,8 @@ class DaemonTransport:
         status, answer = await self._request(
             "POST", "/v1/prepare", request.to_json(), _PREPARE_TIMEOUT_S
         )
-        if status == 404 and _code(answer) == "not_found":
+        info = _error_info(answer)
+        if status == 404 and info is not None and info.code == "not_found":
             return None  # a daemon from before the route
         if status >= 400:
             raise _answer_error(answer, f"HTTP {status}")
@@ -211,17 +212,18 @@ class DaemonTransport:
         raise DaemonError(f"the daemon closed the event stream of job {job_id} before it ended")
 
 
-def _code(body: object) -> str | None:
+def _error_info(body: object) -> ErrorInfo | None:
+    """What an error answer's body (``{"error": {"code", "message"}}``) says, if it is one."""
     error = body.get("error") if isinstance(body, dict) else None
-    return str(error.get("code")) if isinstance(error, dict) else None
+    if not isinstance(error, dict):
+        return None
+    return ErrorInfo(str(error.get("code", "")), str(error.get("message", "")))
 
 
 def _answer_error(body: object, fallback: str) -> ShardsyncError:
-    """The exception for an error answer's body (``{"error": {"code", "message"}}``)."""
-    error = body.get("error") if isinstance(body, dict) else None
-    if not isinstance(error, dict):
-        return DaemonError(fallback)
-    return error_from(ErrorInfo(str(error.get("code", "")), str(error.get("message", ""))))
+    """The exception for an error answer's body."""
+    info = _error_info(body)
+    return DaemonError(fallback) if info is None else error_from(info)
 
 
 async def _ndjson(chunks: AsyncIterator[bytes]) -> AsyncIterator[object]:

@@ -343,8 +343,9 @@ class Job:
         """Every safetensors shard's header, after ``prepare`` (``shard_headers``)."""
 
         async def cached(entry: ManifestEntry) -> Path | None:
-            held = entry.sha256 is not None and await self.store.has_blob(entry.sha256, entry.size)
-            return self.cache.blob_path(entry.sha256) if held and entry.sha256 else None
+            if entry.sha256 is None or not await self.store.has_blob(entry.sha256, entry.size):
+                return None
+            return self.cache.blob_path(entry.sha256)
 
         def read(entry: ManifestEntry, start: int, end: int) -> Awaitable[bytes]:
             return self.origin.read_range(self.fetcher, self.commit or None, entry, start, end)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import struct
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ from huggingface_hub import save_torch_state_dict
 from safetensors.torch import load_file
 
 import shardsync
+from shardsync.daemon import DaemonStatistics
 from shardsync.errors import ConfigError, HeaderError, LoadError
 from shardsync.loader import LoadResult
 from shardsync.testing import Bandwidth, Checkpoint, FakeHub, build_checkpoint, serve_in_thread
@@ -375,48 +378,63 @@ def test_a_stream_gets_the_first_shard_before_the_last_one_downloads(tmp_path: P
     assert served_then[first] < model.path(last).stat().st_size // 10, served_then
 
 
+async def _load_through_a_daemon(
+    hub: FakeHub, tmp_path: Path, *, own_endpoint: str | None = None
+) -> tuple[Any, DaemonStatistics, list[bool]]:
+    """``shardsync.load(REPO)`` by a caller whose config names a daemon in this loop that
+    serves ``hub``; the caller's own endpoint is ``own_endpoint`` (else the hub). What the
+    load gave, the daemon's statistics, and each of its jobs' ``in_order``."""
+    from daemons import daemon_in_loop, short_tmp
+
+    from shardsync.config import DaemonConfig
+    from shardsync.jobs import daemon_for
+
+    with short_tmp() as work:
+        socket_path = work / "shardsync" / "d.sock"
+        async with daemon_in_loop(
+            fast_config(work / "daemon-cache", hub.endpoint), socket_path
+        ) as daemon:
+            mine = replace(
+                fast_config(tmp_path / "mine", own_endpoint or hub.endpoint),
+                daemon=DaemonConfig(socket=socket_path),
+            )
+            got = await asyncio.to_thread(shardsync.load, REPO, device_map="cpu", config=mine)
+            statistics = daemon.statistics()
+            client = await daemon_for(mine, cache_dir=None, endpoint=None)
+            assert client is not None
+            try:
+                in_order = [job["in_order"] for job in await client.jobs()]
+            finally:
+                await client.close()
+    return got, statistics, in_order
+
+
+def _own_blobs(tmp_path: Path) -> list[str]:
+    """The blobs in the caller's own cache (``tmp_path / "mine"``)."""
+    return [p.name for p in (tmp_path / "mine" / "store").glob("sha256/*/*")]
+
+
 async def test_load_goes_through_a_running_daemon(
     fake_hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path
 ) -> None:
     """With a daemon serving, the stream's process asks the origin nothing: the daemon lists,
     reads the headers (``POST /v1/prepare``) and downloads. Here the caller's own endpoint
     refuses every connection, so one request of its own would fail the load."""
-    import asyncio
     import socket
-    from dataclasses import replace
-
-    from daemons import daemon_in_loop, short_tmp
-
-    from shardsync.config import DaemonConfig
-    from shardsync.jobs import daemon_for
 
     fake_hub.add_checkpoint(REPO, checkpoint)
-    with short_tmp() as work, socket.socket() as closed:
+    with socket.socket() as closed:
         closed.bind(("127.0.0.1", 0))  # bound, never listening: every connection is refused
         nowhere = f"http://127.0.0.1:{closed.getsockname()[1]}"
-        socket_path = work / "shardsync" / "d.sock"
-        daemon_config = fast_config(work / "daemon-cache", fake_hub.endpoint)
-        async with daemon_in_loop(daemon_config, socket_path) as daemon:
-            mine = replace(
-                fast_config(tmp_path / "mine", nowhere), daemon=DaemonConfig(socket=socket_path)
-            )
-            got = await asyncio.to_thread(shardsync.load, REPO, device_map="cpu", config=mine)
-            jobs = daemon.statistics()
-            client = await daemon_for(mine, cache_dir=None, endpoint=None)
-            assert client is not None
-            try:
-                asked = [job["in_order"] for job in await client.jobs()]
-            finally:
-                await client.close()
-        assert isinstance(got, dict)
-        _assert_bit_exact(got, _originals(checkpoint))
-        assert jobs.jobs_submitted == 1
-        assert asked == [True]  # the shards in their turn: the stream reads them in order
-        # the daemon downloaded everything into its cache; ours got nothing
-        assert not list((tmp_path / "mine" / "store").glob("sha256/*/*"))
-        shard_bytes = sum(checkpoint.path(s).stat().st_size for s in checkpoint.shards)
-        header_probes = len(checkpoint.shards) * 65536
-        assert fake_hub.bytes_served("*.safetensors") <= shard_bytes + header_probes
+        got, jobs, asked = await _load_through_a_daemon(fake_hub, tmp_path, own_endpoint=nowhere)
+    assert isinstance(got, dict)
+    _assert_bit_exact(got, _originals(checkpoint))
+    assert jobs.jobs_submitted == 1
+    assert asked == [True]  # the shards in their turn: the stream reads them in order
+    assert not _own_blobs(tmp_path)  # the daemon downloaded everything into its cache
+    shard_bytes = sum(checkpoint.path(s).stat().st_size for s in checkpoint.shards)
+    header_probes = len(checkpoint.shards) * 65536
+    assert fake_hub.bytes_served("*.safetensors") <= shard_bytes + header_probes
 
 
 async def test_a_prepare_slower_than_a_plain_request_still_serves_the_load(
@@ -425,32 +443,17 @@ async def test_a_prepare_slower_than_a_plain_request_still_serves_the_load(
     """The daemon's prepare waits on the origin (here the index, held 1.5 s) and on its own
     retries: the client gives it longer than a request to the daemon alone (cut to 0.5 s
     here, 60 s in use)."""
-    import asyncio
-
-    from daemons import daemon_in_loop, short_tmp
-
     from shardsync import daemon_transport
-    from shardsync.config import DaemonConfig
     from shardsync.testing import Latency
 
     monkeypatch.setattr(daemon_transport, "_REQUEST_TIMEOUT_S", 0.5)
     fake_hub.add_checkpoint(REPO, checkpoint)
     fake_hub.faults.add(Latency(1.5, path="*.index.json", server="hub", times=None))
-    with short_tmp() as work:
-        socket_path = work / "shardsync" / "d.sock"
-        async with daemon_in_loop(
-            fast_config(work / "daemon-cache", fake_hub.endpoint), socket_path
-        ) as daemon:
-            mine = replace(
-                fast_config(tmp_path / "mine", fake_hub.endpoint),
-                daemon=DaemonConfig(socket=socket_path),
-            )
-            got = await asyncio.to_thread(shardsync.load, REPO, device_map="cpu", config=mine)
-            jobs = daemon.statistics()
+    got, jobs, _ = await _load_through_a_daemon(fake_hub, tmp_path)
     assert isinstance(got, dict)
     _assert_bit_exact(got, _originals(checkpoint))
     assert jobs.jobs_submitted == 1
-    assert not list((tmp_path / "mine" / "store").glob("sha256/*/*"))  # the daemon's work
+    assert not _own_blobs(tmp_path)  # the daemon's work
 
 
 async def test_a_daemon_older_than_prepare_still_serves_the_load(
@@ -458,12 +461,8 @@ async def test_a_daemon_older_than_prepare_still_serves_the_load(
 ) -> None:
     """A daemon from before ``POST /v1/prepare`` (an upgraded client, the host's daemon not
     yet restarted) answers 404: the loader reads the headers itself, the daemon downloads."""
-    import asyncio
-
     from aiohttp import web
-    from daemons import daemon_in_loop, short_tmp
 
-    from shardsync.config import DaemonConfig
     from shardsync.daemon import Daemon
 
     async def no_route(self: Daemon, request: web.Request) -> web.Response:
@@ -471,19 +470,9 @@ async def test_a_daemon_older_than_prepare_still_serves_the_load(
 
     monkeypatch.setattr(Daemon, "_prepare", no_route)
     fake_hub.add_checkpoint(REPO, checkpoint)
-    with short_tmp() as work:
-        socket_path = work / "shardsync" / "d.sock"
-        async with daemon_in_loop(
-            fast_config(work / "daemon-cache", fake_hub.endpoint), socket_path
-        ) as daemon:
-            mine = replace(
-                fast_config(tmp_path / "mine", fake_hub.endpoint),
-                daemon=DaemonConfig(socket=socket_path),
-            )
-            got = await asyncio.to_thread(shardsync.load, REPO, device_map="cpu", config=mine)
-            jobs = daemon.statistics()
+    got, jobs, _ = await _load_through_a_daemon(fake_hub, tmp_path)
     assert isinstance(got, dict)
     _assert_bit_exact(got, _originals(checkpoint))
     assert jobs.jobs_submitted == 1  # the shards came through the daemon
     index = hashlib.sha256(checkpoint.path(checkpoint.index).read_bytes()).hexdigest()
-    assert [p.name for p in (tmp_path / "mine" / "store").glob("sha256/*/*")] == [index]
+    assert _own_blobs(tmp_path) == [index]

@@ -697,7 +697,12 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "prepare-404-not-tolerated",
         "shardsync/daemon_transport.py",
-        (('        if status == 404 and _code(answer) == "not_found":\n', "        if False:\n"),),
+        (
+            (
+                '        if status == 404 and info is not None and info.code == "not_found":\n',
+                "        if False:\n",
+            ),
+        ),
         ("tests/test_loader.py::test_a_daemon_older_than_prepare_still_serves_the_load",),
         "a daemon older than POST /v1/prepare fails every load instead of serving its download",
     ),
