@@ -26,7 +26,9 @@ an ``s3://`` read of the same bytes from the same store: one more host reading t
 the tier, and one ``shardsync prefetch s3://<bucket>/model/`` of the checkpoint uploaded once at
 the start (one PutObject per file, no tier configured), each with a fresh cache (checked and
 deleted at once), their order alternating by round, after one untimed tier read; their wall,
-CPU-s/GB and SeaweedFS's CPU meanwhile are printed, with medians at the end. Before that, one
+CPU-s/GB and SeaweedFS's CPU meanwhile are printed, with medians at the end, this machine's
+CPU-s/GB of sha256 and xxh3-128 (measured at the start and the end: both reads compute both),
+each read's CPU beyond them, and the tier read's ratios to the ``s3://`` read. Before that, one
 host without a tier gives the baseline single-host time. Per N it reports the Hub's egress per
 model (goal <= 1.05 x for any N), the slowest and median host time against the baseline, the
 late host's time and egress, and what waiting costs: ``after_origin_s``, the slowest host's
@@ -75,8 +77,10 @@ from common import (  # bench/common.py, beside this script
     Nginx,
     Origin,
     cdn_directory,
+    cpu_model,
     data_dir_for,
     ensure_origin,
+    hash_costs,
     host_env,
     log,
     machine_info,
@@ -802,22 +806,90 @@ def compare_reads(
     return Reads(*found["tier"], *found["s3"], problems)
 
 
-def print_reads(rounds: Sequence[Round], model: int) -> None:
-    """Medians (and ranges) of the tier reads against the s3:// reads of the same bytes."""
+READ_HASHES = ("sha256", "xxh3_128")
+"""What both reads compute over every byte: the sha256 a blob is named and checked by, and the
+xxh3-128 ``verify`` re-checks it with later. Their CPU beyond these is what the path costs."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReadRow:
+    """One kind of read (tier or ``s3://``), medians over the rounds."""
+
+    read: str
+    wall_s: float
+    cpu_s_per_gb: float
+    beyond_hashes_cpu_s_per_gb: float
+    seaweedfs_cpu_s: float | None
+
+
+def summarize_reads(
+    rounds: Sequence[Round], model: int, costs: Mapping[str, float]
+) -> list[ReadRow]:
+    """Medians of the tier reads and of the ``s3://`` reads of the same bytes, each with its
+    CPU beyond the hashes this machine spends on every byte of it (``costs``)."""
     pairs = [r for r in rounds if r.tier_read is not None and r.s3_read is not None]
     if not pairs:
+        return []
+    gb = model / 1e9
+    hashes = sum(costs[name] for name in READ_HASHES)
+    rows = []
+    for read in ("tier", "s3"):
+        hosts, weeds = _reads(pairs, read)
+        cpu = statistics.median(h.cpu_s / gb for h in hosts)
+        rows.append(
+            ReadRow(
+                read,
+                statistics.median(h.wall_s for h in hosts),
+                cpu,
+                cpu - hashes,
+                statistics.median(weeds) if weeds else None,
+            )
+        )
+    return rows
+
+
+def _reads(pairs: Sequence[Round], read: str) -> tuple[list[Host], list[float]]:
+    """Each round's tier (or ``s3://``) read, and the store's CPU meanwhile where known."""
+    if read == "tier":
+        found = [(r.tier_read, r.tier_read_seaweedfs_cpu_s) for r in pairs]
+    else:
+        found = [(r.s3_read, r.s3_read_seaweedfs_cpu_s) for r in pairs]
+    return [h for h, _ in found if h is not None], [w for _, w in found if w is not None]
+
+
+def print_reads(
+    rounds: Sequence[Round], rows: Sequence[ReadRow], model: int, costs: Mapping[str, float]
+) -> None:
+    """Medians (and ranges) of the tier reads against the s3:// reads of the same bytes, the
+    machine's hash costs, each read's CPU beyond them and the tier's ratios to ``s3://``."""
+    pairs = [r for r in rounds if r.tier_read is not None and r.s3_read is not None]
+    if not pairs or not rows:
         return
     gb = model / 1e9
-    print("reads after the late host, medians (ranges) over the rounds:")
-    for label, host_of, weed_of in (
-        ("tier read  ", lambda r: r.tier_read, lambda r: r.tier_read_seaweedfs_cpu_s),
-        ("s3:// read ", lambda r: r.s3_read, lambda r: r.s3_read_seaweedfs_cpu_s),
-    ):
-        walls = [host_of(r).wall_s for r in pairs]
-        cpus = [host_of(r).cpu_s / gb for r in pairs]
-        weeds = [w for r in pairs if (w := weed_of(r)) is not None]
+    print(
+        f"reads after the late host, medians (ranges) over the rounds; machine: "
+        f"{cpu_model() or '?'}, {os.cpu_count()} cores, CPU-s/GB of sha256 "
+        f"{costs['sha256']:.2f}, xxh3-128 {costs['xxh3_128']:.2f} (measured in this run; "
+        "both reads compute both)"
+    )
+    for row, label in zip(rows, ("tier read  ", "s3:// read "), strict=True):
+        hosts, weeds = _reads(pairs, row.read)
+        walls = [h.wall_s for h in hosts]
+        cpus = [h.cpu_s / gb for h in hosts]
         text = f"  {label} {_spread(walls, 's')}, {_spread(cpus, ' CPU-s/GB')}"
+        text += f" ({row.beyond_hashes_cpu_s_per_gb:.2f} beyond the hashes)"
         print(text + (f", SeaweedFS {_spread(weeds, ' CPU-s')}" if weeds else ""))
+    tier, s3 = rows
+    ratios = [
+        f"wall {tier.wall_s / s3.wall_s:.2f}x",
+        f"CPU {tier.cpu_s_per_gb / s3.cpu_s_per_gb:.2f}x",
+    ]
+    if s3.beyond_hashes_cpu_s_per_gb > 0:
+        ratio = tier.beyond_hashes_cpu_s_per_gb / s3.beyond_hashes_cpu_s_per_gb
+        ratios.append(f"CPU beyond the hashes {ratio:.2f}x")
+    if tier.seaweedfs_cpu_s is not None and s3.seaweedfs_cpu_s:
+        ratios.append(f"SeaweedFS CPU {tier.seaweedfs_cpu_s / s3.seaweedfs_cpu_s:.2f}x")
+    print(f"  tier read / s3:// read (medians): {', '.join(ratios)}")
 
 
 def _spread(values: Sequence[float], unit: str) -> str:
@@ -1047,6 +1119,8 @@ def write_json(
     rounds: Sequence[Round],
     rows: Sequence[Row],
     fault_rows: Sequence[FaultRow],
+    read_rows: Sequence[ReadRow],
+    costs: Mapping[str, float],
 ) -> None:
     info = machine_info()
     versions = info.get("versions")
@@ -1078,6 +1152,8 @@ def write_json(
         "baseline_s": statistics.median(r.slowest_s for r in baseline_rounds),
         "summary": [dataclasses.asdict(row) for row in rows],
         "faults": [dataclasses.asdict(row) for row in fault_rows],
+        "hash_cpu_s_per_gb": dict(costs),  # this machine's, mean of the start and end
+        "reads": [dataclasses.asdict(row) for row in read_rows],
         "rounds": [_round_json(r) for r in [*baseline_rounds, *rounds]],
     }
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -1163,6 +1239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     own_cache_root = not cache_root.exists()
     cache_root.mkdir(parents=True, exist_ok=True)
     log(f"host caches in {cache_root}")
+    costs_before = hash_costs()
     baseline_rounds: list[Round] = []
     rounds: list[Round] = []
     try:
@@ -1195,17 +1272,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         remove_tree(scratch)
         if own_cache_root:
             remove_tree(cache_root)
+    costs = {
+        name: (before + after) / 2
+        for (name, before), after in zip(costs_before.items(), hash_costs().values(), strict=True)
+    }
     baseline = statistics.median(r.slowest_s for r in baseline_rounds)
     rows = summarize(rounds, baseline, model)
     fault_rows = summarize_faults(rounds, model)
+    read_rows = summarize_reads(rounds, model, costs)
     print_report(rows, baseline, model)
     print_faults(fault_rows)
-    print_reads(rounds, model)
+    print_reads(rounds, read_rows, model, costs)
     problems = [p for r in [*baseline_rounds, *rounds] for p in r.problems]
     for problem in problems:
         print(f"PROBLEM: {problem}")
     write_json(
-        settings.json_path, settings, origin, cache_root, baseline_rounds, rounds, rows, fault_rows
+        settings.json_path,
+        settings,
+        origin,
+        cache_root,
+        baseline_rounds,
+        rounds,
+        rows,
+        fault_rows,
+        read_rows,
+        costs,
     )
     write_png(settings.png_path, rows, baseline, settings)
     log(f"results in {settings.json_path} and {settings.png_path}")
