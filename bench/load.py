@@ -11,7 +11,10 @@ Each variant runs in fresh child processes that import torch, safetensors and th
 its clock starts at the first call (a training script has imported torch long before it asks
 for weights). It prints that time to all tensors on the device, the children's whole wall clock
 ("process": interpreter start and imports included), the peak RSS of each (the child's own
-``ru_maxrss``), the download-only time of shardsync, and the issue's targets:
+``ru_maxrss``), the download-only time of shardsync, each variant's CPU-s/GB (its children's
+user + system time over the model's bytes) and, beside it, that less this machine's cost of the
+hashes the variant computes (sha256 and xxh3-128 for shardsync, none for huggingface_hub, which
+checks no digest; both measured at the start and the end of the run), and the issue's targets:
 (c) <= 1.15 x download-only, (c) <= 0.6 x (a), and peak RSS of (c) <= model + largest shard.
 On CPU every variant hands out memory-mapped tensors (safetensors does too), so "on the
 device" means usable, not read; on CUDA the bytes are really copied.
@@ -41,7 +44,9 @@ from common import (  # bench/common.py, beside this script
     Origin,
     Scenario,
     clean_env,
+    cpu_model,
     ensure_origin,
+    hash_costs,
     machine_info,
     serve_hub,
 )
@@ -115,6 +120,12 @@ print(json.dumps({"tensors": len(tensors), "seconds": elapsed(start)}))
 )
 
 
+HASHED = {"a": (), "b": ("sha256", "xxh3_128"), "c": ("sha256", "xxh3_128")}
+"""The hashes each variant computes over every byte (by its letter): huggingface_hub checks
+no digest of what it downloads; shardsync names each blob by its sha256 and keeps its xxh3-128
+for ``verify``."""
+
+
 @dataclass(frozen=True, slots=True)
 class Result:
     variant: str
@@ -123,17 +134,20 @@ class Result:
     process_seconds: float  # the children's wall clock, interpreter start and imports included
     peak_rss: int
     tensors: int
+    cpu_seconds: float  # the children's user + system time, imports included
 
 
 @dataclass(frozen=True, slots=True)
 class Child:
     wall: float
+    cpu: float
     peak_rss: int
     report: dict[str, Any]
 
 
 def _child(script: str, args: list[str], env: dict[str, str]) -> Child:
-    """Run one child script; its wall clock, its own peak RSS and the JSON it printed last."""
+    """Run one child script; its wall clock, its CPU time, its own peak RSS and the JSON it
+    printed last."""
     argv = [sys.executable, "-c", script, *args]
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         start = time.monotonic()
@@ -146,7 +160,8 @@ def _child(script: str, args: list[str], env: dict[str, str]) -> Child:
         if returncode != 0:
             raise RuntimeError(f"child {args[:1]} failed: {err.read().decode()[-2000:]}")
         report = json.loads(out.read().decode().splitlines()[-1])
-        return Child(wall, usage.ru_maxrss * 1024, report)
+        cpu = usage.ru_utime + usage.ru_stime
+        return Child(wall, cpu, usage.ru_maxrss * 1024, report)
 
 
 def run_variants(endpoint: str, scratch: Path, device: str) -> list[Result]:
@@ -163,6 +178,7 @@ def run_variants(endpoint: str, scratch: Path, device: str) -> list[Result]:
             a.wall,
             a.peak_rss,
             a.report["tensors"],
+            a.cpu,
         )
     )
     shutil.rmtree(work, ignore_errors=True)
@@ -178,6 +194,7 @@ def run_variants(endpoint: str, scratch: Path, device: str) -> list[Result]:
             fetched.wall + loaded.wall,
             max(fetched.peak_rss, loaded.peak_rss),
             loaded.report["tensors"],
+            fetched.cpu + loaded.cpu,
         )
     )
     shutil.rmtree(work, ignore_errors=True)
@@ -192,6 +209,7 @@ def run_variants(endpoint: str, scratch: Path, device: str) -> list[Result]:
             c.wall,
             c.peak_rss,
             c.report["tensors"],
+            c.cpu,
         )
     )
     shutil.rmtree(work, ignore_errors=True)
@@ -212,9 +230,15 @@ def medians(rounds: list[list[Result]]) -> list[Result]:
                 statistics.median(r.process_seconds for r in runs),
                 max(r.peak_rss for r in runs),
                 runs[0].tensors,
+                statistics.median(r.cpu_seconds for r in runs),
             )
         )
     return merged
+
+
+def beyond_hashes(result: Result, gb: float, costs: dict[str, float]) -> float:
+    """A variant's CPU-s/GB less what this machine spends on the hashes it computes."""
+    return result.cpu_seconds / gb - sum(costs[name] for name in HASHED[result.variant[0]])
 
 
 def checks(results: list[Result], origin: Origin) -> list[tuple[str, bool, str]]:
@@ -261,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     data_dir = Path(f"/tmp/shardsync-bench-data/{args.size}-{args.shards}")
     origin = ensure_origin(data_dir, size, args.shards, args.size)
     scenario = Scenario("capped", args.bandwidth or None, args.latency)
+    costs_before = hash_costs()
     with tempfile.TemporaryDirectory(prefix="shardsync-load-bench-") as tmp:
         scratch = Path(tmp)
         with serve_hub(origin, scenario, scratch) as endpoint:
@@ -273,22 +298,34 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
     results = medians(rounds)
+    costs = {
+        name: (before + after) / 2
+        for (name, before), after in zip(costs_before.items(), hash_costs().values(), strict=True)
+    }
+    gb = origin.total_size / 1e9
     print(
         f"\n{origin.total_size / 1e9:.2f} GB, {args.shards} shards, "
         + (f"{args.bandwidth / 1e6:.0f} MB/s per connection" if args.bandwidth else "uncapped")
         + f", {args.latency * 1000:.0f} ms latency, "
-        f"device {args.device}"
+        f"device {args.device}; machine: {cpu_model() or '?'}, {os.cpu_count()} cores, CPU-s/GB "
+        f"of sha256 {costs['sha256']:.2f}, xxh3-128 {costs['xxh3_128']:.2f} (measured in this run)"
     )
     print(
         f"{'variant':36} {'seconds':>8} {'download':>9} {'process':>8} {'peak RSS':>10} "
-        f"{'tensors':>8}"
+        f"{'tensors':>8} {'CPU-s/GB':>9} {'beyond hash':>12}"
     )
     for r in results:
         dl = f"{r.download_seconds:.2f}" if r.download_seconds else "-"
         print(
             f"{r.variant:36} {r.seconds:8.2f} {dl:>9} {r.process_seconds:8.2f} "
-            f"{r.peak_rss / 2**20:7.0f} MiB {r.tensors:8d}"
+            f"{r.peak_rss / 2**20:7.0f} MiB {r.tensors:8d} {r.cpu_seconds / gb:9.2f} "
+            f"{beyond_hashes(r, gb, costs):12.2f}"
         )
+    print(
+        "(CPU-s/GB: every child's user + system time, imports included; beyond hash: that less\n"
+        " this machine's cost of the hashes the variant computes: sha256 + xxh3-128 for\n"
+        " shardsync, none for huggingface_hub, which checks no digest)"
+    )
     verdicts = checks(results, origin)
     for target, ok, detail in verdicts:
         print(f"{'PASS' if ok else 'FAIL'}  {target}: {detail}")
@@ -305,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
                     "device": args.device,
                 },
                 "repeat": args.repeat,
+                "hash_cpu_s_per_gb": costs,  # this machine's, mean of the start and end
                 "results": [asdict(r) for r in results],
                 "rounds": [[asdict(r) for r in runs] for runs in rounds],
                 "checks": [{"target": t, "pass": ok, "detail": d} for t, ok, d in verdicts],
