@@ -152,6 +152,8 @@ def _check_file(file: RemoteFile | ManifestEntry) -> str:
     _check_size(file.size, where)
     object.__setattr__(file, "sha256", _check_hex(file.sha256, where, "sha256", 64))
     object.__setattr__(file, "blob_id", _check_hex(file.blob_id, where, "git blob id", 40))
+    if file.version is not None and not isinstance(file.version, str):
+        raise ManifestError(f"{where}: version must be text, got {file.version!r}")
     return where
 
 
@@ -163,12 +165,19 @@ def _check_commit(value: object, where: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class RemoteFile:
-    """One entry of an origin's listing; validated and normalised on construction."""
+    """One entry of an origin's listing; validated and normalised on construction.
+
+    ``version``: what the origin called the file's version when it listed it (an S3
+    object's ETag, from the listing's ``HEAD``), so the job that listed can check a cached
+    copy recorded under it without asking again; None where the listing did not say. It
+    is a note of when the file was seen, not part of what the file is: equality ignores it.
+    """
 
     path: str
     size: int | None
     sha256: str | None
     blob_id: str | None = None
+    version: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         _check_file(self)
@@ -219,13 +228,15 @@ SMALL_FILE = 1 << 20
 
 @dataclass(frozen=True, slots=True)
 class ManifestEntry:
-    """One file to fetch, with what we know about it up front."""
+    """One file to fetch, with what we know about it up front (``version`` as in
+    ``RemoteFile``)."""
 
     path: str
     size: int | None
     sha256: str | None
     blob_id: str | None
     role: FileRole
+    version: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         where = _check_file(self)
@@ -234,7 +245,7 @@ class ManifestEntry:
 
     @classmethod
     def from_remote(cls, remote: RemoteFile, role: FileRole) -> ManifestEntry:
-        return cls(remote.path, remote.size, remote.sha256, remote.blob_id, role)
+        return cls(remote.path, remote.size, remote.sha256, remote.blob_id, role, remote.version)
 
     @property
     def small(self) -> bool:

@@ -586,14 +586,19 @@ class Job:
         return record
 
     async def _hint_matches(self, entry: ManifestEntry, hint: FileRecord) -> bool:
-        """A file without a known sha256 is the same only if the origin's identity matches."""
+        """A file without a known sha256 is the same only if the origin's identity matches:
+        as this job's listing saw it where the listing says (an S3 listing ``HEAD``s each
+        object; the job's sizes and sha256s are as old), else as the origin says now."""
         if entry.size is not None and hint.size != entry.size:
             return False
         if entry.blob_id is not None:
             return hint.etag == entry.blob_id
         if hint.origin_etag is None:
             return False
-        return await self.origin.version(self.fetcher, entry) == hint.origin_etag
+        version = entry.version
+        if version is None:
+            version = await self.origin.version(self.fetcher, entry)
+        return version == hint.origin_etag
 
     def _blob_key(self, entry: ManifestEntry) -> str:
         if entry.sha256 is not None:

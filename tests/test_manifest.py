@@ -123,6 +123,7 @@ BAD_REMOTE_FILES = [
     ("non-hex-sha", {"path": "a", "size": 1, "sha256": "g" * 64}, ManifestError),
     ("bad-blob", {"path": "a", "size": 1, "sha256": None, "blob_id": "x" * 40}, ManifestError),
     ("hostile-path", {"path": "../a", "size": 1, "sha256": None}, UnsafeNameError),
+    ("bytes-version", {"path": "a", "size": 1, "sha256": None, "version": b'"e"'}, ManifestError),
 ]
 
 
@@ -134,6 +135,15 @@ BAD_REMOTE_FILES = [
 def test_remote_file_validates(kwargs: dict[str, object], error: type[Exception]) -> None:
     with pytest.raises(error):
         RemoteFile(**kwargs)  # type: ignore[arg-type]
+
+
+def test_a_listed_version_travels_to_the_fetch_list_and_is_no_part_of_equality() -> None:
+    """The ETag a listing saw is a note for the job that listed (its cache check), not part
+    of the file: a plan and a job that saw the object at different moments agree on it."""
+    remote = RemoteFile("a", 1, None, version='"e1"')
+    assert ManifestEntry.from_remote(remote, "extra").version == '"e1"'
+    assert remote == RemoteFile("a", 1, None, version='"e2"') == RemoteFile("a", 1, None)
+    assert ManifestEntry.from_remote(remote, "extra") == ManifestEntry("a", 1, None, None, "extra")
 
 
 def test_remote_file_normalises_hex_case() -> None:

@@ -272,6 +272,37 @@ async def test_each_object_costs_one_head_and_no_more_round_trips(
     assert len(attributes) == len(checkpoint.shards)
 
 
+async def test_a_cached_model_costs_the_listing_alone_and_a_replaced_object_is_fetched(
+    s3server: S3Server, s3bucket: str, s3_checkpoint: Checkpoint, aws_env: None, tmp_path: Path
+) -> None:
+    """Objects without a SHA-256 (uploaded with boto3's default CRC32, or with none) are
+    found in the cache by the ETag their download recorded. The listing's ``HEAD`` of each
+    object already says it: a run over a cached model asks the store one listing and one
+    ``HEAD`` per object, no more. And that answer is the object as it is: one replaced
+    since (same size, new bytes) is downloaded again and its new bytes published."""
+    upload(s3server, s3bucket, s3_checkpoint, checksums=False)
+    source = f"s3://{s3bucket}/{PREFIX}/"
+    objects = sorted(f"/{s3bucket}/{PREFIX}/{rel}" for rel in s3_checkpoint.files)
+    async with FaultGate(s3server.endpoint) as gate:
+        config = s3_config(tmp_path / "cache", s3server, through=gate)
+        await prefetch(source, config)
+        gate.seen.clear()
+        again = await prefetch(source, config)
+        heads = sorted(seen.target.partition("?")[0] for seen in gate.seen if seen.method == "HEAD")
+        assert heads == objects
+        assert again.bytes_downloaded == 0
+        assert_snapshot_matches(again.snapshot_path, s3_checkpoint)
+        first = s3_checkpoint.shards[0]
+        new = _same_size_other_bytes(s3_checkpoint.path(first).read_bytes())
+        await asyncio.to_thread(put, s3server, s3bucket, f"{PREFIX}/{first}", new)
+        third = await prefetch(source, config)
+    assert (third.snapshot_path / first).read_bytes() == new
+    assert third.bytes_downloaded == len(new)
+    for rel in s3_checkpoint.files:
+        if rel != first:
+            assert (third.snapshot_path / rel).read_bytes() == s3_checkpoint.path(rel).read_bytes()
+
+
 @pytest.mark.parametrize("client_region", ["us-east-1", None])
 async def test_a_bucket_in_another_region_gets_urls_signed_for_its_region(
     s3server: S3Server,

@@ -62,7 +62,8 @@ class S3Origin(RequestOrigin):
         return RepoRef(kind="s3", name=self.location.url)
 
     async def list_files(self, fetcher: Http, revision: str, *, hidden: bool = False) -> Listing:
-        """Every object under the prefix; SHA-256 from the store where it keeps one."""
+        """Every object under the prefix; SHA-256 from the store where it keeps one, and
+        the ETag of each object it asked about (its ``version``, as ``version`` says it)."""
         if revision != self.default_revision:
             raise ConfigError("an S3 prefix has no revisions")
         objects = await self.client.list(self.location, max_keys=_MAX_KEYS)
@@ -83,13 +84,14 @@ class S3Origin(RequestOrigin):
         head_all = not listed and len(wanted) <= _HEAD_ALL_UP_TO
 
         async def describe(path: str, obj: ObjectInfo) -> RemoteFile:
-            sha256 = None
+            sha256 = version = None
             if obj.sha256_listed or head_all or (not listed and obj.size >= _HEAD_LARGE_FROM):
                 async with limit:
                     head = await self.client.head(self.location.bucket, obj.key)
-                sha256 = head.sha256 if head.size == obj.size else None
+                if head.size == obj.size:  # else replaced since the listing: ask again later
+                    sha256, version = head.sha256, head.etag or None
                 self._heads[obj.key] = (time.monotonic(), head)
-            return RemoteFile(path=path, size=obj.size, sha256=sha256)
+            return RemoteFile(path=path, size=obj.size, sha256=sha256, version=version)
 
         async with asyncio.TaskGroup() as tg:
             tasks = [tg.create_task(describe(p, o)) for p, o in wanted]
