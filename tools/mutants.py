@@ -181,8 +181,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "shardsync/prefetch.py",
         (
             (
-                "return await self.origin.version(self.fetcher, entry) == hint.origin_etag",
-                "return True",
+                "        return version == hint.origin_etag\n",
+                "        return True\n",
             ),
         ),
         (INTEGRITY,),
@@ -729,6 +729,35 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
         ("tests/test_daemon.py::test_prepare_answers_the_origins_headers_and_downloads_no_shard",),
         "a header read by Range keeps the 8-byte length prefix",
+    ),
+    Mutant(
+        "cached-copy-checked-by-a-new-head",
+        "shardsync/prefetch.py",
+        (
+            (
+                "        version = entry.version\n        if version is None:\n"
+                "            version = await self.origin.version(self.fetcher, entry)\n",
+                "        version = await self.origin.version(self.fetcher, entry)\n",
+            ),
+        ),
+        (
+            "tests/test_s3_origin.py::test_a_cached_model_costs_the_listing_alone_and_a_replaced_object_is_fetched",
+        ),
+        "a cached copy is checked by a new HEAD though the listing said its ETag",
+    ),
+    Mutant(
+        "any-listed-version-matches",
+        "shardsync/prefetch.py",
+        (
+            (
+                "        return version == hint.origin_etag\n",
+                "        return entry.version is not None or version == hint.origin_etag\n",
+            ),
+        ),
+        (
+            "tests/test_s3_origin.py::test_a_cached_model_costs_the_listing_alone_and_a_replaced_object_is_fetched",
+        ),
+        "a cached copy is reused whatever ETag the listing saw",
     ),
 )
 
