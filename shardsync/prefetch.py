@@ -595,9 +595,7 @@ class Job:
             return hint.etag == entry.blob_id
         if hint.origin_etag is None:
             return False
-        version = entry.version
-        if version is None:
-            version = await self.origin.version(self.fetcher, entry)
+        version = entry.version or await self.origin.version(self.fetcher, entry)
         return version == hint.origin_etag
 
     def _blob_key(self, entry: ManifestEntry) -> str:

@@ -735,9 +735,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "shardsync/prefetch.py",
         (
             (
-                "        version = entry.version\n        if version is None:\n"
-                "            version = await self.origin.version(self.fetcher, entry)\n",
-                "        version = await self.origin.version(self.fetcher, entry)\n",
+                "version = entry.version or await self.origin.version(self.fetcher, entry)",
+                "version = await self.origin.version(self.fetcher, entry)",
             ),
         ),
         (

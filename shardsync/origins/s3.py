@@ -63,7 +63,7 @@ class S3Origin(RequestOrigin):
 
     async def list_files(self, fetcher: Http, revision: str, *, hidden: bool = False) -> Listing:
         """Every object under the prefix; SHA-256 from the store where it keeps one, and
-        the ETag of each object it asked about (its ``version``, as ``version`` says it)."""
+        the ETag of each object it ``HEAD``s as that object's ``version``."""
         if revision != self.default_revision:
             raise ConfigError("an S3 prefix has no revisions")
         objects = await self.client.list(self.location, max_keys=_MAX_KEYS)
