@@ -17,8 +17,8 @@ tests use too come from the package: ``shardsync.testing.seaweedfs`` (SeaweedFS)
   ``SHARDSYNC_`` settings), ``host_env`` (plus a SeaweedFS tier's credentials),
   ``shardsync_invocation``, ``compile_shardsync``;
 - CPU and the machine: ``process_cpu_s``, ``server_cpu_seconds``, ``children_cpu_s``,
-  ``run_timed``, ``hash_costs``, ``machine_info``, ``git_revision``, ``cpu_model``,
-  ``fs_type``, ``nginx_version``, ``weed_version``;
+  ``run_timed``, ``hash_costs``, ``mean_costs``, ``beyond_hashes``, ``machine_info``,
+  ``git_revision``, ``cpu_model``, ``fs_type``, ``nginx_version``, ``weed_version``;
 - ``RESULTS`` (``bench/results/``), where every script writes by default.
 """
 
@@ -40,7 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib import metadata
@@ -421,6 +421,18 @@ def hash_costs(
         function(buffer)
         costs[name] = (time.process_time() - started) / (HASH_BUFFER / 1e9)
     return costs
+
+
+def mean_costs(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:
+    """Each hash's cost as the mean of two ``hash_costs`` (a run's start and its end: this
+    VM's costs move within minutes)."""
+    return {name: (cost + after[name]) / 2 for name, cost in before.items()}
+
+
+def beyond_hashes(cpu_s_per_gb: float, costs: Mapping[str, float], hashes: Iterable[str]) -> float:
+    """CPU-s/GB less this machine's cost of the hashes a tool computes over every byte: what a
+    verified download costs beyond what it cannot skip."""
+    return cpu_s_per_gb - sum(costs[name] for name in hashes)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -61,6 +61,7 @@ from common import (  # bench/common.py, beside this script
     Origin,
     Scenario,
     Servers,
+    beyond_hashes,
     clean_env,
     compile_shardsync,
     cpu_model,
@@ -71,6 +72,7 @@ from common import (  # bench/common.py, beside this script
     last_line,
     log,
     machine_info,
+    mean_costs,
     process_cpu_s,
     remove_tree,
     run_timed,
@@ -530,13 +532,13 @@ def _cell(value: float | None, spec: str, width: int, suffix: str = "") -> str:
     return text.rjust(width)
 
 
-def beyond_hashes(
+def tool_beyond_hashes(
     tool: str, cpu_s_per_gb: float | None, costs: Mapping[str, float]
 ) -> float | None:
     """A tool's CPU-s/GB less what this machine spends on the hashes it computes."""
     if cpu_s_per_gb is None:
         return None
-    return cpu_s_per_gb - sum(costs[name] for name in HASHED.get(tool, ()))
+    return beyond_hashes(cpu_s_per_gb, costs, HASHED.get(tool, ()))
 
 
 def print_report(
@@ -564,7 +566,7 @@ def print_report(
             f"{spread:>12} {_cell(row.mb_per_s, '.0f', 7)} {_cell(row.cpu_s_per_gb, '.2f', 9)} "
             f"{cpu_spread:>11} {_cell(row.vs_baseline, '.2f', 8, 'x')} "
             f"{_cell(row.nginx_cpu_s_per_gb, '.2f', 13)} "
-            f"{_cell(beyond_hashes(row.tool, row.cpu_s_per_gb, costs), '.2f', 12)}"
+            f"{_cell(tool_beyond_hashes(row.tool, row.cpu_s_per_gb, costs), '.2f', 12)}"
         )
     print("(vs base: best time over aria2c's, aria2c + sync's on disk; below 1 is faster;")
     print(" beyond hash: CPU-s/GB less this machine's cost of the hashes the tool computes:")
@@ -749,7 +751,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         remove_tree(settings.disk_dir / "work")
     rows = summarize(runs, settings, tools)
     checks = target_checks(rows)
-    costs = {k: (v + w) / 2 for (k, v), w in zip(costs.items(), hash_costs().values(), strict=True)}
+    costs = mean_costs(costs, hash_costs())
     print_report(rows, checks, runs, costs)
     settings.out.mkdir(parents=True, exist_ok=True)
     write_json(settings.out / "download.json", settings, origin, runs, rows, checks, costs)

@@ -76,6 +76,7 @@ from common import (  # bench/common.py, beside this script
     RESULTS,
     Nginx,
     Origin,
+    beyond_hashes,
     cdn_directory,
     cpu_model,
     data_dir_for,
@@ -84,6 +85,7 @@ from common import (  # bench/common.py, beside this script
     host_env,
     log,
     machine_info,
+    mean_costs,
     nginx_version,
     process_cpu_s,
     remove_tree,
@@ -831,7 +833,6 @@ def summarize_reads(
     if not pairs:
         return []
     gb = model / 1e9
-    hashes = sum(costs[name] for name in READ_HASHES)
     rows = []
     for read in ("tier", "s3"):
         hosts, weeds = _reads(pairs, read)
@@ -841,7 +842,7 @@ def summarize_reads(
                 read,
                 statistics.median(h.wall_s for h in hosts),
                 cpu,
-                cpu - hashes,
+                beyond_hashes(cpu, costs, READ_HASHES),
                 statistics.median(weeds) if weeds else None,
             )
         )
@@ -1272,10 +1273,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         remove_tree(scratch)
         if own_cache_root:
             remove_tree(cache_root)
-    costs = {
-        name: (before + after) / 2
-        for (name, before), after in zip(costs_before.items(), hash_costs().values(), strict=True)
-    }
+    costs = mean_costs(costs_before, hash_costs())
     baseline = statistics.median(r.slowest_s for r in baseline_rounds)
     rows = summarize(rounds, baseline, model)
     fault_rows = summarize_faults(rounds, model)

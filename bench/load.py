@@ -43,11 +43,13 @@ from common import (  # bench/common.py, beside this script
     RESULTS,
     Origin,
     Scenario,
+    beyond_hashes,
     clean_env,
     cpu_model,
     ensure_origin,
     hash_costs,
     machine_info,
+    mean_costs,
     serve_hub,
 )
 
@@ -236,11 +238,6 @@ def medians(rounds: list[list[Result]]) -> list[Result]:
     return merged
 
 
-def beyond_hashes(result: Result, gb: float, costs: dict[str, float]) -> float:
-    """A variant's CPU-s/GB less what this machine spends on the hashes it computes."""
-    return result.cpu_seconds / gb - sum(costs[name] for name in HASHED[result.variant[0]])
-
-
 def checks(results: list[Result], origin: Origin) -> list[tuple[str, bool, str]]:
     a, b, c = results
     download = b.download_seconds or float("nan")
@@ -298,10 +295,7 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
     results = medians(rounds)
-    costs = {
-        name: (before + after) / 2
-        for (name, before), after in zip(costs_before.items(), hash_costs().values(), strict=True)
-    }
+    costs = mean_costs(costs_before, hash_costs())
     gb = origin.total_size / 1e9
     print(
         f"\n{origin.total_size / 1e9:.2f} GB, {args.shards} shards, "
@@ -319,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{r.variant:36} {r.seconds:8.2f} {dl:>9} {r.process_seconds:8.2f} "
             f"{r.peak_rss / 2**20:7.0f} MiB {r.tensors:8d} {r.cpu_seconds / gb:9.2f} "
-            f"{beyond_hashes(r, gb, costs):12.2f}"
+            f"{beyond_hashes(r.cpu_seconds / gb, costs, HASHED[r.variant[0]]):12.2f}"
         )
     print(
         "(CPU-s/GB: every child's user + system time, imports included; beyond hash: that less\n"
