@@ -309,6 +309,53 @@ def s3(server: S3Server) -> Any:
     return _S3_CLIENTS[server.endpoint]
 
 
+_S3_PART = 5 << 20  # S3's (and SeaweedFS's) smallest part but the last
+
+
+def put_as_uploaders_do(
+    server: S3Server, bucket: str, key: str, data: bytes, algorithm: str, *, multipart: bool
+) -> None:
+    """What an uploader with default checksums writes: one PutObject carrying the checksum
+    (a whole-object one), or a multipart upload whose parts each carry theirs (the store
+    then keeps a composite of them, or for CRC64NVME a whole-object one)."""
+    client = s3(server)
+    if not multipart or len(data) <= _S3_PART:
+        client.put_object(Bucket=bucket, Key=key, Body=data, ChecksumAlgorithm=algorithm)
+        return
+    upload = client.create_multipart_upload(Bucket=bucket, Key=key, ChecksumAlgorithm=algorithm)
+    size = _S3_PART
+    done = []
+    for number, at in enumerate(range(0, len(data), size), start=1):
+        answer = client.upload_part(
+            Bucket=bucket,
+            Key=key,
+            UploadId=upload["UploadId"],
+            PartNumber=number,
+            Body=data[at : at + size],
+            ChecksumAlgorithm=algorithm,
+        )
+        field = f"Checksum{algorithm}"
+        done.append({"PartNumber": number, "ETag": answer["ETag"], field: answer[field]})
+    client.complete_multipart_upload(
+        Bucket=bucket, Key=key, UploadId=upload["UploadId"], MultipartUpload={"Parts": done}
+    )
+
+
+def upload_as_uploaders_do(
+    server: S3Server,
+    bucket: str,
+    checkpoint: Checkpoint,
+    prefix: str,
+    algorithm: str,
+    *,
+    multipart: bool,
+) -> None:
+    """Every file of ``checkpoint`` under ``prefix``, as ``put_as_uploaders_do`` puts one."""
+    for rel in checkpoint.files:
+        data = checkpoint.path(rel).read_bytes()
+        put_as_uploaders_do(server, bucket, f"{prefix}/{rel}", data, algorithm, multipart=multipart)
+
+
 def s3_keys(server: S3Server, bucket: str, prefix: str) -> set[str]:
     """Every key under ``prefix`` in ``bucket``, as the store lists them."""
     pages = s3(server).get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)

@@ -22,7 +22,13 @@ from urllib.parse import parse_qsl, urlsplit
 import pytest
 from daemons import daemon_in_loop, short_tmp
 from faultgate import FaultGate, GateFault
-from helpers import assert_snapshot_matches, assert_store_verified, fast_config, s3
+from helpers import (
+    assert_snapshot_matches,
+    assert_store_verified,
+    fast_config,
+    s3,
+    upload_as_uploaders_do,
+)
 
 from shardsync.client import Client
 from shardsync.config import Config, S3Config
@@ -128,44 +134,10 @@ async def _on_body_path(
     return replace(config, network=network_from_env({"http_proxy": proxy.url})), proxy
 
 
-_PART = 5 << 20  # S3's (and SeaweedFS's) smallest part but the last
-
-
-def put_as_uploaders_do(
-    server: S3Server, bucket: str, key: str, data: bytes, algorithm: str, *, multipart: bool
-) -> None:
-    """What an uploader with default checksums writes: one PutObject carrying the checksum
-    (a whole-object one), or a multipart upload whose parts each carry theirs (the store
-    then keeps a composite of them, or for CRC64NVME a whole-object one)."""
-    client = s3(server)
-    if not multipart or len(data) <= _PART:
-        client.put_object(Bucket=bucket, Key=key, Body=data, ChecksumAlgorithm=algorithm)
-        return
-    upload = client.create_multipart_upload(Bucket=bucket, Key=key, ChecksumAlgorithm=algorithm)
-    size = _PART
-    done = []
-    for number, at in enumerate(range(0, len(data), size), start=1):
-        answer = client.upload_part(
-            Bucket=bucket,
-            Key=key,
-            UploadId=upload["UploadId"],
-            PartNumber=number,
-            Body=data[at : at + size],
-            ChecksumAlgorithm=algorithm,
-        )
-        field = f"Checksum{algorithm}"
-        done.append({"PartNumber": number, "ETag": answer["ETag"], field: answer[field]})
-    client.complete_multipart_upload(
-        Bucket=bucket, Key=key, UploadId=upload["UploadId"], MultipartUpload={"Parts": done}
-    )
-
-
 def upload_with(
     server: S3Server, bucket: str, checkpoint: Checkpoint, algorithm: str, *, multipart: bool
 ) -> None:
-    for rel in checkpoint.files:
-        data = checkpoint.path(rel).read_bytes()
-        put_as_uploaders_do(server, bucket, f"{PREFIX}/{rel}", data, algorithm, multipart=multipart)
+    upload_as_uploaders_do(server, bucket, checkpoint, PREFIX, algorithm, multipart=multipart)
 
 
 @pytest.mark.parametrize(
