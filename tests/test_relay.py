@@ -101,3 +101,16 @@ async def test_a_body_behind_expect_100_continue_reaches_the_server(
     assert answer.startswith(b"HTTP/1.1 206")
     (request,) = seen
     assert b"Expect" not in request
+
+
+async def test_a_paced_relay_counts_the_body_bytes_it_hands_on(
+    origin: tuple[str, list[bytes]],
+) -> None:
+    """The count is of bodies only (what a server's answers cost), and a paced answer still
+    arrives whole."""
+    base, _seen = origin
+    body = MISFRAMED.partition(b"\r\n\r\n")[2]
+    async with Relay(upstream=base, rate=10_000) as gateway:
+        answers = [await exchange(gateway, b"GET /f HTTP/1.1\r\nHost: h\r\n\r\n") for _ in "ab"]
+        assert gateway.body_bytes == 2 * len(body)
+    assert [a.partition(b"\r\n\r\n")[2] for a in answers] == [body, body]

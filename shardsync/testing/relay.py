@@ -5,7 +5,9 @@ A real proxy such as squid repairs what it relays (it re-frames bodies and drops
 lengths), so a lying server behind it never tries the client's own checks. This relay does
 not: put it between a client and a hostile server and the client's proxied body path (for
 shardsync, aiohttp's) meets the same lies as its direct one. It can also edit each answer's
-head (``edit_head``: strip an ``ETag`` from 206 answers, say) and records every exchange.
+head (``edit_head``: strip an ``ETag`` from 206 answers, say), hold each answer's body to
+``rate`` bytes a second (a slow link, to stop a client partway), and records every exchange
+and how many body bytes it carried (``body_bytes``).
 
 One request per connection (every answer goes on with ``Connection: close``), plain HTTP
 only (no ``CONNECT``), request bodies framed by ``Content-Length`` (``Expect: 100-continue``
@@ -56,9 +58,17 @@ class Relayed:
 
 class Relay:
     """See the module docstring. ``upstream``: the server every request goes to (a
-    gateway); without it the relay is a forward proxy taking absolute-form requests."""
+    gateway); without it the relay is a forward proxy taking absolute-form requests.
+    ``rate``: body bytes a second per exchange (0: as fast as they come); may be changed
+    while the relay runs, and each exchange follows the value at its next piece."""
 
-    def __init__(self, *, upstream: str | None = None, edit_head: HeadEdit | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        upstream: str | None = None,
+        edit_head: HeadEdit | None = None,
+        rate: float = 0.0,
+    ) -> None:
         if upstream is not None:
             parts = urlsplit(upstream)
             if parts.scheme != "http" or not parts.hostname:
@@ -68,6 +78,8 @@ class Relay:
         self._server: asyncio.Server | None = None
         self._lock = threading.Lock()
         self._log: list[Relayed] = []
+        self._body_bytes = 0
+        self.rate = rate
         self._serving: set[asyncio.Task[None]] = set()
         self.url = ""
 
@@ -102,6 +114,12 @@ class Relay:
         """Every exchange so far, oldest first (thread-safe)."""
         with self._lock:
             return tuple(self._log)
+
+    @property
+    def body_bytes(self) -> int:
+        """Answer body bytes handed to clients so far, every exchange's (thread-safe)."""
+        with self._lock:
+            return self._body_bytes
 
     def statuses(self, method: str = "GET") -> list[int]:
         """The statuses of the `method` requests relayed so far."""
@@ -160,14 +178,31 @@ class Relay:
             kept = [(n, v) for n, v in answer_fields if n.lower() != "connection"]
             lines = [status_line, *(f"{n}: {v}" for n, v in kept), "Connection: close"]
             writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
-            while piece := await up_reader.read(_PIECE):
-                writer.write(piece)
-                await writer.drain()
-            await writer.drain()
+            await self._send_body(up_reader, writer)
         finally:
             with self._lock:
                 self._log.append(Relayed(method, url, status, tuple(fields)))
             up_writer.close()
+
+
+    async def _send_body(self, source: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Pass the answer's body on as it comes, at most ``rate`` bytes a second."""
+        loop = asyncio.get_running_loop()
+        started, sent = loop.time(), 0
+        while True:
+            rate = self.rate
+            # paced in pieces of about 20 ms, so a paced answer can be stopped near any byte
+            piece = await source.read(max(4096, min(_PIECE, int(rate / 50))) if rate else _PIECE)
+            if not piece:
+                break
+            writer.write(piece)
+            await writer.drain()
+            sent += len(piece)
+            with self._lock:
+                self._body_bytes += len(piece)
+            if rate:
+                await asyncio.sleep(max(0.0, started + sent / rate - loop.time()))
+        await writer.drain()
 
 
 def _split_head(head: bytes) -> tuple[str, Fields]:
