@@ -35,6 +35,7 @@ INTEGRITY = "tests/adversarial/test_transfer_integrity.py"
 FRAMING = "tests/adversarial/test_framing.py"
 MID_LOAD = "tests/adversarial/test_mid_load_change.py"
 SWEEP = "tests/adversarial/test_secrets_sweep.py"
+KILL = "tests/adversarial/test_kill_cost.py"
 
 
 @dataclass(frozen=True, slots=True)
@@ -757,6 +758,34 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/test_s3_origin.py::test_a_cached_model_costs_the_listing_alone_and_a_replaced_object_is_fetched",
         ),
         "a cached copy is reused whatever ETag the listing saw",
+    ),
+    # --- a kill -9 mid-download on the S3 path: the resume records on both body paths, and
+    # a resumed object's store checksum over the bytes of both runs
+    Mutant(
+        "pump-records-nothing",
+        "shardsync/fetch/body_wire.py",
+        (("            landing.recorded(first, stop)\n", "            pass\n"),),
+        (KILL,),
+        "the pump never tells the resume record what landed: a kill loses the whole partial",
+    ),
+    Mutant(
+        "aiohttp-path-records-nothing",
+        "shardsync/fetch/body_aiohttp.py",
+        (("        landing.recorded(*claim)\n", "        pass\n"),),
+        (f"{KILL}::test_a_kill_at_40_percent_of_an_s3_download_loses_only_what_was_in_flight",),
+        "the aiohttp body path never tells the resume record what landed",
+    ),
+    Mutant(
+        "resumed-prefix-skips-store-checksum",
+        "shardsync/fetch/transfer.py",
+        (
+            (
+                "        hashed = 0\n",
+                "        hashed = state.done.contiguous_prefix() if store is not None else 0\n",
+            ),
+        ),
+        (f"{KILL}::test_a_kill_at_40_percent_of_an_s3_download_loses_only_what_was_in_flight",),
+        "a resumed object's store checksum (and name) skip the bytes of the earlier run",
     ),
 )
 
