@@ -114,3 +114,36 @@ async def test_a_paced_relay_counts_the_body_bytes_it_hands_on(
         answers = [await exchange(gateway, b"GET /f HTTP/1.1\r\nHost: h\r\n\r\n") for _ in "ab"]
         assert gateway.body_bytes == 2 * len(body)
     assert [a.partition(b"\r\n\r\n")[2] for a in answers] == [body, body]
+
+
+async def test_a_gateway_edits_requests_and_sends_bodies_chunked() -> None:
+    """``edit_request`` changes what the server is asked (here: the Range it reads), and
+    ``chunked`` re-frames a body the server sent by its length; a HEAD keeps its length."""
+    seen: list[bytes] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        seen.append(head)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n")
+        if not head.startswith(b"HEAD"):
+            writer.write(b"hello")
+        await writer.drain()
+        writer.close()
+
+    def move(method: str, target: str, fields: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        return [(n, "bytes=9-9" if n.lower() == "range" else v) for n, v in fields]
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    base = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    try:
+        async with Relay(upstream=base, edit_request=move, chunked=True) as gateway:
+            got = await exchange(gateway, b"GET /f HTTP/1.1\r\nHost: h\r\nRange: bytes=0-4\r\n\r\n")
+            headed = await exchange(gateway, b"HEAD /f HTTP/1.1\r\nHost: h\r\n\r\n")
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert b"Range: bytes=9-9" in seen[0] and b"bytes=0-4" not in seen[0]
+    head, _, body = got.partition(b"\r\n\r\n")
+    assert b"Transfer-Encoding: chunked" in head and b"Content-Length" not in head
+    assert body == b"5\r\nhello\r\n0\r\n\r\n"
+    assert b"Content-Length: 5" in headed and b"chunked" not in headed

@@ -36,6 +36,7 @@ FRAMING = "tests/adversarial/test_framing.py"
 MID_LOAD = "tests/adversarial/test_mid_load_change.py"
 SWEEP = "tests/adversarial/test_secrets_sweep.py"
 KILL = "tests/adversarial/test_kill_cost.py"
+S3_INTEGRITY = "tests/adversarial/test_s3_integrity.py"
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +83,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "if cr is None or cr.start > start or cr.end >= end or cr.total != state.size:",
             ),
         ),
-        (INTEGRITY,),
+        (INTEGRITY, S3_INTEGRITY),
         "a 206 whose Content-Range starts before the asked offset is accepted",
     ),
     Mutant(
@@ -117,7 +118,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "    if status == 200:\n        return\n    if False:\n        # Range ignored",
             ),
         ),
-        (INTEGRITY,),
+        (INTEGRITY, S3_INTEGRITY),
         "a 200 answer to a Range request is written at the range's offset",
     ),
     Mutant(
@@ -130,7 +131,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "                check_encoding(head.get, label)\n",
             ),
         ),
-        (INTEGRITY,),
+        (INTEGRITY, S3_INTEGRITY),
         "a body read by a worker thread is written wherever its range says, unchecked",
     ),
     # --- more of the same family
@@ -155,7 +156,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "if cr is None or cr.end >= end or cr.total != state.size:",
             ),
         ),
-        (INTEGRITY,),
+        (INTEGRITY, S3_INTEGRITY),
         "where a 206 starts is not checked at all",
     ),
     Mutant(

@@ -5,9 +5,11 @@ A real proxy such as squid repairs what it relays (it re-frames bodies and drops
 lengths), so a lying server behind it never tries the client's own checks. This relay does
 not: put it between a client and a hostile server and the client's proxied body path (for
 shardsync, aiohttp's) meets the same lies as its direct one. It can also edit each answer's
-head (``edit_head``: strip an ``ETag`` from 206 answers, say), hold each answer's body to
-``rate`` bytes a second (a slow link, to stop a client partway), and records every exchange
-and how many body bytes it carried (``body_bytes``).
+head (``edit_head``: strip an ``ETag`` from 206 answers, say) and each request's before it
+goes on (``edit_request``: move or drop a ``Range``, as a buggy cache does), send each body
+chunked (``chunked``: a gateway of generated content), hold each answer's body to ``rate``
+bytes a second (a slow link, to stop a client partway), and records every exchange and how
+many body bytes it carried (``body_bytes``).
 
 One request per connection (every answer goes on with ``Connection: close``), plain HTTP
 only (no ``CONNECT``), request bodies framed by ``Content-Length`` (``Expect: 100-continue``
@@ -31,7 +33,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from urllib.parse import urlsplit
 
-__all__ = ["HeadEdit", "Relay", "Relayed", "without_fields"]
+__all__ = ["HeadEdit", "Relay", "Relayed", "RequestEdit", "without_fields"]
 
 _MAX_HEAD = 64 * 1024
 _PIECE = 256 * 1024
@@ -43,6 +45,9 @@ Fields = list[tuple[str, str]]
 HeadEdit = Callable[[str, int, Fields], Fields]
 """Told the request's method, the answer's status and its header fields (in order, as sent),
 returns the fields to send on instead."""
+RequestEdit = Callable[[str, str, Fields], Fields]
+"""Told the request's method, its target as sent (path and query) and its header fields
+(hop-by-hop ones left out), returns the fields to send to the server instead."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,13 +65,17 @@ class Relay:
     """See the module docstring. ``upstream``: the server every request goes to (a
     gateway); without it the relay is a forward proxy taking absolute-form requests.
     ``rate``: body bytes a second per exchange (0: as fast as they come); may be changed
-    while the relay runs, and each exchange follows the value at its next piece."""
+    while the relay runs, and each exchange follows the value at its next piece.
+    ``chunked``: a body the server framed by its ``Content-Length`` goes on chunked, without
+    it (HEAD answers keep theirs)."""
 
     def __init__(
         self,
         *,
         upstream: str | None = None,
         edit_head: HeadEdit | None = None,
+        edit_request: RequestEdit | None = None,
+        chunked: bool = False,
         rate: float = 0.0,
     ) -> None:
         if upstream is not None:
@@ -75,6 +84,8 @@ class Relay:
                 raise ValueError(f"the relay speaks plain http only, not {upstream!r}")
         self._upstream = upstream
         self._edit = edit_head
+        self._edit_request = edit_request
+        self._chunked = chunked
         self._server: asyncio.Server | None = None
         self._lock = threading.Lock()
         self._log: list[Relayed] = []
@@ -155,6 +166,8 @@ class Relay:
         body = await reader.readexactly(length) if length else b""
         path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         sent = [(n, v) for n, v in fields if n.lower() not in _HOP_BY_HOP]
+        if self._edit_request is not None:
+            sent = self._edit_request(method, target, sent)
         up_reader, up_writer = await asyncio.open_connection(parts.hostname, parts.port or 80)
         status = 0
         try:
@@ -176,17 +189,25 @@ class Relay:
             if self._edit is not None:
                 answer_fields = self._edit(method, status, answer_fields)
             kept = [(n, v) for n, v in answer_fields if n.lower() != "connection"]
+            chunk = (
+                self._chunked and method != "HEAD" and _field(kept, "content-length") is not None
+            )
+            if chunk:
+                kept = [(n, v) for n, v in kept if n.lower() != "content-length"]
+                kept.append(("Transfer-Encoding", "chunked"))
             lines = [status_line, *(f"{n}: {v}" for n, v in kept), "Connection: close"]
             writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
-            await self._send_body(up_reader, writer)
+            await self._send_body(up_reader, writer, chunk)
         finally:
             with self._lock:
                 self._log.append(Relayed(method, url, status, tuple(fields)))
             up_writer.close()
 
-
-    async def _send_body(self, source: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """Pass the answer's body on as it comes, at most ``rate`` bytes a second."""
+    async def _send_body(
+        self, source: asyncio.StreamReader, writer: asyncio.StreamWriter, chunked: bool
+    ) -> None:
+        """Pass the answer's body on as it comes (each piece a chunk, if ``chunked``), at most
+        ``rate`` bytes a second."""
         loop = asyncio.get_running_loop()
         started, sent = loop.time(), 0
         while True:
@@ -195,13 +216,15 @@ class Relay:
             piece = await source.read(max(4096, min(_PIECE, int(rate / 50))) if rate else _PIECE)
             if not piece:
                 break
-            writer.write(piece)
+            writer.write(b"%x\r\n%b\r\n" % (len(piece), piece) if chunked else piece)
             await writer.drain()
             sent += len(piece)
             with self._lock:
                 self._body_bytes += len(piece)
             if rate:
                 await asyncio.sleep(max(0.0, started + sent / rate - loop.time()))
+        if chunked:
+            writer.write(b"0\r\n\r\n")
         await writer.drain()
 
 
