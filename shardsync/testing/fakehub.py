@@ -138,6 +138,7 @@ class FakeHub:
         self.faults = FaultPlan(seed=seed)
         self._ports = (port, cdn_port)
         self._lock = threading.Lock()
+        self._asked: set[tuple[str, str, str]] = set()  # (server, file, Range) seen so far
         self._repos: dict[str, Repo] = {}
         self._store: dict[str, Blob] = {}
         self._log: list[RequestRecord] = []
@@ -425,9 +426,7 @@ class FakeHub:
             message = f"{found.path} does not exist at {found.commit.sha}"
             return error_response(404, message, code="EntryNotFound", headers=headers)
         has_body = request.method == "GET" and not file.lfs
-        effects = await self._take_faults(
-            FaultRequest("hub", file.path, has_body=has_body, has_range="Range" in request.headers)
-        )
+        effects = await self._take_faults(self._fault_request("hub", file.path, has_body, request))
         if isinstance(effects, web.Response):
             return effects
         if not file.lfs:
@@ -481,9 +480,7 @@ class FakeHub:
         if blob is None:
             return error_response(404, "NoSuchKey")
         has_body = request.method == "GET"
-        effects = await self._take_faults(
-            FaultRequest("cdn", repo_path, has_body=has_body, has_range="Range" in request.headers)
-        )
+        effects = await self._take_faults(self._fault_request("cdn", repo_path, has_body, request))
         if isinstance(effects, web.Response):
             return effects
         name = repo_path.rsplit("/", 1)[-1]
@@ -501,6 +498,17 @@ class FakeHub:
             etag=f'"{parts[2]}"',
             ranged=True,
         )
+
+    def _fault_request(
+        self, server: Literal["hub", "cdn"], path: str, has_body: bool, request: web.BaseRequest
+    ) -> FaultRequest:
+        """What the fault plan is told of a file's answer, and whether it was asked before."""
+        asked = (server, path, request.headers.get("Range", ""))
+        with self._lock:
+            before = asked in self._asked
+            self._asked.add(asked)
+        has_range = "Range" in request.headers
+        return FaultRequest(server, path, has_body, has_range, asked_before=before)
 
     async def _take_faults(self, fault_request: FaultRequest) -> Effects | web.Response:
         """The faults for this response; an error response if one replaces it."""

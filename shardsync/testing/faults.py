@@ -102,6 +102,8 @@ class FaultRequest:
     """A GET answered with content (not a HEAD, not a redirect)."""
     has_range: bool
     """The request carries a ``Range`` header."""
+    asked_before: bool = False
+    """The same file and ``Range`` were asked for before: a client's second look."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -109,6 +111,10 @@ class _Fault:
     times: int | None = 1
     path: str = "*"
     server: Server = "cdn"
+    asked_again: bool = False
+    """Only requests for what was asked before. A client that hands an answer it cannot read
+    to another reader (shardsync's pump, a chunked body) asks the first ranges twice, and
+    only the second answer is read: a fault spent on the first tests nothing."""
 
     scope: ClassVar[_Scope] = _Scope.BODY
     role: ClassVar[_Role] = _Role.BODY
@@ -124,6 +130,8 @@ class _Fault:
         if self.server != "any" and self.server != request.server:
             return False
         if not fnmatchcase(request.path, self.path):
+            return False
+        if self.asked_again and not request.asked_before:
             return False
         if self.scope is _Scope.ANY:
             return True

@@ -22,7 +22,7 @@ import os
 import re
 import threading
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -165,7 +165,8 @@ async def test_a_throttle_holds_every_read_until_it_says_go_on_every_body_path(
 async def test_a_206_of_another_range_is_never_written_at_the_asked_offset(
     hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path, body_path: BodyPath, kind: str, shift: int
 ) -> None:
-    rule = hub.faults.add(ShiftedRange(shift, times=4, path="*.safetensors"))
+    lie = ShiftedRange(shift, times=4, path="*.safetensors", asked_again=body_path.chunked)
+    rule = hub.faults.add(lie)
     result = await run(hub, kind, tmp_path, body_path)
     assert rule.exhausted
     assert_matches_origin(result, checkpoint)
@@ -179,7 +180,7 @@ async def test_a_full_200_to_a_range_request_is_never_written_at_the_range_offse
 ) -> None:
     """A server may ignore Range and send the whole file with 200: legal, and its first byte
     is byte 0 of the file, whatever range was asked for."""
-    rule = hub.faults.add(IgnoreRange(times=3, path="*.safetensors"))
+    rule = hub.faults.add(IgnoreRange(times=3, path="*.safetensors", asked_again=body_path.chunked))
     result = await run(hub, kind, tmp_path, body_path)
     assert rule.exhausted
     assert_matches_origin(result, checkpoint)
@@ -201,7 +202,7 @@ async def test_a_silent_server_is_given_up_on_by_the_read_timeout_on_every_body_
     (0.5 s here) gives up on it on every body path and a retry finishes the file, long
     before the server would speak. An aiohttp request given ``timeout=None`` has no timeout
     at all."""
-    rule = hub.faults.add(silence)
+    rule = hub.faults.add(replace(silence, asked_again=body_path.chunked))
     async with asyncio.timeout(20):
         result = await run(hub, "url", tmp_path, body_path, read_timeout=0.5)
     assert rule.exhausted
