@@ -788,6 +788,28 @@ MUTANTS: tuple[Mutant, ...] = (
         (f"{KILL}::test_a_kill_at_40_percent_of_an_s3_download_loses_only_what_was_in_flight",),
         "a resumed object's store checksum (and name) skip the bytes of the earlier run",
     ),
+    # --- a local file changed while it is copied, and copies cancelled with their job
+    Mutant(
+        "local-copy-version-unchecked",
+        "shardsync/origins/local.py",
+        (("        if now != version:\n", "        if False:\n"),),
+        (f"{INTEGRITY}::test_a_local_file_changed_while_it_is_copied_is_never_published",),
+        "a local file changed while it was copied is published (bytes of both versions)",
+    ),
+    Mutant(
+        "changed-copy-left-in-tmp",
+        "shardsync/origins/local.py",
+        (("            into.discard()\n", ""),),
+        (f"{INTEGRITY}::test_a_local_file_changed_while_it_is_copied_is_never_published",),
+        "the copy of a file that changed while it was copied stays in tmp/",
+    ),
+    Mutant(
+        "cancelled-copy-left-in-tmp",
+        "shardsync/fetch/fetcher.py",
+        (("            copying.add_done_callback(self._drop_copy)\n", ""),),
+        (f"{INTEGRITY}::test_a_local_file_changed_while_it_is_copied_is_never_published",),
+        "a copy cancelled with its job is finished by its thread and left in tmp/",
+    ),
 )
 
 

@@ -453,4 +453,19 @@ class IntoSlot:
         return await self._fetcher.fetch(request, self._slot, progress, turn=self._turn)
 
     async def copy(self, source: Path, version: str | None) -> VerifiedFile:
-        return await asyncio.to_thread(self._slot.copy_from, source, version)
+        copying = asyncio.ensure_future(asyncio.to_thread(self._slot.copy_from, source, version))
+        try:
+            return await asyncio.shield(copying)
+        except asyncio.CancelledError:
+            # the thread copies on to its end: what it made then goes (a copy is never
+            # resumed), or a job that failed beside it left whole copies in tmp/ for as long
+            # as its process lived
+            copying.add_done_callback(self._drop_copy)
+            raise
+
+    def discard(self) -> None:
+        self._slot.suspend()
+
+    def _drop_copy(self, copying: asyncio.Future[VerifiedFile]) -> None:
+        if not copying.cancelled() and copying.exception() is None:
+            self._slot.suspend()

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardsync.errors import ConfigError, EntryNotFoundError
+from shardsync.errors import ConfigError, EntryNotFoundError, OriginError
 from shardsync.manifest import Listing, ManifestEntry, RemoteFile, validate_name
 from shardsync.origins.base import Entry, Forget, Http, Into, Progress
 from shardsync.records import RepoRef, VerifiedFile
@@ -92,10 +92,19 @@ class LocalOrigin:
         into: Into,
         progress: Progress,
     ) -> VerifiedFile:
-        """A copy with sha256 and xxh3 in the same pass. The version is taken first: a file
-        changed during the copy is copied again next run."""
+        """A copy with sha256 and xxh3 in the same pass, between two looks at the file's
+        version: a file changed while it was copied (a checkpoint still being written in
+        place) may have given bytes of both versions, so that copy is dropped, not
+        published, and the error says to run again."""
         version = await self.version(fetcher, entry)
         fetched = await into.copy(self.source(entry.path), version)
+        now = await self.version(fetcher, entry)
+        if now != version:
+            into.discard()
+            raise OriginError(
+                f"{entry.path} changed under {self.root} while it was copied "
+                f"({version} -> {now}); nothing of it was kept: run again once it is written"
+            )
         progress(fetched.size)
         return fetched
 

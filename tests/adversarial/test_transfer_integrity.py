@@ -22,14 +22,16 @@ import os
 import re
 import threading
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
 from bodypaths import BodyPath
-from helpers import assert_snapshot_matches, assert_store_verified, fast_config
+from helpers import assert_snapshot_matches, assert_store_verified, fast_config, until
 
-from shardsync.errors import ShardsyncError
+from shardsync.errors import OriginError, ShardsyncError
+from shardsync.origins import LocalOrigin
+from shardsync.origins.base import Entry, Http
 from shardsync.prefetch import Engine, prefetch
 from shardsync.records import PrefetchResult
 from shardsync.retry import RetryPolicy
@@ -486,6 +488,43 @@ async def test_a_local_file_edited_between_runs_is_copied_again(
     assert published(first, edited.path) == edited.before  # the old snapshot is untouched
     assert_snapshot_matches(second.snapshot_path, local_copy)
     assert_store_verified(cache, checkpoint, edited.after)
+
+
+@dataclass(frozen=True)
+class EditedWhileCopied(LocalOrigin):
+    """A directory whose file ``rel`` is rewritten right after the copy's first look at its
+    version, once: what a writer still at work does to a file being copied."""
+
+    rel: str = ""
+    edits: list[Edited] = field(default_factory=list)
+
+    async def version(self, fetcher: Http, entry: Entry) -> str | None:
+        stamp = await LocalOrigin.version(self, fetcher, entry)
+        if entry.path == self.rel and not self.edits:
+            self.edits.append(edit_in_place(self.root, self.rel))
+        return stamp
+
+
+async def test_a_local_file_changed_while_it_is_copied_is_never_published(
+    checkpoint: Checkpoint, local_copy: Checkpoint, tmp_path: Path
+) -> None:
+    """The copy may hold bytes of both versions: it is dropped (no blob, no file left in the
+    cache's tmp/) and the job fails; a run after the write publishes the new bytes."""
+    cache = tmp_path / "cache"
+    origin = EditedWhileCopied(local_copy.directory, rel=checkpoint.shards[0])
+    with pytest.raises(OriginError):
+        async with Engine(fast_config(cache)) as engine:
+            job = engine.job(origin)
+            await job.prepare()
+            await job.download()
+    (edited,) = origin.edits
+    assert_store_verified(cache, checkpoint)  # the old bytes' blobs at most: never the new
+    # the other files' copies, cancelled with the job, go too once their threads end
+    async with asyncio.timeout(10):
+        await until(lambda: not [p for p in (cache / "tmp").iterdir() if p.is_file()])
+    again = await prefetch(str(local_copy.directory), fast_config(cache))
+    assert published(again, edited.path) == edited.after
+    assert_snapshot_matches(again.snapshot_path, local_copy)
 
 
 @pytest.mark.nginx
