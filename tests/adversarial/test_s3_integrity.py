@@ -122,8 +122,18 @@ def upload_plain(server: S3Server, bucket: str, checkpoint: Checkpoint) -> None:
         s3(server).put_object(Bucket=bucket, Key=f"{PREFIX}/{rel}", Body=body)
 
 
-async def fetch(config: Config, bucket: str) -> PrefetchResult:
-    return await prefetch(f"s3://{bucket}/{PREFIX}/", config)
+async def fetch_through(
+    server: S3Server, bucket: str, checkpoint: Checkpoint, cache: Path, lie: MoveRange, path: str
+) -> PrefetchResult:
+    """Upload ``checkpoint``, prefetch it through the lying gateway on ``path``, and check
+    that every lie was told and that the snapshot and the store hold the origin's bytes."""
+    upload_plain(server, bucket, checkpoint)
+    with through_gateway(fast_config(cache), server, lie, path) as config:
+        result = await prefetch(f"s3://{bucket}/{PREFIX}/", config)
+    assert len(lie.moved) == lie.times
+    assert_snapshot_matches(result.snapshot_path, checkpoint)
+    assert_store_verified(cache, checkpoint)
+    return result
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -137,13 +147,8 @@ async def test_a_206_of_other_bytes_from_a_store_is_never_written_at_the_asked_o
     path: str,
     shift: int,
 ) -> None:
-    upload_plain(s3server, s3bucket, checkpoint)
     lie = MoveRange(shift, times=4, probed=path == "chunked")
-    with through_gateway(fast_config(tmp_path), s3server, lie, path) as config:
-        result = await fetch(config, s3bucket)
-    assert len(lie.moved) == 4
-    assert_snapshot_matches(result.snapshot_path, checkpoint)
-    assert_store_verified(tmp_path, checkpoint)
+    result = await fetch_through(s3server, s3bucket, checkpoint, tmp_path, lie, path)
     assert {f.verified for f in result.files} == {"tofu"}
 
 
@@ -158,10 +163,5 @@ async def test_a_whole_object_from_a_store_to_a_range_request_is_never_written_a
 ) -> None:
     """A gateway that drops ``Range``: the store answers 200 with the whole object, whose
     first byte is byte 0, whatever range was asked for."""
-    upload_plain(s3server, s3bucket, checkpoint)
     lie = MoveRange(None, times=3, probed=path == "chunked")
-    with through_gateway(fast_config(tmp_path), s3server, lie, path) as config:
-        result = await fetch(config, s3bucket)
-    assert len(lie.moved) == 3
-    assert_snapshot_matches(result.snapshot_path, checkpoint)
-    assert_store_verified(tmp_path, checkpoint)
+    await fetch_through(s3server, s3bucket, checkpoint, tmp_path, lie, path)
