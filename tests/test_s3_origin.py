@@ -11,6 +11,7 @@ import contextlib
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, Coroutine, Iterator
@@ -27,6 +28,7 @@ from helpers import (
     assert_store_verified,
     fast_config,
     s3,
+    until,
     upload_as_uploaders_do,
 )
 
@@ -35,6 +37,7 @@ from shardsync.config import Config, S3Config
 from shardsync.errors import (
     AuthError,
     ConfigError,
+    DaemonError,
     IntegrityError,
     OriginError,
     UnsafeNameError,
@@ -44,6 +47,7 @@ from shardsync.prefetch import Engine, prefetch
 from shardsync.records import FileOutcome
 from shardsync.s3 import S3Client
 from shardsync.testing import Checkpoint, build_checkpoint, serve_in_thread
+from shardsync.testing.daemons import DaemonProcess, write_config
 from shardsync.testing.relay import Relay, without_fields
 from shardsync.testing.seaweedfs import S3Server
 
@@ -724,6 +728,59 @@ async def test_a_daemon_job_and_the_client_take_s3_sources(
             job = await client.prefetch(f"s3://{s3bucket}/{PREFIX}/")
             result = await job.wait()
     assert_snapshot_matches(result.snapshot_path, s3_checkpoint)
+
+
+async def test_a_daemon_killed_mid_s3_job_resumes_it_after_a_restart(
+    s3server: S3Server,
+    s3bucket: str,
+    s3_multipart_checkpoint: Checkpoint,
+    aws_env: None,
+    workdir: Path,
+) -> None:
+    """A real daemon, ``kill -9`` once 40% of boto3-default objects (a CRC32 per part) went
+    out through a slow gateway: restarted, it resumes the journaled job from the partials,
+    bound to each object's ETag, and checks each composite CRC over both runs' bytes."""
+    checkpoint = s3_multipart_checkpoint
+    upload_with(s3server, s3bucket, checkpoint, "CRC32", multipart=True)
+    total = sum(checkpoint.path(rel).stat().st_size for rel in checkpoint.files)
+    socket_path = workdir / "shardsync" / "d.sock"
+    with serve_in_thread(Relay(upstream=s3server.endpoint, rate=1_000_000)) as gateway:
+        s3_section = (
+            f'[s3]\nendpoint = "{gateway.url}"\nregion = "{s3server.region}"\n'
+            'addressing = "path"\nchunk_size = "1MiB"\n'
+        )
+        conf = write_config(
+            workdir / "d.toml",
+            cache=workdir / "cache",
+            endpoint="http://127.0.0.1:9",  # no Hub: nothing may ask it
+            socket_path=socket_path,
+            daemon=s3_section,
+        )
+        process = DaemonProcess(conf, workdir)
+        try:
+            await asyncio.to_thread(process.start)
+            async with Client(socket=socket_path, fallback="error") as client:
+                job = await client.prefetch(f"s3://{s3bucket}/{PREFIX}/")
+                async with asyncio.timeout(60):
+                    await until(lambda: gateway.body_bytes >= 0.4 * total)
+                process.signal(signal.SIGKILL)
+                with pytest.raises(DaemonError):
+                    await job.wait()
+            assert await asyncio.to_thread(process.wait) == -signal.SIGKILL
+            gateway.rate = 0
+            await asyncio.to_thread(process.start)
+            async with Client(socket=socket_path, fallback="error") as client:
+                result = await (await client.job(job.id)).wait()  # the journal kept it
+            process.signal(signal.SIGTERM)
+            assert await asyncio.to_thread(process.wait) == 0
+        finally:
+            process.close()
+    assert_snapshot_matches(result.snapshot_path, checkpoint)
+    shards = [f for f in result.files if f.path in checkpoint.shards]
+    assert {f.verified for f in shards} == {"crc32"}
+    assert sum(f.resumed for f in shards) > 0
+    refetched = gateway.body_bytes - total  # the listing, the parts' HEADs and what was lost
+    assert refetched < 0.10 * total, f"re-fetched {refetched} of {total} bytes"
 
 
 async def test_a_shard_replaced_between_the_daemons_plan_and_its_download_is_never_placed(

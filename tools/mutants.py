@@ -37,6 +37,9 @@ MID_LOAD = "tests/adversarial/test_mid_load_change.py"
 SWEEP = "tests/adversarial/test_secrets_sweep.py"
 KILL = "tests/adversarial/test_kill_cost.py"
 S3_INTEGRITY = "tests/adversarial/test_s3_integrity.py"
+DAEMON_S3_KILL = (
+    "tests/test_s3_origin.py::test_a_daemon_killed_mid_s3_job_resumes_it_after_a_restart"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -766,7 +769,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "pump-records-nothing",
         "shardsync/fetch/body_wire.py",
         (("            landing.recorded(first, stop)\n", "            pass\n"),),
-        (KILL,),
+        (KILL, DAEMON_S3_KILL),
         "the pump never tells the resume record what landed: a kill loses the whole partial",
     ),
     Mutant(
@@ -785,7 +788,10 @@ MUTANTS: tuple[Mutant, ...] = (
                 "        hashed = state.done.contiguous_prefix() if store is not None else 0\n",
             ),
         ),
-        (f"{KILL}::test_a_kill_at_40_percent_of_an_s3_download_loses_only_what_was_in_flight",),
+        (
+            f"{KILL}::test_a_kill_at_40_percent_of_an_s3_download_loses_only_what_was_in_flight",
+            DAEMON_S3_KILL,
+        ),
         "a resumed object's store checksum (and name) skip the bytes of the earlier run",
     ),
     # --- a local file changed while it is copied, and copies cancelled with their job
