@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from urllib.parse import urlsplit
 
-__all__ = ["HeadEdit", "Relay", "Relayed", "RequestEdit", "without_fields"]
+__all__ = ["Fields", "HeadEdit", "Relay", "Relayed", "RequestEdit", "without_fields"]
 
 _MAX_HEAD = 64 * 1024
 _PIECE = 256 * 1024
