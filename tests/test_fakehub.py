@@ -661,6 +661,20 @@ async def test_shifted_range_sends_the_bytes_of_another_range(
     assert again.body == WEIGHTS[100:200]  # used up
 
 
+async def test_a_fault_asked_again_skips_the_first_ask_of_each_range(
+    hub: FakeHub, session: aiohttp.ClientSession
+) -> None:
+    """What shardsync's pump asks first and hands to aiohttp unread is left alone; the
+    second ask of the same file and ``Range`` gets the fault."""
+    url = await cdn_url(hub, session, "weights.safetensors")
+    rule = hub.faults.add(ShiftedRange(40, asked_again=True))
+    first = await fetch(session, url, headers={"Range": "bytes=100-199"})
+    other = await fetch(session, url, headers={"Range": "bytes=200-299"})
+    assert (first.body, other.body, rule.fired) == (WEIGHTS[100:200], WEIGHTS[200:300], 0)
+    again = await fetch(session, url, headers={"Range": "bytes=100-199"})
+    assert again.body == WEIGHTS[140:240] and rule.exhausted
+
+
 async def test_shifted_range_stays_inside_the_file(
     hub: FakeHub, session: aiohttp.ClientSession
 ) -> None:
