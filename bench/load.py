@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     costs = mean_costs(costs_before, hash_costs())
     gb = origin.total_size / 1e9
     print(
-        f"\n{origin.total_size / 1e9:.2f} GB, {args.shards} shards, "
+        f"\n{gb:.2f} GB, {args.shards} shards, "
         + (f"{args.bandwidth / 1e6:.0f} MB/s per connection" if args.bandwidth else "uncapped")
         + f", {args.latency * 1000:.0f} ms latency, "
         f"device {args.device}; machine: {cpu_model() or '?'}, {os.cpu_count()} cores, CPU-s/GB "
