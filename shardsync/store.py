@@ -20,6 +20,7 @@ from shardsync.manifest import ManifestEntry
 from shardsync.records import RepoRef, SnapshotRecord, VerifiedFile
 from shardsync.removal import sweep_orphans
 from shardsync.slot import Slot
+from shardsync.tasks import to_the_end
 
 __all__ = ["AsyncStore"]
 
@@ -82,8 +83,12 @@ class AsyncStore:
         return await asyncio.to_thread(Slot, self.sync, key)
 
     async def commit(self, slot: Slot, file: VerifiedFile) -> Path:
-        """Publish a verified download (``Slot.commit``: fsync, link, fsync the folder)."""
-        return await asyncio.to_thread(slot.commit, file)
+        """Publish a verified download (``Slot.commit``: fsync, link, fsync the folder), to
+        its end even when the job is cancelled meanwhile: one cancelled before its thread
+        started left the file's private name in ``tmp/`` for the life of the process (a
+        whole local copy's only name), and one still running would publish after the slot's
+        lock was let go."""
+        return await to_the_end(asyncio.to_thread(slot.commit, file))
 
     async def drop_leftover(self, slot: Slot) -> None:
         await asyncio.to_thread(slot.drop_leftover)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ from shardsync.layout import CacheLayout
 from shardsync.ranges import RangeSet
 from shardsync.records import VerifiedFile
 from shardsync.slot import Resumable, ResumeRecord, Slot, in_progress
+from shardsync.store import AsyncStore
 
 DATA = os.urandom(3000)
 SHA = hashlib.sha256(DATA).hexdigest()
@@ -107,6 +110,31 @@ def test_a_copy_holds_the_sources_bytes_and_publishes_under_their_hash(
     assert (copied.size, copied.sha256, copied.etag) == (len(DATA), SHA, "stamp")
     assert (copied.verified, copied.source, copied.downloaded) == ("tofu", "local", 0)
     assert slot.commit(copied).read_bytes() == source.read_bytes()
+    assert store.blob_path(SHA).read_bytes() == DATA
+    assert list(store.fs.list_area(layout.TMP)) == []
+
+
+async def test_a_commit_cancelled_before_its_thread_starts_still_publishes(
+    store: CacheStore, tmp_path: Path
+) -> None:
+    """A job cancelled while its verified file waits for a thread (the pool busy with other
+    files' copies): the publish runs to its end before the cancellation is raised, so the
+    file is a blob, not a private name left in ``tmp/`` for the life of the process."""
+    source = tmp_path / "model.safetensors"
+    source.write_bytes(DATA)
+    slot = Slot(store, "copied")
+    copied = slot.copy_from(source, None)
+    free = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        asyncio.get_running_loop().set_default_executor(pool)
+        pool.submit(free.wait)  # the one thread is busy
+        committing = asyncio.create_task(AsyncStore(store).commit(slot, copied))
+        for _ in range(5):
+            await asyncio.sleep(0)  # the commit waits in the pool's queue
+        committing.cancel()
+        free.set()
+        with pytest.raises(asyncio.CancelledError):
+            await committing
     assert store.blob_path(SHA).read_bytes() == DATA
     assert list(store.fs.list_area(layout.TMP)) == []
 

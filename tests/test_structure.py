@@ -135,6 +135,7 @@ LAYERS: dict[str, set[str]] = {
         "errors", "strict_json", "names", "manifest", "records", "retry", "ranges", "ramp",
         "checksums", "devicemap", "safetensors_header", "prepared", "training", "prune_plan",
         "events", "layout", "version", "limits", "api", "network", "config", "config_access",
+        "tasks",
     },
     "cache": {
         "digest", "cache", "removal", "slot", "store", "snapshot_use", "inventory", "verify",

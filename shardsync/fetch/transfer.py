@@ -15,10 +15,9 @@ import asyncio
 import contextlib
 import os
 import threading
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
 
 from shardsync.checksums import StoreChecksum
 from shardsync.digest import Digest, MappedFile
@@ -38,6 +37,7 @@ from shardsync.ranges import RangeSet, is_strong_etag, split_ranges, split_tail
 from shardsync.records import FetchConfig, Verification, VerifiedFile
 from shardsync.retry import Backoff
 from shardsync.slot import RecordKeeper, Resumable, Slot
+from shardsync.tasks import to_the_end
 
 __all__ = ["Climbers", "FileDownload", "FileState", "Services", "Tally"]
 
@@ -195,7 +195,7 @@ class FileDownload:
                         if record is not None:
                             record.close()
 
-                await _to_the_end(wind_up())
+                await to_the_end(wind_up())
             if request.sha256 is not None:
                 verified = "sha256" if digest == request.sha256 else None
             elif request.git_blob_id is not None:
@@ -477,26 +477,6 @@ def _hash_span(digest: Digest, state: FileState, start: int, end: int) -> int:
         start_writeback(state.fd, state.written_back, got)
         state.written_back = got
     return got
-
-
-async def _to_the_end(cleanup: Coroutine[Any, Any, None]) -> None:
-    """Run ``cleanup`` to its end even when the caller is cancelled meanwhile, then raise the
-    cancellation. A cleanup stopped halfway (a second cancel during a first one's cleanup, as
-    a task group's abort and its parent's can give) left the file's pump thread, its sockets
-    and the partial's descriptor open for the life of the process."""
-    task = asyncio.ensure_future(cleanup)
-    cancelled = False
-    while True:
-        try:
-            await asyncio.shield(task)
-        except asyncio.CancelledError:
-            if task.done():
-                raise
-            cancelled = True
-            continue
-        if cancelled:
-            raise asyncio.CancelledError
-        return
 
 
 def _close_transfer(state: FileState) -> None:
