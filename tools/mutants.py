@@ -805,7 +805,12 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "changed-copy-left-in-tmp",
         "shardsync/origins/local.py",
-        (("            into.discard()\n", ""),),
+        (
+            (
+                "            into.discard()\n            raise OriginError(",
+                "            raise OriginError(",
+            ),
+        ),
         (f"{INTEGRITY}::test_a_local_file_changed_while_it_is_copied_is_never_published",),
         "the copy of a file that changed while it was copied stays in tmp/",
     ),
@@ -813,8 +818,27 @@ MUTANTS: tuple[Mutant, ...] = (
         "cancelled-copy-left-in-tmp",
         "shardsync/fetch/fetcher.py",
         (("            copying.add_done_callback(self._drop_copy)\n", ""),),
-        (f"{INTEGRITY}::test_a_local_file_changed_while_it_is_copied_is_never_published",),
+        (f"{INTEGRITY}::test_a_copy_cancelled_in_its_thread_goes_when_the_thread_ends",),
         "a copy cancelled with its job is finished by its thread and left in tmp/",
+    ),
+    Mutant(
+        "unchecked-copy-left-in-tmp",
+        "shardsync/origins/local.py",
+        (("            into.discard()\n            raise\n", "            raise\n"),),
+        (f"{INTEGRITY}::test_a_copy_cancelled_before_its_check_leaves_nothing_in_tmp",),
+        "a whole copy cancelled at its second version look stays in tmp/",
+    ),
+    Mutant(
+        "cancelled-commit-never-runs",
+        "shardsync/store.py",
+        (
+            (
+                "await to_the_end(asyncio.to_thread(slot.commit, file))",
+                "await asyncio.to_thread(slot.commit, file)",
+            ),
+        ),
+        ("tests/test_slot.py::test_a_commit_cancelled_before_its_thread_starts_still_publishes",),
+        "a commit cancelled before its thread starts never runs: the file stays in tmp/",
     ),
 )
 

@@ -98,7 +98,11 @@ class LocalOrigin:
         published, and the error says to run again."""
         version = await self.version(fetcher, entry)
         fetched = await into.copy(self.source(entry.path), version)
-        now = await self.version(fetcher, entry)
+        try:
+            now = await self.version(fetcher, entry)
+        except BaseException:  # cancelled with its job, say: a copy is never resumed
+            into.discard()
+            raise
         if now != version:
             into.discard()
             raise OriginError(

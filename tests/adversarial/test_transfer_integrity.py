@@ -527,6 +527,93 @@ async def test_a_local_file_changed_while_it_is_copied_is_never_published(
     assert_snapshot_matches(again.snapshot_path, local_copy)
 
 
+@dataclass(frozen=True)
+class ChangedBesideACopy(LocalOrigin):
+    """``rel`` is rewritten during its copy and fails the job, once ``held``'s copy is where
+    the test has the job cancel it: whole, at its second look at its version; or, given
+    ``pipe`` (a FIFO the test writes ``held``'s bytes into), inside its thread."""
+
+    rel: str = ""
+    held: str = ""
+    pipe: Path | None = None
+    reached: asyncio.Event = field(default_factory=asyncio.Event)
+    looks: dict[str, int] = field(default_factory=dict)
+
+    def source(self, path: str) -> Path:
+        if path == self.held and self.pipe is not None and self.looks.get(path):
+            return self.pipe  # the copy's source, after its first look at the version
+        return LocalOrigin.source(self, path)
+
+    async def version(self, fetcher: Http, entry: Entry) -> str | None:
+        stamp = await LocalOrigin.version(self, fetcher, entry)
+        look = self.looks[entry.path] = self.looks.get(entry.path, 0) + 1
+        if entry.path == self.rel and look == 1:
+            edit_in_place(self.root, self.rel)
+        elif entry.path == self.rel:
+            await self.reached.wait()
+        elif entry.path == self.held and look == 2:
+            self.reached.set()
+            await asyncio.Event().wait()  # until the job is cancelled
+        return stamp
+
+
+async def _fail_beside(origin: ChangedBesideACopy, cache: Path) -> None:
+    with pytest.raises(OriginError):
+        async with asyncio.timeout(30), Engine(fast_config(cache)) as engine:
+            job = engine.job(origin)
+            await job.prepare()
+            await job.download()
+    assert origin.reached.is_set()
+
+
+async def _until_tmp_is_empty(cache: Path) -> None:
+    async with asyncio.timeout(10):
+        await until(lambda: not [p for p in (cache / "tmp").iterdir() if p.is_file()])
+
+
+async def test_a_copy_cancelled_before_its_check_leaves_nothing_in_tmp(
+    checkpoint: Checkpoint, local_copy: Checkpoint, tmp_path: Path
+) -> None:
+    """A whole copy not yet checked is no blob: cancelled there, it goes."""
+    cache = tmp_path / "cache"
+    held = checkpoint.shards[1]
+    await _fail_beside(
+        ChangedBesideACopy(local_copy.directory, rel=checkpoint.shards[0], held=held), cache
+    )
+    assert_store_verified(cache, checkpoint)
+    await _until_tmp_is_empty(cache)  # other files' copies may still be in their threads
+
+
+async def test_a_copy_cancelled_in_its_thread_goes_when_the_thread_ends(
+    checkpoint: Checkpoint, local_copy: Checkpoint, tmp_path: Path
+) -> None:
+    """A cancel cannot stop a copy's thread: the file it finishes after its job failed is
+    dropped then, not left in ``tmp/`` for the life of the process."""
+    cache = tmp_path / "cache"
+    held, pipe = checkpoint.shards[1], tmp_path / "held.fifo"
+    os.mkfifo(pipe)
+    origin = ChangedBesideACopy(
+        local_copy.directory, rel=checkpoint.shards[0], held=held, pipe=pipe
+    )
+    loop, release = asyncio.get_running_loop(), threading.Event()
+
+    def feed() -> None:
+        with pipe.open("wb") as out:  # open once the copy's thread opened the pipe
+            loop.call_soon_threadsafe(origin.reached.set)
+            release.wait(30)
+            out.write(local_copy.path(held).read_bytes())
+
+    feeding = asyncio.ensure_future(asyncio.to_thread(feed))
+    try:
+        await _fail_beside(origin, cache)
+    finally:
+        release.set()
+    async with asyncio.timeout(10):
+        await feeding
+    await _until_tmp_is_empty(cache)
+    assert_store_verified(cache, checkpoint)
+
+
 @pytest.mark.nginx
 def test_a_file_replaced_on_nginx_between_runs_is_downloaded_again(
     checkpoint: Checkpoint, local_copy: Checkpoint, tmp_path: Path
