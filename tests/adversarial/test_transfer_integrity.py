@@ -608,6 +608,9 @@ async def test_a_copy_cancelled_in_its_thread_goes_when_the_thread_ends(
         await _fail_beside(origin, cache)
     finally:
         release.set()
+        # opening both ends at once never blocks, and frees a thread still waiting to open
+        # one of them (a test that failed early must not hang at its loop's shutdown)
+        os.close(os.open(pipe, os.O_RDWR | os.O_NONBLOCK))
     async with asyncio.timeout(10):
         await feeding
     await _until_tmp_is_empty(cache)
