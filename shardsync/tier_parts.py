@@ -31,6 +31,7 @@ from shardsync.names import S3Location
 from shardsync.ranges import RangeSet
 from shardsync.s3 import S3Client
 from shardsync.slot import Slot
+from shardsync.tasks import to_the_end
 
 __all__ = [
     "Lead",
@@ -234,7 +235,9 @@ async def seed_from_parts(
                 log.info("tier part %s unreadable (%s); the origin sends it", key, exc)
                 return
             if len(data) == end - start:
-                await asyncio.to_thread(seeding.write, start, data)
+                # to its end even when cancelled: the descriptor is closed once no write
+                # runs (a closed number is the next file's, and a late write would land there)
+                await to_the_end(asyncio.to_thread(seeding.write, start, data))
 
     try:
         async with asyncio.TaskGroup() as tg:
@@ -243,7 +246,7 @@ async def seed_from_parts(
     except BaseExceptionGroup as group:
         raise_first(group)  # a full disk is the job's error, as it is without parts
     finally:
-        await asyncio.to_thread(seeding.close)
+        await to_the_end(asyncio.to_thread(seeding.close))
     return seeding.written
 
 

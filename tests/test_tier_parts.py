@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -25,14 +26,18 @@ import pytest
 from faultgate import FaultGate
 from helpers import assert_snapshot_matches, fast_config, s3, s3_keys, serving, until
 
+from shardsync.cache import CacheStore
 from shardsync.config import Config, S3Config, TierConfig
+from shardsync.names import S3Location
 from shardsync.prefetch import Engine, prefetch
 from shardsync.ranges import RangeSet
 from shardsync.records import PrefetchResult
+from shardsync.s3 import S3Client
+from shardsync.slot import Seeding, Slot
 from shardsync.testing import Bandwidth, Checkpoint, FakeHub, build_checkpoint
 from shardsync.testing.seaweedfs import S3Server
 from shardsync.tier_claims import blob_key, claim_key
-from shardsync.tier_parts import Lead, next_pieces, parts_prefix
+from shardsync.tier_parts import Lead, next_pieces, parts_prefix, seed_from_parts
 
 REPO = "acme/parts"
 PREFIX = "fleet/"
@@ -257,6 +262,57 @@ def test_a_holder_killed_mid_download_leaves_parts_the_taker_resumes_from(
     assert outcome(result, shard)[1] == published
     assert by_taker == len(data) - published
     assert by_holder + by_taker < 1.5 * len(data)
+
+
+async def test_a_cancelled_seeding_closes_its_partial_only_after_its_writes(
+    s3server: S3Server,
+    s3bucket: str,
+    aws_env: None,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A cancel cannot stop a part's write in its thread: the partial's descriptor is closed
+    once every write ended, never under one (a closed descriptor's number is the next file
+    opened's, and the late write would land in that file), and what was written is claimed."""
+    data = os.urandom(2 * PART)
+    sha = dead_holder(s3server, s3bucket, data, parts=2)
+    entered, release = threading.Event(), threading.Event()
+    events: list[str] = []
+    write, close = Seeding.write, Seeding.close
+
+    def held_write(self: Seeding, offset: int, piece: bytes) -> None:
+        entered.set()
+        release.wait(10)
+        write(self, offset, piece)
+        events.append("wrote")
+
+    def noted_close(self: Seeding) -> None:
+        events.append("closed")
+        close(self)
+
+    monkeypatch.setattr(Seeding, "write", held_write)
+    monkeypatch.setattr(Seeding, "close", noted_close)
+    slot = Slot(CacheStore(tmp_path / "cache"), sha)
+    client = S3Client(
+        S3Config(endpoint=s3server.endpoint, region=s3server.region, addressing="path")
+    )
+    try:
+        where = S3Location(s3bucket, PREFIX)
+        seeding = asyncio.create_task(seed_from_parts(client, where, sha, len(data), slot))
+        assert await asyncio.to_thread(entered.wait, 10)
+        seeding.cancel()
+        await asyncio.sleep(0.3)  # a close that does not wait for the writes runs now
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await seeding
+    finally:
+        release.set()
+        await client.aclose()
+    assert events[-1] == "closed" and events.count("wrote") >= 1, events
+    landed = slot.landed()
+    assert landed is not None and landed.total() >= PART
+    for first, stop in landed.to_list():
+        assert slot.read(first, stop - first) == data[first:stop]
 
 
 def _wait_for_parts(

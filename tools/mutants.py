@@ -840,6 +840,21 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_slot.py::test_a_commit_cancelled_before_its_thread_starts_still_publishes",),
         "a commit cancelled before its thread starts never runs: the file stays in tmp/",
     ),
+    Mutant(
+        "seeding-closed-under-its-writes",
+        "shardsync/tier_parts.py",
+        (
+            (
+                "await to_the_end(asyncio.to_thread(seeding.write, start, data))",
+                "await asyncio.to_thread(seeding.write, start, data)",
+            ),
+        ),
+        (
+            "tests/test_tier_parts.py::"
+            "test_a_cancelled_seeding_closes_its_partial_only_after_its_writes",
+        ),
+        "a cancelled seeding closes the partial's descriptor while a part's write still runs",
+    ),
 )
 
 
