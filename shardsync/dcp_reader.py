@@ -35,6 +35,7 @@ from shardsync.fetch.fetcher import Fetcher
 from shardsync.manifest import Listing, RemoteFile
 from shardsync.origins import Origin
 from shardsync.prefetch import Engine
+from shardsync.tasks import to_the_end
 from shardsync.training import (
     Choice,
     Need,
@@ -183,7 +184,9 @@ class _Source:
             for start, end in pieces:
                 kept.add(start, view[start - base : end - base])
 
-        await asyncio.to_thread(write)
+        # to its end even when the load is cancelled: the kept file is closed once no
+        # write runs (a closed number is the next file's, and a late write would land there)
+        await to_the_end(asyncio.to_thread(write))
 
     async def read(self, f: _OpenFile, start: int, end: int) -> bytes:
         data = await self.local(f, start, end)

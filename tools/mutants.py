@@ -855,6 +855,16 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
         "a cancelled seeding closes the partial's descriptor while a part's write still runs",
     ),
+    Mutant(
+        "kept-file-closed-under-its-write",
+        "shardsync/dcp_reader.py",
+        (("await to_the_end(asyncio.to_thread(write))", "await asyncio.to_thread(write)"),),
+        (
+            f"{MID_LOAD}::"
+            "test_a_load_failing_while_a_range_is_kept_closes_the_kept_file_after_the_write",
+        ),
+        "a failing DCP load closes a kept file while a range's write into it still runs",
+    ),
 )
 
 

@@ -20,6 +20,11 @@ place right after the first range of it was read; for S3 a small reverse proxy i
 SeaweedFS (the reader's S3 endpoint) does a real PutObject right after it served the first
 ranged GET of the object. Both hold the next read of that file until the replacement is
 done; a window smaller than one tensor makes every tensor its own range.
+
+One test here is of a load that fails mid-read (its second range read refused) while the
+first range is written into the kept pieces: the kept file must be closed after that write,
+not under it. Only there does the test wrap shardsync (``KeptFile.add`` and ``close``), to
+hold the write in its thread and see the order.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import os
 import shutil
 import socket
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -43,9 +49,10 @@ from helpers import WrappedOrigin, fast_config
 from multidict import CIMultiDict
 from yarl import URL
 
+from shardsync.checkpoint_cache import KeptFile
 from shardsync.config import Config, S3Config
 from shardsync.dcp_reader import DCPReader
-from shardsync.errors import ShardsyncError
+from shardsync.errors import OriginError, ShardsyncError
 from shardsync.fetch.fetcher import Fetcher
 from shardsync.origins import LocalOrigin
 from shardsync.origins.base import Entry
@@ -183,6 +190,60 @@ class ReplacingOrigin(WrappedOrigin):
             if len(self.reads) == 1:
                 await asyncio.to_thread(self.replace)
             return data
+
+
+@dataclass
+class FailingSecondRead(WrappedOrigin):
+    """A local directory whose file ``path`` fails its second range read, once the first
+    range's write into the kept pieces has begun (``begun``): the load is cancelled with that
+    write still in its thread."""
+
+    path: str
+    begun: threading.Event
+    reads: int = 0
+
+    async def read_range(
+        self, fetcher: Fetcher, commit: str | None, entry: Entry, start: int, end: int
+    ) -> bytes:
+        if entry.path == self.path:
+            self.reads += 1
+            if self.reads > 1:
+                await asyncio.to_thread(self.begun.wait, 10)
+                raise OriginError(f"{entry.path}: the test's failing read")
+        return await self.inner.read_range(fetcher, commit, entry, start, end)
+
+
+def test_a_load_failing_while_a_range_is_kept_closes_the_kept_file_after_the_write(
+    versions: Versions, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cancel cannot stop a kept range's write in its thread: the kept file's descriptor
+    is closed once that write ended, never under it (a closed number is the next file
+    opened's, and the late write would land in that file)."""
+    root = tmp_path / "run"
+    shutil.copytree(versions.old_run, root)
+    begun, events = threading.Event(), []
+    add, close = KeptFile.add, KeptFile.close
+
+    def held_add(self: KeptFile, start: int, data: bytes | memoryview) -> None:
+        if self.path == DATA:
+            begun.set()
+            time.sleep(0.5)  # the second read fails the load meanwhile
+        add(self, start, data)
+        events.append(f"kept {self.path}")
+
+    def noted_close(self: KeptFile) -> None:
+        events.append(f"closed {self.path}")
+        close(self)
+
+    monkeypatch.setattr(KeptFile, "add", held_add)
+    monkeypatch.setattr(KeptFile, "close", noted_close)
+    origin = FailingSecondRead(LocalOrigin.from_path(str(root)), DATA, begun)
+    config = fast_config(tmp_path / "cache")
+    outcome = _load(DCPReader(str(root), config=config, origin=origin, window=WINDOW))
+    assert isinstance(outcome, OriginError), outcome
+    of_data = [event.split()[0] for event in events if event.endswith(DATA)]
+    assert of_data[:1] == ["kept"] and of_data[-1:] == ["closed"], events
+    assert "kept" not in of_data[of_data.index("closed") :], events  # no write after a close
 
 
 def test_a_local_file_replaced_between_two_range_reads_is_never_loaded_as_a_mix(
