@@ -4,7 +4,7 @@ A slot is one key's lock (``locks/<key>.lock``), partial file (``partial/<key>.p
 record (``partial/<key>.json``) and the download's private temp name in ``tmp/``. Its life:
 
 * ``async with slot`` holds the key's lock (correctness never depends on it: every step
-  below checks the inode it works on);
+  below checks the inode it works on); left by an exception, it suspends;
 * ``open`` gives the file to write into and the ranges a resume may keep; the fetcher writes
   there and saves progress into the ``ResumeRecord`` it gets, and names no path itself;
 * ``copy_from`` is ``open``'s counterpart for an origin that copies (a local directory): a
@@ -236,7 +236,9 @@ class Slot:
         await self.lock.acquire()
         return self
 
-    async def __aexit__(self, *exc_info: object) -> None:
+    async def __aexit__(self, exc_type: object, *_: object) -> None:
+        if exc_type is not None:
+            self.suspend()  # what was made and not published goes (a copy its origin refused)
         self.lock.release()
 
     # -- for the fetcher ----------------------------------------------------------------

@@ -803,16 +803,19 @@ MUTANTS: tuple[Mutant, ...] = (
         "a local file changed while it was copied is published (bytes of both versions)",
     ),
     Mutant(
-        "changed-copy-left-in-tmp",
-        "shardsync/origins/local.py",
+        "refused-copy-left-in-tmp",
+        "shardsync/slot.py",
         (
             (
-                "            into.discard()\n            raise OriginError(",
-                "            raise OriginError(",
+                "            self.suspend()  # what was made and not published goes",
+                "            pass  #",
             ),
         ),
-        (f"{INTEGRITY}::test_a_local_file_changed_while_it_is_copied_is_never_published",),
-        "the copy of a file that changed while it was copied stays in tmp/",
+        (
+            f"{INTEGRITY}::test_a_local_file_changed_while_it_is_copied_is_never_published",
+            f"{INTEGRITY}::test_a_copy_cancelled_before_its_check_leaves_nothing_in_tmp",
+        ),
+        "a whole copy its origin refused, or cancelled at its check, stays in tmp/",
     ),
     Mutant(
         "cancelled-copy-left-in-tmp",
@@ -820,13 +823,6 @@ MUTANTS: tuple[Mutant, ...] = (
         (("            copying.add_done_callback(self._drop_copy)\n", ""),),
         (f"{INTEGRITY}::test_a_copy_cancelled_in_its_thread_goes_when_the_thread_ends",),
         "a copy cancelled with its job is finished by its thread and left in tmp/",
-    ),
-    Mutant(
-        "unchecked-copy-left-in-tmp",
-        "shardsync/origins/local.py",
-        (("            into.discard()\n            raise\n", "            raise\n"),),
-        (f"{INTEGRITY}::test_a_copy_cancelled_before_its_check_leaves_nothing_in_tmp",),
-        "a whole copy cancelled at its second version look stays in tmp/",
     ),
     Mutant(
         "cancelled-commit-never-runs",

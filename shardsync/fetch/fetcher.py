@@ -463,9 +463,9 @@ class IntoSlot:
             copying.add_done_callback(self._drop_copy)
             raise
 
-    def discard(self) -> None:
-        self._slot.suspend()
-
-    def _drop_copy(self, copying: asyncio.Future[VerifiedFile]) -> None:
+    @staticmethod
+    def _drop_copy(copying: asyncio.Future[VerifiedFile]) -> None:
+        # the file itself, by the name the thread gave it: the slot forgot that name at the
+        # cancel already, if the thread had given it by then
         if not copying.cancelled() and copying.exception() is None:
-            self._slot.suspend()
+            copying.result().path.unlink(missing_ok=True)

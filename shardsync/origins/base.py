@@ -66,9 +66,6 @@ class Into(Protocol):
     async def copy(self, source: Path, version: str | None) -> VerifiedFile:
         """``source`` copied in, hashed on the way; ``version`` is the origin's for it."""
 
-    def discard(self) -> None:
-        """Drop the file ``copy`` made, unpublished: the origin found it unusable."""
-
 
 class Origin(Protocol):
     """Where a checkpoint comes from (the Hub, a base URL, an S3 prefix, a directory)."""

@@ -94,17 +94,12 @@ class LocalOrigin:
     ) -> VerifiedFile:
         """A copy with sha256 and xxh3 in the same pass, between two looks at the file's
         version: a file changed while it was copied (a checkpoint still being written in
-        place) may have given bytes of both versions, so that copy is dropped, not
-        published, and the error says to run again."""
+        place) may have given bytes of both versions, so that copy is refused (its slot
+        drops it, unpublished) and the error says to run again."""
         version = await self.version(fetcher, entry)
         fetched = await into.copy(self.source(entry.path), version)
-        try:
-            now = await self.version(fetcher, entry)
-        except BaseException:  # cancelled with its job, say: a copy is never resumed
-            into.discard()
-            raise
+        now = await self.version(fetcher, entry)
         if now != version:
-            into.discard()
             raise OriginError(
                 f"{entry.path} changed under {self.root} while it was copied "
                 f"({version} -> {now}); nothing of it was kept: run again once it is written"

@@ -531,7 +531,8 @@ async def test_a_local_file_changed_while_it_is_copied_is_never_published(
 class ChangedBesideACopy(LocalOrigin):
     """``rel`` is rewritten during its copy and fails the job, once ``held``'s copy is where
     the test has the job cancel it: whole, at its second look at its version; or, given
-    ``pipe`` (a FIFO the test writes ``held``'s bytes into), inside its thread."""
+    ``pipe`` (a FIFO the test writes ``held``'s bytes into only later), in its thread, which
+    waits to open its source and has made no file yet."""
 
     rel: str = ""
     held: str = ""
@@ -541,6 +542,7 @@ class ChangedBesideACopy(LocalOrigin):
 
     def source(self, path: str) -> Path:
         if path == self.held and self.pipe is not None and self.looks.get(path):
+            self.reached.set()
             return self.pipe  # the copy's source, after its first look at the version
         return LocalOrigin.source(self, path)
 
@@ -587,32 +589,23 @@ async def test_a_copy_cancelled_before_its_check_leaves_nothing_in_tmp(
 async def test_a_copy_cancelled_in_its_thread_goes_when_the_thread_ends(
     checkpoint: Checkpoint, local_copy: Checkpoint, tmp_path: Path
 ) -> None:
-    """A cancel cannot stop a copy's thread: the file it finishes after its job failed is
-    dropped then, not left in ``tmp/`` for the life of the process."""
+    """A cancel cannot stop a copy's thread: the file it makes and finishes after its job
+    failed is dropped then, not left in ``tmp/`` for the life of the process."""
     cache = tmp_path / "cache"
     held, pipe = checkpoint.shards[1], tmp_path / "held.fifo"
     os.mkfifo(pipe)
     origin = ChangedBesideACopy(
         local_copy.directory, rel=checkpoint.shards[0], held=held, pipe=pipe
     )
-    loop, release = asyncio.get_running_loop(), threading.Event()
-
-    def feed() -> None:
-        with pipe.open("wb") as out:  # open once the copy's thread opened the pipe
-            loop.call_soon_threadsafe(origin.reached.set)
-            release.wait(30)
-            out.write(local_copy.path(held).read_bytes())
-
-    feeding = asyncio.ensure_future(asyncio.to_thread(feed))
     try:
         await _fail_beside(origin, cache)
+        # the copy's thread opens its source now, makes its file and copies to the end
+        async with asyncio.timeout(10):
+            await asyncio.to_thread(pipe.write_bytes, local_copy.path(held).read_bytes())
     finally:
-        release.set()
         # opening both ends at once never blocks, and frees a thread still waiting to open
         # one of them (a test that failed early must not hang at its loop's shutdown)
         os.close(os.open(pipe, os.O_RDWR | os.O_NONBLOCK))
-    async with asyncio.timeout(10):
-        await feeding
     await _until_tmp_is_empty(cache)
     assert_store_verified(cache, checkpoint)
 
