@@ -35,7 +35,7 @@ from shardsync.fetch.fetcher import Fetcher
 from shardsync.manifest import Listing, RemoteFile
 from shardsync.origins import Origin
 from shardsync.prefetch import Engine
-from shardsync.tasks import to_the_end
+from shardsync.tasks import opened, to_the_end
 from shardsync.training import (
     Choice,
     Need,
@@ -139,8 +139,9 @@ class _Source:
             except OSError:
                 if f.version is None:
                     f.version = await self.origin.version(self.fetcher, f.entry)
-        if f.version is not None:
-            f.kept = await asyncio.to_thread(self.ranges.open, path, f.size, f.version)
+        if f.version is not None:  # closed if the load is cancelled while it opens
+            opening = asyncio.to_thread(self.ranges.open, path, f.size, f.version)
+            f.kept = await opened(opening, KeptFile.close)
         return f
 
     def is_local(self, f: _OpenFile, start: int, end: int) -> bool:

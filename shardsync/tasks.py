@@ -4,10 +4,10 @@ shardsync imports)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-__all__ = ["to_the_end"]
+__all__ = ["opened", "to_the_end"]
 
 _T = TypeVar("_T")
 
@@ -33,3 +33,20 @@ async def to_the_end(step: Awaitable[_T]) -> _T:
         if cancelled:
             raise asyncio.CancelledError
         return result
+
+
+async def opened(step: Awaitable[_T | None], close: Callable[[_T], object]) -> _T | None:
+    """Run ``step``, which opens something only its caller closes (a file opened in a
+    thread), to its end; if the caller is cancelled meanwhile, ``close`` what it opened
+    (unless None) before the cancellation is raised. A thread a cancel cannot stop would
+    otherwise hand its descriptor to no one: open for the life of the process, one more
+    for every cancelled job."""
+    task = asyncio.ensure_future(step)
+    try:
+        return await to_the_end(task)
+    except asyncio.CancelledError:
+        if task.done() and not task.cancelled() and task.exception() is None:
+            made = task.result()
+            if made is not None:
+                close(made)
+        raise

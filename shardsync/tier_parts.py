@@ -30,8 +30,8 @@ from shardsync.errors import ShardsyncError, raise_first
 from shardsync.names import S3Location
 from shardsync.ranges import RangeSet
 from shardsync.s3 import S3Client
-from shardsync.slot import Slot
-from shardsync.tasks import to_the_end
+from shardsync.slot import Seeding, Slot
+from shardsync.tasks import opened, to_the_end
 
 __all__ = [
     "Lead",
@@ -217,7 +217,9 @@ async def seed_from_parts(
             parts.append((start, end, info.key))
     if not parts:
         return RangeSet()
-    seeding = await asyncio.to_thread(slot.seed, size, sha256)
+    # to its end, closed if the job was cancelled meanwhile: a partial opened in a thread
+    # no one waits for would keep its descriptors for the life of the process
+    seeding = await opened(asyncio.to_thread(slot.seed, size, sha256), Seeding.close)
     if seeding is None:
         return RangeSet()
     chosen, reached = [], 0  # parts overlapping one chosen are skipped: one copy of a byte

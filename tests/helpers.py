@@ -63,6 +63,16 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def open_under(root: Path) -> list[str]:
+    """What this process holds open under ``root`` (by the descriptors' own paths)."""
+    fds = Path("/proc/self/fd")
+    targets = []
+    for fd in os.listdir(fds):
+        with contextlib.suppress(OSError):  # the listing's own descriptor, gone by now
+            targets.append(os.readlink(fds / fd))
+    return [t for t in targets if t.startswith(str(root))]
+
+
 def assert_snapshot_matches(snapshot: Path, checkpoint: Checkpoint) -> None:
     """Every file of the checkpoint is in the snapshot with identical bytes."""
     for rel in checkpoint.files:

@@ -14,19 +14,23 @@ import json
 import os
 import shutil
 import threading
+import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
-from helpers import WrappedOrigin, fast_config
+from helpers import WrappedOrigin, fast_config, open_under
 from test_training import WORLD, dcp_expected, load_equal, runs  # noqa: F401 - fixture
+from torch.distributed.checkpoint.api import CheckpointException
 
 from shardsync.cache import CacheStore, RepoRef
 from shardsync.checkpoint import prefetch_checkpoint
-from shardsync.checkpoint_cache import RangeCache
+from shardsync.checkpoint_cache import KeptFile, RangeCache
 from shardsync.dcp_reader import DCPReader
+from shardsync.errors import OriginError
 from shardsync.fetch.fetcher import Fetcher
 from shardsync.origins import LocalOrigin
 from shardsync.origins.base import Entry
@@ -209,6 +213,57 @@ def test_kept_pieces_of_a_changed_file_or_gone_bad_on_disk_are_never_used(
     load_equal(_load(reader, dcp_expected(100)), dcp_expected(100))
     assert reader.statistics().bytes_cached == 0
     assert "step-200/.metadata" in counting.served
+
+
+@dataclass
+class FailingVersion(WrappedOrigin):
+    """A local directory that cannot say the version of ``path`` (once ``after`` is set):
+    the load fails while it opens its other files."""
+
+    path: str = ""
+    after: threading.Event = field(default_factory=threading.Event)
+
+    async def version(self, fetcher: Fetcher, entry: Entry) -> str | None:
+        if entry.path == self.path:
+            await asyncio.to_thread(self.after.wait, 10)
+            raise OriginError(f"{entry.path}: the test's unanswered version")
+        return await self.inner.version(fetcher, entry)
+
+
+def test_a_load_failing_while_a_file_is_opened_leaves_no_descriptor_open(
+    runs: dict[str, Path],  # noqa: F811 - the fixture imported above
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A file's kept pieces are opened in a thread a cancel cannot stop: when the load fails
+    meanwhile, what that thread opened is closed (else its descriptor stays open for the
+    life of the process, one more for every failed load)."""
+    root = runs["dcp"]
+    cache = tmp_path / "cache"
+    expected = dcp_expected(200)
+    load_equal(_load(DCPReader(str(root), config=fast_config(cache)), expected), expected)
+    held, failing = "step-200/__1_0.distcp", "step-200/__0_0.distcp"
+    opening, opened = threading.Event(), threading.Event()
+    real_open = RangeCache.open
+
+    def held_open(self: RangeCache, path: str, size: int, version: str) -> KeptFile:
+        if path != held:
+            return real_open(self, path, size, version)
+        opening.set()
+        time.sleep(0.5)  # the other file's version fails the load meanwhile
+        try:
+            return real_open(self, path, size, version)  # its kept pieces: a file opened
+        finally:
+            opened.set()
+
+    monkeypatch.setattr(RangeCache, "open", held_open)
+    origin = FailingVersion(LocalOrigin.from_path(str(root)), failing, opening)
+    with pytest.raises(CheckpointException) as failed:
+        _load(DCPReader(str(root), config=fast_config(cache), origin=origin), expected)
+    ((cause, _where),) = failed.value.failures.values()  # one rank: this process
+    assert isinstance(cause, OriginError), cause
+    assert opened.wait(10)
+    assert open_under(cache) == []
 
 
 def test_copies_start_while_reads_are_in_flight_and_stay_within_the_window(

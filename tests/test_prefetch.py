@@ -19,6 +19,7 @@ from helpers import (
     assert_snapshot_matches,
     assert_store_verified,
     fast_config,
+    open_under,
     until,
 )
 
@@ -558,11 +559,6 @@ async def test_cancels_during_a_downloads_cleanup_leave_no_thread_or_descriptor(
     from shardsync.fetch.fetcher import Fetcher
     from shardsync.origins.hub import HubOrigin
 
-    def open_in_cache() -> list[str]:
-        fds = Path("/proc/self/fd")
-        targets = [os.readlink(fds / fd) for fd in os.listdir(fds) if (fds / fd).exists()]
-        return [t for t in targets if t.startswith(str(tmp_path))]
-
     def pumps() -> list[threading.Thread]:
         return [t for t in threading.enumerate() if t.name == "shardsync-pump"]
 
@@ -584,4 +580,4 @@ async def test_cancels_during_a_downloads_cleanup_leave_no_thread_or_descriptor(
             with pytest.raises(asyncio.CancelledError):
                 await task
     assert pumps() == []
-    assert open_in_cache() == []
+    assert open_under(tmp_path) == []

@@ -24,7 +24,15 @@ from typing import Any
 
 import pytest
 from faultgate import FaultGate
-from helpers import assert_snapshot_matches, fast_config, s3, s3_keys, serving, until
+from helpers import (
+    assert_snapshot_matches,
+    fast_config,
+    open_under,
+    s3,
+    s3_keys,
+    serving,
+    until,
+)
 
 from shardsync.cache import CacheStore
 from shardsync.config import Config, S3Config, TierConfig
@@ -313,6 +321,54 @@ async def test_a_cancelled_seeding_closes_its_partial_only_after_its_writes(
     assert landed is not None and landed.total() >= PART
     for first, stop in landed.to_list():
         assert slot.read(first, stop - first) == data[first:stop]
+
+
+async def test_a_seeding_cancelled_while_its_partial_is_made_leaves_no_descriptor_open(
+    s3server: S3Server,
+    s3bucket: str,
+    aws_env: None,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A cancel cannot stop the thread that makes the seeded partial: what it opened is
+    closed once it ends (else the partial's descriptor and its record's stay open for the
+    life of the process, two more for every job cancelled there), and the partial stays
+    for a download to resume."""
+    data = os.urandom(2 * PART)
+    sha = dead_holder(s3server, s3bucket, data, parts=2)
+    entered, release, made = threading.Event(), threading.Event(), threading.Event()
+    seed = Slot.seed
+
+    def held_seed(self: Slot, size: int, sha256: str) -> Seeding | None:
+        entered.set()
+        release.wait(10)
+        try:
+            return seed(self, size, sha256)
+        finally:
+            made.set()
+
+    monkeypatch.setattr(Slot, "seed", held_seed)
+    cache = tmp_path / "cache"
+    slot = Slot(CacheStore(cache), sha)
+    client = S3Client(
+        S3Config(endpoint=s3server.endpoint, region=s3server.region, addressing="path")
+    )
+    try:
+        where = S3Location(s3bucket, PREFIX)
+        seeding = asyncio.create_task(seed_from_parts(client, where, sha, len(data), slot))
+        assert await asyncio.to_thread(entered.wait, 10)
+        seeding.cancel()
+        await asyncio.sleep(0.3)  # a seeding that does not wait for the thread ends now
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await seeding
+        assert await asyncio.to_thread(made.wait, 10)
+    finally:
+        release.set()
+        await client.aclose()
+    assert open_under(cache) == []
+    landed = slot.landed()
+    assert landed is not None and landed.total() == 0  # resumable, nothing claimed
 
 
 def _wait_for_parts(

@@ -861,6 +861,31 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
         "a failing DCP load closes a kept file while a range's write into it still runs",
     ),
+    Mutant(
+        "seeded-partial-left-open",
+        "shardsync/tier_parts.py",
+        (
+            (
+                "await opened(asyncio.to_thread(slot.seed, size, sha256), Seeding.close)",
+                "await asyncio.to_thread(slot.seed, size, sha256)",
+            ),
+        ),
+        (
+            "tests/test_tier_parts.py::"
+            "test_a_seeding_cancelled_while_its_partial_is_made_leaves_no_descriptor_open",
+        ),
+        "a seeding cancelled while its partial is made leaves that partial's descriptors open",
+    ),
+    Mutant(
+        "kept-file-left-open",
+        "shardsync/dcp_reader.py",
+        (("await opened(opening, KeptFile.close)", "await opening"),),
+        (
+            "tests/test_checkpoint.py::"
+            "test_a_load_failing_while_a_file_is_opened_leaves_no_descriptor_open",
+        ),
+        "a DCP load failing while a file's kept pieces open leaves their descriptor open",
+    ),
 )
 
 
