@@ -32,6 +32,7 @@ __all__ = [
     "DeviceUsage",
     "TensorSize",
     "detect_blocks",
+    "is_module_path",
     "normalize_device",
     "parse_memory",
     "plan_device_map",
@@ -117,8 +118,10 @@ def parse_memory(value: int | str) -> int:
     return math.floor(Fraction(number) * factor)
 
 
-def _has_empty_component(path: str) -> bool:
-    return path == "" or path.startswith(".") or path.endswith(".") or ".." in path
+def is_module_path(path: str) -> bool:
+    """A dotted path without an empty part: what a module's parameter is named (a device
+    map's keys are prefixes of it)."""
+    return not (path == "" or path.startswith(".") or path.endswith(".") or ".." in path)
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +132,7 @@ class TensorSize:
     nbytes: int
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or _has_empty_component(self.name):
+        if not isinstance(self.name, str) or not is_module_path(self.name):
             raise ValueError(f"tensor name must be a dotted path, got {self.name!r}")
         if isinstance(self.nbytes, bool) or not isinstance(self.nbytes, int) or self.nbytes < 0:
             raise ValueError(f"nbytes of {self.name!r} must be an int >= 0, got {self.nbytes!r}")
@@ -261,7 +264,7 @@ class _NoSplit:
         patterns: list[tuple[str, ...]] = []
         for prefix in prefixes:
             path = prefix[:-1] if isinstance(prefix, str) and prefix.endswith(".") else prefix
-            if not isinstance(path, str) or _has_empty_component(path):
+            if not isinstance(path, str) or not is_module_path(path):
                 raise ConfigError(f"no-split prefix must be a dotted module path, got {prefix!r}")
             if "*" in path.split("."):
                 patterns.append(tuple(path.split(".")))
@@ -347,7 +350,7 @@ def _explicit(
 ) -> list[Device]:
     entries: dict[str, Device] = {}
     for key, value in device_map.items():
-        if not isinstance(key, str) or (key != "" and _has_empty_component(key)):
+        if not isinstance(key, str) or (key != "" and not is_module_path(key)):
             raise ConfigError(f"device map key must be a dotted module path or '', got {key!r}")
         device = normalize_device(value)
         _check_target(device, accelerators, allow_disk)

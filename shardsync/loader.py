@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 from shardsync.cache import CacheStore
 from shardsync.config import Config, check_endpoint, load_config
 from shardsync.devicemap import MODES, DevicePlan, parse_memory
-from shardsync.errors import ConfigError, LoadError, raise_first
+from shardsync.errors import ConfigError, HeaderError, LoadError, raise_first
 from shardsync.events import Verified
 from shardsync.manifest import Manifest, ManifestEntry
 from shardsync.origins import parse_source
@@ -187,7 +187,9 @@ class TensorStream:
         )
         self._verified: dict[str, Verified] = {}
         self._done = False
-        self._plan: tuple[Manifest, Mapping[str, Header], DevicePlan | None] | None = None
+        self._plan: (
+            tuple[Manifest, Mapping[str, Header], Mapping[str, bytes], DevicePlan | None] | None
+        ) = None
         self._shard_times: list[float] = []
         self._first_tensor: float | None = None
         self._finished: float | None = None
@@ -208,7 +210,8 @@ class TensorStream:
             raise
         self.manifest: Manifest = self._plan[0]
         self.headers: Mapping[str, Header] = self._plan[1]
-        self.plan: DevicePlan | None = self._plan[2]
+        self._raw_headers: Mapping[str, bytes] = self._plan[2]
+        self.plan: DevicePlan | None = self._plan[3]
         """The device plan; ``None`` for pickle checkpoints (no headers to plan from)."""
         self._plan_ready: float = time.monotonic() - self._started
 
@@ -308,7 +311,9 @@ class TensorStream:
         if self.plan is None:
             placed = self._placer.place_pickle(entry, file, self._devices)
         else:
-            placed = self._placer.place_safetensors(file, self.headers[entry.path], self.plan)
+            header = self.headers[entry.path]
+            _check_planned(entry.path, file, header, self._raw_headers[entry.path])
+            placed = self._placer.place_safetensors(file, header, self.plan)
         for name, tensor, event, nbytes in placed:
             yield self._hand_out(name, tensor, event, nbytes)
 
@@ -398,14 +403,6 @@ class TensorStream:
             )
             async for event in remote.events():
                 if isinstance(event, Verified):
-                    planned = planned_headers.get(event.outcome.path)
-                    if planned is not None and not await asyncio.to_thread(
-                        _has_header, event.file, planned
-                    ):
-                        raise LoadError(
-                            f"{event.outcome.path} changed at the origin between the plan and "
-                            "its download; load again"
-                        )
                     self._handoff.messages.put(("verified", event))
             await remote.wait()
 
@@ -444,7 +441,7 @@ class TensorStream:
                     no_split=request.no_split,
                 )
                 self._handoff.go = asyncio.Event()
-                self._handoff.messages.put(("plan", (manifest, headers, plan)))
+                self._handoff.messages.put(("plan", (manifest, headers, raw, plan)))
                 if request.gated:
                     await self._handoff.go.wait()  # the consumer checked the keys first
                     await download()
@@ -465,12 +462,24 @@ async def _daemon(request: _Request) -> JobClient | None:
     )
 
 
-def _has_header(file: Path, header: bytes) -> bool:
-    """Whether ``file`` begins with ``header`` (after its length prefix): a shard the daemon
-    fetched after planning is the one its plan was made from only if so (an S3 object has no
-    commit to pin, so it may have been replaced in between)."""
+def _check_planned(path: str, file: Path, header: Header, raw: bytes) -> None:
+    """Refuse a verified shard that is not the one its plan was made from, before a byte of
+    it is mapped: a local file, an S3 object or a plain URL has no commit to pin, so it may
+    have been replaced between the header read and the download (its tensors would then be
+    cut at the old offsets); and a shard whose size was not known when its header was read
+    (a plain URL's) must end where its header says."""
     with file.open("rb") as f:
-        return f.read(8) == len(header).to_bytes(8, "little") and f.read(len(header)) == header
+        same = f.read(8) == len(raw).to_bytes(8, "little") and f.read(len(raw)) == raw
+        size = os.fstat(f.fileno()).st_size
+    if not same:
+        raise LoadError(
+            f"{path} changed at the origin between the plan and its download; load again"
+        )
+    if size != header.file_size:
+        raise HeaderError(
+            f"{path}: its header's data section ends at byte {header.file_size}, "
+            f"the file has {size} bytes"
+        )
 
 
 def _lease(config: Config, source: str, token: str | None) -> Lease:

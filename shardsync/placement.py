@@ -23,7 +23,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shardsync.devicemap import DevicePlan, TensorSize, plan_device_map
+from shardsync.devicemap import DevicePlan, TensorSize, is_module_path, plan_device_map
 from shardsync.errors import HeaderError, LoadError
 from shardsync.manifest import Manifest, ManifestEntry
 from shardsync.safetensors_header import Header, TensorInfo
@@ -58,7 +58,13 @@ _TORCH_DTYPES = {
     "BOOL": "bool",
     "F8_E4M3": "float8_e4m3fn",
     "F8_E5M2": "float8_e5m2",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz",
+    "F8_E5M2FNUZ": "float8_e5m2fnuz",
+    "F8_E8M0": "float8_e8m0fnu",
+    "C64": "complex64",
 }
+"""safetensors dtypes as torch names them (looked up on torch: an older one may lack some).
+The packed sub-byte ones (F4, F6_*) have no torch dtype of one element each."""
 _CUDA_RESERVE = 1 << 30  # left free on each GPU for activations, CUDA context, allocator slack
 
 
@@ -87,6 +93,14 @@ def plan_from_headers(
     """The device plan from the headers; None for pickle checkpoints (placed shard by shard)."""
     if not headers:
         return None
+    for entry in manifest.shards:
+        for info in headers[entry.path].tensors:
+            _torch_dtype(info)  # refused now, before any shard is downloaded
+            if not is_module_path(info.name):
+                raise HeaderError(
+                    f"{entry.path}: tensor {info.name!r} is not a dotted module path "
+                    "(an empty part between dots): the device map places tensors by module"
+                )
     sizes = [
         TensorSize(t.name, t.nbytes)
         for entry in manifest.shards
@@ -121,20 +135,22 @@ class ShardPlacer:
         pending: deque[tuple[str, torch.Tensor, Any, int]] = deque()
         for info in header.tensors:
             device = plan.device_of(info.name)
-            view = _tensor_view(base, info)
+            tensor, event = _tensor_view(base, info), None
             if device.startswith("cuda"):
                 placer = self._placers.get(device)
                 if placer is None:
                     placer = self._placers[device] = CudaPlacer(device)
-                tensor, event = placer.place(view, self._dtype)
-                pending.append((info.name, tensor, event, info.nbytes))
-                # hand out finished copies while later ones are in flight
-                while pending and (len(pending) > 2 or pending[0][2].query()):
-                    yield pending.popleft()
-                continue
-            if self._dtype is not None and view.dtype != self._dtype and view.is_floating_point():
-                view = view.to(self._dtype)
-            yield info.name, view, None, info.nbytes
+                tensor, event = placer.place(tensor, self._dtype)
+            elif (
+                self._dtype is not None
+                and tensor.dtype != self._dtype
+                and tensor.is_floating_point()
+            ):
+                tensor = tensor.to(self._dtype)
+            pending.append((info.name, tensor, event, info.nbytes))
+            # in the shard's order, finished copies out while later ones are in flight
+            while pending and (len(pending) > 2 or _is_ready(pending[0][2])):
+                yield pending.popleft()
         while pending:
             yield pending.popleft()
 
@@ -165,6 +181,11 @@ class ShardPlacer:
             yield name, tensor, None, tensor.nbytes
 
 
+def _is_ready(event: Any) -> bool:
+    """Whether a placed tensor's copy is done (None: nothing to copy, a CPU or empty one)."""
+    return event is None or bool(event.query())
+
+
 def _default_budgets(devices: Sequence[str]) -> dict[str | int, int | str]:
     """Free memory of each GPU now, minus a reserve; the CPU is unbounded (tensors are mmapped)."""
     import torch
@@ -181,17 +202,23 @@ def _map_file(path: Path, size: int) -> torch.Tensor:
     import torch
 
     storage: Any = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=size)
-    return torch.empty(0, dtype=torch.uint8).set_(storage)
+    # on the CPU whatever the caller's default device (``with torch.device("meta")``)
+    return torch.empty(0, dtype=torch.uint8, device="cpu").set_(storage)
 
 
-def _tensor_view(base: torch.Tensor, info: TensorInfo) -> torch.Tensor:
+def _torch_dtype(info: TensorInfo) -> torch.dtype:
     import torch
 
     dtype = getattr(torch, _TORCH_DTYPES.get(info.dtype, ""), None)
-    if dtype is None:
+    if not isinstance(dtype, torch.dtype):
         raise HeaderError(
-            f"{info.shard}: {info.name}: dtype {info.dtype} is not supported by torch"
+            f"{info.shard}: {info.name}: dtype {info.dtype} is not supported by this torch"
         )
+    return dtype
+
+
+def _tensor_view(base: torch.Tensor, info: TensorInfo) -> torch.Tensor:
+    dtype = _torch_dtype(info)
     raw = base[info.start : info.end]
     try:
         flat = raw.view(dtype)
@@ -209,7 +236,9 @@ class CudaPlacer:
         self._cuda: Any = torch.cuda  # Stream/Event are untyped in torch's stubs
         self._device = torch.device(device)
         self._stream = self._cuda.Stream(device=self._device)
-        self._ring = [torch.empty(size, dtype=torch.uint8).pin_memory() for _ in range(buffers)]
+        self._ring = [
+            torch.empty(size, dtype=torch.uint8, device="cpu").pin_memory() for _ in range(buffers)
+        ]
         self._ready: list[Any] = [None] * buffers
         self._next = 0
 
@@ -217,6 +246,8 @@ class CudaPlacer:
         import torch
 
         out = torch.empty(view.shape, dtype=view.dtype, device=self._device)
+        # ``out`` may be memory the consumer's stream freed with work still queued on it
+        self._stream.wait_stream(self._cuda.current_stream(self._device))
         src = view.reshape(-1).view(torch.uint8)
         dst = out.reshape(-1).view(torch.uint8)
         size = self._ring[0].numel()
