@@ -23,6 +23,7 @@ from shardsync import layout
 from shardsync.cache import CacheStore
 from shardsync.errors import CacheError, ConfigError, disk_error
 from shardsync.layout import CacheLayout
+from shardsync.names import is_commit
 from shardsync.prune_plan import Leftover, matches
 from shardsync.records import SnapshotRecord
 from shardsync.slot import in_progress
@@ -264,7 +265,9 @@ def _scan_repo(
         shas = {links[e] for e in etags if e in links}
         if record is not None:
             shas.update(f.sha256 for f in record.files if f.sha256 in sizes)
-        foreign_here = is_foreign or any(e in foreign_links for e in etags)
+        # a name that is no commit (a user's copy, another tool's file) is not ours: kept,
+        # with whatever it links to
+        foreign_here = is_foreign or any(e in foreign_links for e in etags) or not is_commit(commit)
         nbytes = sum(sizes[s] for s in shas) + sum(
             foreign_links[e][1] for e in etags if e in foreign_links
         )
@@ -394,6 +397,8 @@ def _junk(directory: Path, kind: str, counted: set[tuple[int, int]]) -> tuple[Le
     for name in _names(directory):
         if kind == "tmp" and layout.is_live_temp(name):
             continue  # a running download's own name for its file: work, not junk
+        if not layout.is_junk_name(name):
+            continue  # a name shardsync never writes there: not ours to remove
         path = directory / name
         with contextlib.suppress(OSError):
             st = os.lstat(path)

@@ -321,14 +321,17 @@ def _prune_locked(
         return _report(plan, limits, protected, reaped, dry_run=True, skipped_bytes=0)
     skipped = _execute(cache, inv, plan, repo_protected, now=now, stale_age=limits.stale_age)
     evicted = {(e.dirname, e.commit) for e in plan.evictions}
-    AccessLog(cache, clock=clock).compact(
-        keep=[
-            (s.dirname, s.commit)
-            for r in inv.repos
-            for s in r.snapshots
-            if (s.dirname, s.commit) not in evicted
-        ]
-    )
+    try:
+        AccessLog(cache, clock=clock).compact(
+            keep=[
+                (s.dirname, s.commit)
+                for r in inv.repos
+                for s in r.snapshots
+                if (s.dirname, s.commit) not in evicted
+            ]
+        )
+    except DiskFullError as exc:  # the log only grows until a prune finds room to rewrite it
+        log.warning("the access log is not compacted this time: %s", exc)
     report = _report(plan, limits, protected, reaped, dry_run=False, skipped_bytes=skipped)
     free = _disk_free(cache)  # the truth now: a blob still open elsewhere frees nothing yet
     unmet: list[Limit] = []

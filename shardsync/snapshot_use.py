@@ -242,9 +242,9 @@ def _identity(pid: int) -> _Identity:
 def _process_alive(pid: int, start_time: int | None) -> bool:
     found = _proc_stat(pid)
     if found is None:
-        if Path("/proc/self/stat").exists():
-            return False
-        try:  # no procfs: signal 0 at least says whether the pid exists
+        # none, or hidden from us (``/proc`` mounted ``hidepid``: another user's process, as
+        # on shared GPU hosts), or no procfs: signal 0 at least says whether the pid exists
+        try:
             os.kill(pid, 0)
         except ProcessLookupError:
             return False

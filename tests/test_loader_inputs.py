@@ -4,13 +4,12 @@ Every dtype this torch has loads bit-exact (complex and every float8 included), 
 default device of the caller's. A dtype torch lacks, or a tensor name no module has, is a
 ``HeaderError`` before a shard is downloaded. A shard replaced at its origin between the
 header read the plan came from and its download is refused before a tensor is cut from it
-at the old offsets, in this process and through a daemon; and a shard a plain URL serves
+at the old offsets, in this process as through a daemon; and a shard a plain URL serves
 must end where its header says.
 """
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import json
 import struct
@@ -27,7 +26,7 @@ from helpers import fast_config, s3
 from safetensors.torch import load_file, save_file
 
 import shardsync
-from shardsync.config import Config, DaemonConfig, S3Config
+from shardsync.config import S3Config
 from shardsync.errors import HeaderError, LoadError, ShardsyncError
 from shardsync.testing.seaweedfs import S3Server
 
@@ -197,35 +196,22 @@ def test_a_local_shard_replaced_between_its_plan_and_its_copy_is_refused(
     )
 
 
-@pytest.mark.parametrize("way", ["in-process", "daemon"])
-async def test_an_s3_shard_replaced_between_its_plan_and_its_download_is_refused(
-    s3server: S3Server, s3bucket: str, aws_env: None, tmp_path: Path, way: str
+def test_an_s3_shard_replaced_between_its_plan_and_its_download_is_refused(
+    s3server: S3Server, s3bucket: str, aws_env: None, tmp_path: Path
 ) -> None:
-    from daemons import daemon_in_loop, short_tmp
-
+    """In this process (through a daemon: ``test_s3_origin.py``)."""
     old, new = _old_and_new(tmp_path)
     client = s3(s3server)
     key = f"replaced/{SHARD}"
     client.put_object(Bucket=s3bucket, Key=key, Body=old)
     model = Replacing(lambda: client.put_object(Bucket=s3bucket, Key=key, Body=new))
+    config = replace(
+        fast_config(tmp_path / "cache"), s3=S3Config(s3server.endpoint, s3server.region, "path")
+    )
     source = f"s3://{s3bucket}/replaced/"
-
-    def config(cache: Path) -> Config:
-        s3config = S3Config(s3server.endpoint, s3server.region, "path")
-        return replace(fast_config(cache), s3=s3config)
-
-    def load(mine: Config) -> Callable[[], Any]:
-        return lambda: shardsync.load(source, model=model, device_map="cpu", config=mine)
-
-    if way == "in-process":
-        await asyncio.to_thread(_assert_never_a_mix, model, load(config(tmp_path / "cache")))
-        return
-    with short_tmp() as work:
-        socket_path = work / "d.sock"
-        async with daemon_in_loop(config(work / "daemon-cache"), socket_path) as daemon:
-            mine = replace(config(tmp_path / "mine"), daemon=DaemonConfig(socket=socket_path))
-            await asyncio.to_thread(_assert_never_a_mix, model, load(mine))
-            assert daemon.statistics().jobs_submitted == 1  # the daemon downloaded it
+    _assert_never_a_mix(
+        model, lambda: shardsync.load(source, model=model, device_map="cpu", config=config)
+    )
 
 
 # ------------------------------------------------------------------------------ a plain URL

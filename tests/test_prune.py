@@ -6,6 +6,7 @@ import asyncio
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from helpers import assert_snapshot_matches, assert_store_verified, fast_config
+from helpers import assert_snapshot_matches, assert_store_verified, fast_config, tmpfs
 from huggingface_hub import hf_hub_download, scan_cache_dir
 
 from shardsync.cache import CacheStore
@@ -479,6 +480,51 @@ def test_stale_partials_orphans_and_junk(hub: FakeHub, tmp_path: Path) -> None:
     assert list((cache_dir / "tmp").iterdir()) == []
     assert report.orphans == 1 and report.junk == 1 and report.evicted == ()
     assert remaining(cache) == ["acme/a"]  # complete and unused for 3 days: no max_age given
+
+
+def test_what_shardsync_did_not_make_a_prune_leaves_and_still_prunes(
+    hub: FakeHub, models: dict[str, Checkpoint], tmp_path: Path
+) -> None:
+    """A name shardsync never writes in ``tmp/`` or ``quarantine/`` (a core dump, a user's
+    file), or an entry of ``snapshots/`` that is no commit (a user's ``cp -a`` of one), is not
+    ours: left as it is, with what it links to, and the prune does the rest. Each of them used
+    to fail every prune (from a timer: no report, nothing freed)."""
+    cache_dir = tmp_path / "cache"
+    paths = fill(cache_dir, hub, ("a", "b"))
+    cache = CacheStore(cache_dir)
+    strays = [cache_dir / "tmp" / "core dump", cache_dir / "quarantine" / "\u00fc.bin"]
+    for stray in strays:
+        stray.parent.mkdir(exist_ok=True)
+        stray.write_bytes(b"not ours")
+        os.utime(stray, (0, 0))
+    backup = paths["b"].parent / "backup"
+    shutil.copytree(paths["b"], backup, symlinks=True)
+    later = time.time() + 3 * DAY
+    report = prune_cache(cache, Limits(max_age=DAY, stale_age=DAY), clock=lambda: later)
+    assert sorted(e.repo for e in report.evicted) == ["acme/a", "acme/b"]
+    assert all(stray.read_bytes() == b"not ours" for stray in strays)
+    assert not paths["b"].exists()
+    assert_snapshot_matches(backup, models["b"])  # the blobs the copy links to are kept
+    again = prune_cache(cache, Limits(max_age=DAY, stale_age=DAY), clock=lambda: later)
+    assert again.evicted == ()
+
+
+def test_a_prune_on_a_full_disk_reports_what_it_could_not_meet(
+    hub: FakeHub, tmp_path: Path
+) -> None:
+    """The access log's rewrite needs room a full disk does not have; the prune still
+    reports (``unmet``), as a full disk is when it is run."""
+    with tmpfs(tmp_path / "small", "size=4m") as small:
+        cache_dir = small / "cache"
+        fill(cache_dir, hub, ("a",))
+        use(cache_dir, "a")
+        cache = CacheStore(cache_dir)
+        prune_cache(cache, Limits())  # its lock files are made while there is room
+        with (small / "filler").open("wb", buffering=0) as filler, pytest.raises(OSError):
+            while True:
+                filler.write(bytes(64 << 10))
+        report = prune_cache(cache, Limits(max_size=1), pin=("acme/*",))
+    assert report.evicted == () and report.unmet == ("max_size",)
 
 
 def test_stale_incomplete_snapshot_is_removed(hub: FakeHub, tmp_path: Path) -> None:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -163,6 +165,56 @@ def test_kill_9_ends_a_process_lease_at_once(cache: CacheStore) -> None:
         holder.wait()
     assert leases.live() == ()
     assert leases.reap() == 1 and leases.all() == ()
+
+
+JUDGE = r"""
+import sys
+from pathlib import Path
+from shardsync.cache import CacheStore
+from shardsync.snapshot_use import Leases
+leases = Leases(CacheStore(Path(sys.argv[1])))
+print(len(leases.all()), len(leases.live()))
+"""
+
+
+def test_another_users_lease_is_live_where_proc_hides_their_processes() -> None:
+    """Shared GPU hosts often mount ``/proc`` with ``hidepid=2``: a user sees only their own
+    processes there. A prune run by another user must still take a running holder's lease
+    for live (it did not, and evicted what the holder was loading)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: two other users and a mount namespace")
+    as_user = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--"]
+    if subprocess.run([*as_user, sys.executable, "-c", "import shardsync"], check=False).returncode:
+        pytest.skip("another user cannot run this checkout's Python here")
+    root = Path(tempfile.mkdtemp(prefix="hidepid-"))
+    try:
+        root.chmod(0o777)
+        holder_user = ["setpriv", "--reuid=65533", "--regid=65533", "--clear-groups", "--"]
+        with subprocess.Popen(
+            [*holder_user, sys.executable, "-c", HOLDER, str(root)],
+            stdout=subprocess.PIPE,
+            text=True,
+        ) as holder:
+            try:
+                assert holder.stdout is not None and holder.stdout.readline().strip()
+                hidden = (
+                    "mount -t proc -o hidepid=2 proc /proc && exec "
+                    + " ".join(as_user)
+                    + f' {sys.executable} -c "$0" "$1"'
+                )
+                judged = subprocess.run(
+                    ["unshare", "--mount", "--propagation", "private", "sh", "-c", hidden,
+                     JUDGE, str(root)],
+                    capture_output=True, text=True, check=False,
+                )  # fmt: skip
+                if judged.returncode != 0 and "mount" in judged.stderr:
+                    pytest.skip(f"cannot mount a hidepid /proc here: {judged.stderr.strip()}")
+                assert judged.returncode == 0, judged.stderr
+                assert judged.stdout.split() == ["1", "1"]  # one lease, and it is live
+            finally:
+                holder.kill()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def test_a_zombie_protects_nothing(cache: CacheStore) -> None:

@@ -36,6 +36,7 @@ FRAMING = "tests/adversarial/test_framing.py"
 MID_LOAD = "tests/adversarial/test_mid_load_change.py"
 SWEEP = "tests/adversarial/test_secrets_sweep.py"
 KILL = "tests/adversarial/test_kill_cost.py"
+LOADER_INPUTS = "tests/test_loader_inputs.py"
 S3_INTEGRITY = "tests/adversarial/test_s3_integrity.py"
 DAEMON_S3_KILL = (
     "tests/test_s3_origin.py::test_a_daemon_killed_mid_s3_job_resumes_it_after_a_restart"
@@ -678,21 +679,6 @@ MUTANTS: tuple[Mutant, ...] = (
         "a load with a daemon running lists the origin and reads the headers in its own process",
     ),
     Mutant(
-        "load-via-daemon-header-unchecked",
-        "shardsync/loader.py",
-        (
-            (
-                "                    if planned is not None and not await asyncio.to_thread(\n",
-                "                    if False and not await asyncio.to_thread(\n",
-            ),
-        ),
-        (
-            "tests/test_s3_origin.py::"
-            "test_a_shard_replaced_between_the_daemons_plan_and_its_download_is_never_placed",
-        ),
-        "a shard the daemon fetched after the plan is placed without checking its header",
-    ),
-    Mutant(
         "prepared-headers-of-other-files",
         "shardsync/prepared.py",
         (("        if set(headers) != wanted:\n", "        if not wanted <= set(headers):\n"),),
@@ -885,6 +871,103 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_a_load_failing_while_a_file_is_opened_leaves_no_descriptor_open",
         ),
         "a DCP load failing while a file's kept pieces open leaves their descriptor open",
+    ),
+    Mutant(
+        "planned-shard-unchecked",
+        "shardsync/loader.py",
+        (
+            (
+                "_check_planned(entry.path, file, header, self._raw_headers[entry.path])",
+                "pass",
+            ),
+        ),
+        (
+            "tests/test_s3_origin.py::"
+            "test_a_shard_replaced_between_the_daemons_plan_and_its_download_is_never_placed",
+            f"{LOADER_INPUTS}::"
+            "test_an_s3_shard_replaced_between_its_plan_and_its_download_is_refused",
+            f"{LOADER_INPUTS}::test_a_local_shard_replaced_between_its_plan_and_its_copy_is_refused",
+            f"{LOADER_INPUTS}::test_a_plain_url_shard_must_end_where_its_header_says",
+        ),
+        "a shard replaced between the plan and its download is cut at the old offsets",
+    ),
+    Mutant(
+        "complex64-unmapped",
+        "shardsync/placement.py",
+        (('    "C64": "complex64",\n', ""),),
+        (f"{LOADER_INPUTS}::test_every_dtype_this_torch_has_loads_bit_exact",),
+        "a complex64 tensor, which torch has, is refused as unsupported",
+    ),
+    Mutant(
+        "default-device-followed",
+        "shardsync/placement.py",
+        (
+            (
+                'torch.empty(0, dtype=torch.uint8, device="cpu").set_(storage)',
+                "torch.empty(0, dtype=torch.uint8).set_(storage)",
+            ),
+        ),
+        (f"{LOADER_INPUTS}::test_tensors_load_to_the_cpu_whatever_the_callers_default_device",),
+        "a load under the caller's meta (or CUDA) default device fails",
+    ),
+    Mutant(
+        "dtype-refused-after-download",
+        "shardsync/placement.py",
+        (("            _torch_dtype(info)  # refused now", "            # refused now"),),
+        (
+            f"{LOADER_INPUTS}::"
+            "test_what_torch_or_a_module_cannot_hold_is_refused_before_the_download",
+        ),
+        "a dtype torch lacks is found only once its shard was downloaded",
+    ),
+    Mutant(
+        "non-module-name-crashes",
+        "shardsync/placement.py",
+        (("            if not is_module_path(info.name):", "            if False:"),),
+        (
+            f"{LOADER_INPUTS}::"
+            "test_what_torch_or_a_module_cannot_hold_is_refused_before_the_download",
+        ),
+        "a tensor name with an empty dotted part ends the load in a ValueError",
+    ),
+    Mutant(
+        "stray-junk-fails-prune",
+        "shardsync/inventory.py",
+        (("        if not layout.is_junk_name(name):\n            continue", "        pass"),),
+        ("tests/test_prune.py::test_what_shardsync_did_not_make_a_prune_leaves_and_still_prunes",),
+        "a file of a name shardsync never writes in tmp/ fails every prune",
+    ),
+    Mutant(
+        "stray-snapshot-fails-prune",
+        "shardsync/inventory.py",
+        ((" or not is_commit(commit)", ""),),
+        ("tests/test_prune.py::test_what_shardsync_did_not_make_a_prune_leaves_and_still_prunes",),
+        "an entry of snapshots/ that is no commit fails every prune",
+    ),
+    Mutant(
+        "full-disk-fails-prune",
+        "shardsync/prune.py",
+        (("except DiskFullError as exc:  # the log", "except ZeroDivisionError as exc:  #"),),
+        ("tests/test_prune.py::test_a_prune_on_a_full_disk_reports_what_it_could_not_meet",),
+        "a prune on a full disk fails at the access log's rewrite instead of reporting",
+    ),
+    Mutant(
+        "hidden-holder-taken-for-dead",
+        "shardsync/snapshot_use.py",
+        (
+            (
+                "        try:\n            os.kill(pid, 0)",
+                '        if Path("/proc/self/stat").exists():\n'
+                "            return False\n"
+                "        try:\n"
+                "            os.kill(pid, 0)",
+            ),
+        ),
+        (
+            "tests/test_snapshot_use.py::"
+            "test_another_users_lease_is_live_where_proc_hides_their_processes",
+        ),
+        "under /proc's hidepid another user's running holder counts as dead",
     ),
 )
 
