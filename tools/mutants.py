@@ -1000,6 +1000,7 @@ def run_mutant(mutant: Mutant, python: str) -> Outcome:
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix=f"mutant-{mutant.name}-") as tmp:
         work = Path(tmp)
+        work.chmod(0o755)  # tests that run a child as another user import this copy
         copy_tree(work)
         target = work / mutant.file
         try:
