@@ -140,7 +140,8 @@ class Daemon:
         """
         try:
             async with asyncio.timeout(None) as deadline, contextlib.AsyncExitStack() as stack:
-                unix, inode = bind_unix(self.socket_path, self.config)
+                unix, inode, lock = bind_unix(self.socket_path, self.config)
+                stack.callback(os.close, lock)  # last: the socket file goes first
                 stack.callback(unlink_socket, self.socket_path, inode)
                 stack.callback(unix.close)  # closing twice is harmless; a failed start needs it
                 tcp = None

@@ -2,14 +2,17 @@
 
 The Unix socket lives in a directory only the daemon's user (and, with ``daemon.group``,
 that group) can traverse; it gets the configured mode and group before anyone can connect.
-A socket left by a dead daemon is cleared, a live daemon's is never stolen, and at exit only
-the file this daemon bound is removed. Every failure is a ``ConfigError`` naming the key.
+A socket left by a dead daemon is cleared, a live daemon's is never stolen (a lock file beside
+it is held for the daemon's life: one still starting, bound but not yet listening, is live
+too), and at exit only the file this daemon bound is removed. Every failure is a
+``ConfigError`` naming the key.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import logging
 import os
 import socket
@@ -24,9 +27,10 @@ __all__ = ["bind_tcp", "bind_unix", "host_port", "unlink_socket"]
 log = logging.getLogger("shardsync.daemon")  # what it warns of is the daemon's to say
 
 
-def bind_unix(path: Path, config: Config) -> tuple[socket.socket, int]:
-    """A bound (not yet listening) socket with its mode and group set, in a private directory,
-    and the inode of its file (so that only this file is removed at exit)."""
+def bind_unix(path: Path, config: Config) -> tuple[socket.socket, int, int]:
+    """A bound (not yet listening) socket with its mode and group set, in a private directory;
+    the inode of its file (so that only this file is removed at exit); and the descriptor of
+    the lock beside it, to hold until then."""
     daemon = config.daemon
     directory = path.parent
     try:
@@ -52,18 +56,40 @@ def bind_unix(path: Path, config: Config) -> tuple[socket.socket, int]:
         )
     if daemon.group is not None and not st.st_mode & 0o010:
         log.warning("%s is not searchable by its group; group members cannot connect", directory)
-    _clear_stale(path)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    lock = _hold_lock(path)
     try:
-        sock.bind(str(path))
-        os.chmod(path, daemon.socket_mode)
-        if daemon.group is not None:
-            os.chown(path, -1, daemon.group)
-        inode = os.lstat(path).st_ino
+        _clear_stale(path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            sock.bind(str(path))
+            os.chmod(path, daemon.socket_mode)
+            if daemon.group is not None:
+                os.chown(path, -1, daemon.group)
+            inode = os.lstat(path).st_ino
+        except OSError as exc:
+            sock.close()
+            raise ConfigError(f"daemon.socket: cannot listen on {path}: {exc}") from None
+    except BaseException:
+        os.close(lock)
+        raise
+    return sock, inode, lock
+
+
+def _hold_lock(path: Path) -> int:
+    """The lock beside the socket, held (the kernel lets go of it when the daemon dies)."""
+    lock_path = path.with_name(f"{path.name}.lock")
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     except OSError as exc:
-        sock.close()
-        raise ConfigError(f"daemon.socket: cannot listen on {path}: {exc}") from None
-    return sock, inode
+        raise ConfigError(f"daemon.socket: cannot open {lock_path}: {exc.strerror}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise ConfigError(f"another shardsync daemon is already listening on {path}") from None
+        raise ConfigError(f"daemon.socket: cannot lock {lock_path}: {exc.strerror}") from None
+    return fd
 
 
 def _clear_stale(path: Path) -> None:

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from helpers import assert_snapshot_matches, assert_store_verified, fast_config,
 from shardsync import daemon as daemon_module
 from shardsync import errors
 from shardsync.client import Client
+from shardsync.config import DaemonConfig
 from shardsync.daemon import Daemon
 from shardsync.events import FileStarted, JobDone, JobEvent, Progress, Verified
 from shardsync.testing import Bandwidth, Checkpoint, FakeHub, build_checkpoint
@@ -256,6 +258,39 @@ async def test_a_second_daemon_does_not_steal_the_socket(daemon: Daemon, workdir
     with pytest.raises(errors.ConfigError, match="already listening"):
         await other.serve()
     assert (await api(daemon.socket_path, "GET", "/v1/status"))[0] == 200
+
+
+async def test_a_daemon_still_starting_keeps_its_socket(workdir: Path, fake_hub: FakeHub) -> None:
+    """Between binding its socket and listening on it a daemon starts its engine and resumes
+    its journal; a second daemon started then used to take the socket as a dead one's, and
+    both ran the same journal. It is refused, and the first one serves on its own socket."""
+    config = replace(
+        fast_config(workdir / "cache", fake_hub.endpoint),
+        daemon=DaemonConfig(socket=workdir / "shardsync" / "d.sock"),
+    )
+    first = Daemon(config, environ={})
+    serving = asyncio.create_task(first.serve())
+    try:
+        await asyncio.sleep(0)  # it bound its socket and went on to start its engine
+        assert first.socket_path.is_socket() and not first._ready.is_set()
+        bound = first.socket_path.stat().st_ino
+        second = Daemon(config, environ={})
+        trying = asyncio.create_task(second.serve())
+        ready = asyncio.create_task(second.wait_ready())
+        await asyncio.wait({trying, ready}, timeout=20, return_when=asyncio.FIRST_COMPLETED)
+        ready.cancel()
+        if not trying.done():  # it took the socket and serves: end it, and the test
+            second.request_stop()
+            await trying
+            pytest.fail("a second daemon took the socket of one still starting")
+        with pytest.raises(errors.ConfigError, match="already listening"):
+            trying.result()
+        await first.wait_ready()
+        assert first.socket_path.stat().st_ino == bound
+        assert (await api(first.socket_path, "GET", "/v1/status"))[0] == 200
+    finally:
+        first.request_stop()
+        await serving
 
 
 async def test_a_stale_socket_is_replaced_and_an_open_directory_refused(

@@ -952,6 +952,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "a prune on a full disk fails at the access log's rewrite instead of reporting",
     ),
     Mutant(
+        "starting-daemon-socket-stolen",
+        "shardsync/listeners.py",
+        (("    lock = _hold_lock(path)\n", '    lock = os.open("/dev/null", os.O_RDONLY)\n'),),
+        ("tests/test_daemon.py::test_a_daemon_still_starting_keeps_its_socket",),
+        "a second daemon takes the socket of one still starting, and both run its journal",
+    ),
+    Mutant(
         "hidden-holder-taken-for-dead",
         "shardsync/snapshot_use.py",
         (
