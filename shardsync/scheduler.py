@@ -457,6 +457,7 @@ class Scheduler:
     def _interrupt(self, job: SharedJob, error: ShardsyncError) -> None:
         if job.stop_error is None:
             job.stop_error = error
+        self._release(job)  # a request from now on starts a job, not one ending
         if job.state == "pending":  # its task has not run yet, so it cannot answer itself
             self._finish_failed(job, _stopped_state(error), error_info(error))
         if job.task is not None:
@@ -516,11 +517,12 @@ class Scheduler:
             if other is not None and not other.finished:
                 if job.in_order:
                     self._follow_chain(other, SharedJob.stream_in_order)
-                await self._follow(job, other)
-                return
-            self._by_commit[key] = job
+                if await self._follow(job, other):
+                    return
+            self._by_commit[key] = job  # its own download (the one it followed was cancelled)
         await self._make_room(job, manifest)
-        job.move_to("downloading")
+        if job.state != "downloading":
+            job.move_to("downloading")
         files = await engine_job.download()
         now = time.time()
         job.result = engine_job.result(files, now - (job.started_at or now), counters=False)
@@ -539,8 +541,10 @@ class Scheduler:
 
         await self._room.make(manifest.entries, job.repo.name, short)
 
-    async def _follow(self, job: SharedJob, other: SharedJob) -> None:
-        """Mirror the job already downloading this commit instead of downloading it again."""
+    async def _follow(self, job: SharedJob, other: SharedJob) -> bool:
+        """Mirror the job already downloading this commit instead of downloading it again;
+        whether that ended ``job`` (False: ``other`` was cancelled, by its own clients, and
+        ``job``, which was not, downloads on its own)."""
         log.info("job %s follows job %s (same commit %s)", job.id, other.id, job.commit)
         job.merged_into = other.id
         job.move_to("downloading")
@@ -551,15 +555,20 @@ class Scheduler:
                 case JobDone():
                     job.result, job.selection = other.result, other.selection
                     self._finish_done(job)
-                    return
+                    return True
                 case JobFailed(error=error):
-                    cancelled = error.code == error_code(JobCancelledError())
-                    self._finish_failed(job, "cancelled" if cancelled else "failed", error)
-                    return
+                    if error.code != error_code(JobCancelledError()):
+                        self._finish_failed(job, "failed", error)
+                        return True
+                    break
                 case Resolved():
                     pass  # the follower logged its own
                 case _:
                     job.emit(event)  # stamped anew by the follower's log
+        log.info("job %s was cancelled; job %s goes on alone", other.id, job.id)
+        other.clients -= job.clients
+        job.merged_into = None
+        return False
 
     def _gate_for(self, job: SharedJob, sink: _JobSink) -> FileGate:
         gate = self.gate

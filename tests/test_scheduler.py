@@ -410,6 +410,45 @@ async def test_a_revision_naming_a_running_commit_follows_that_job(
     assert fake_hub.bytes_served("*.safetensors") < 1.1 * _shard_bytes(checkpoint)
 
 
+async def test_a_follower_goes_on_alone_when_the_job_it_follows_is_cancelled(
+    scheduler: Scheduler, fake_hub: FakeHub, checkpoint: Checkpoint
+) -> None:
+    """A job that follows another's download (the same commit asked by its hash) belongs to
+    its own clients: the other job's clients cancelling theirs does not cancel it."""
+    fake_hub.faults.add(Bandwidth(300_000, times=None))
+    commit = fake_hub.add_checkpoint(REPO, checkpoint)
+    by_branch, _ = await scheduler.submit(JobRequest(REPO))
+    by_commit, _ = await scheduler.submit(JobRequest(REPO, revision=commit))
+    await until(lambda: by_branch.merged_into is not None or by_commit.merged_into is not None)
+    follower = by_commit if by_commit.merged_into else by_branch
+    followed = by_branch if follower is by_commit else by_commit
+    await scheduler.cancel(followed.id)
+    assert followed.state == "cancelled"
+    done = await _done(follower)
+    assert follower.state == "done" and follower.merged_into is None
+    assert_snapshot_matches(Path(done.result["snapshot_path"]), checkpoint)
+
+
+async def test_a_request_while_a_job_is_being_cancelled_starts_a_new_job(
+    scheduler: Scheduler, fake_hub: FakeHub, checkpoint: Checkpoint
+) -> None:
+    """A cancelled job winds down (its files' cleanup) before it ends; a request made
+    meanwhile is not the cancelled one's and must not end with its cancellation."""
+    fake_hub.faults.add(Bandwidth(300_000, times=None))
+    job, _ = await scheduler.submit(JobRequest(REPO))
+    async for event in job.events.follow():
+        if isinstance(event, Progress) and event.path.endswith(".safetensors"):
+            break
+    cancelling = asyncio.create_task(scheduler.cancel(job.id))
+    await asyncio.sleep(0)  # cancelled; its task still winds down
+    assert job.stop_error is not None and not job.finished
+    again, created = await scheduler.submit(JobRequest(REPO))
+    await cancelling
+    assert created and again is not job and job.state == "cancelled"
+    done = await _done(again)
+    assert_snapshot_matches(Path(done.result["snapshot_path"]), checkpoint)
+
+
 async def test_cancel_stops_the_job_and_keeps_partials(
     scheduler: Scheduler, fake_hub: FakeHub
 ) -> None:

@@ -959,6 +959,26 @@ MUTANTS: tuple[Mutant, ...] = (
         "a second daemon takes the socket of one still starting, and both run its journal",
     ),
     Mutant(
+        "follower-cancelled-with-its-leader",
+        "shardsync/scheduler.py",
+        (("if error.code != error_code(JobCancelledError()):", "if True:"),),
+        (
+            "tests/test_scheduler.py::"
+            "test_a_follower_goes_on_alone_when_the_job_it_follows_is_cancelled",
+        ),
+        "cancelling a job cancels the other clients' job that follows its download",
+    ),
+    Mutant(
+        "cancelled-job-joined",
+        "shardsync/scheduler.py",
+        (("        self._release(job)  # a request from now on starts a job", "        pass  #"),),
+        (
+            "tests/test_scheduler.py::"
+            "test_a_request_while_a_job_is_being_cancelled_starts_a_new_job",
+        ),
+        "a request made while a job is being cancelled joins it and ends cancelled",
+    ),
+    Mutant(
         "hidden-holder-taken-for-dead",
         "shardsync/snapshot_use.py",
         (
