@@ -76,6 +76,7 @@ _STOP_TIMEOUT = 8.0  # the whole shutdown; systemd's TimeoutStopSec is longer
 _TCP_ROUTES = frozenset({"/metrics", "/v1/status"})
 _NDJSON = "application/x-ndjson"
 _CACHE_TTL = 10.0
+_HEARTBEAT_S = 15.0  # an event stream silent this long gets an empty line (clients skip it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -373,19 +374,34 @@ class Daemon:
     async def _events(self, request: web.Request) -> web.StreamResponse:
         job = self._job(request)
         since_text = request.query.get("since", "0")
-        if not since_text.isdigit() or len(since_text) > 12:
+        if not (since_text.isascii() and since_text.isdigit()) or len(since_text) > 12:
             return _error(400, "bad_request", "since must be a non-negative event number")
+        since = int(since_text)
         response = web.StreamResponse(
             headers={"Content-Type": _NDJSON, "Cache-Control": "no-store"}
         )
         await response.prepare(request)
+        events = aiter(job.events.follow(since))
+        upcoming = asyncio.ensure_future(anext(events))
         try:
-            async for event in job.events.follow(int(since_text)):
+            while True:
+                # a silent job's stream writes an empty line now and then: a client that went
+                # away is found then, not at the job's next event (hours, for a queued one)
+                if not (await asyncio.wait({upcoming}, timeout=_HEARTBEAT_S))[0]:
+                    await response.write(b"\n")
+                    continue
+                try:
+                    event = upcoming.result()
+                except StopAsyncIteration:
+                    break
                 line = json.dumps(event.to_json(), separators=(",", ":"))
                 await response.write(line.encode() + b"\n")
+                upcoming = asyncio.ensure_future(anext(events))
             await response.write_eof()
         except ConnectionError:
             pass  # the client went away; the job goes on
+        finally:
+            upcoming.cancel()
         return response
 
     async def _cache(self, request: web.Request) -> web.Response:

@@ -21,7 +21,7 @@ from typing import Any
 import aiohttp
 import pytest
 from daemons import api, cli, daemon_in_loop, short_tmp
-from helpers import assert_snapshot_matches, assert_store_verified, fast_config, serving
+from helpers import assert_snapshot_matches, assert_store_verified, fast_config, serving, until
 
 from shardsync import daemon as daemon_module
 from shardsync import errors
@@ -29,7 +29,7 @@ from shardsync.client import Client
 from shardsync.config import DaemonConfig
 from shardsync.daemon import Daemon
 from shardsync.events import FileStarted, JobDone, JobEvent, Progress, Verified
-from shardsync.testing import Bandwidth, Checkpoint, FakeHub, build_checkpoint
+from shardsync.testing import Bandwidth, Checkpoint, FakeHub, Latency, build_checkpoint
 from shardsync.testing.daemons import DaemonProcess, write_config
 
 REPO = "acme/daemon"
@@ -241,6 +241,37 @@ async def test_cancel_over_the_api(daemon: Daemon, fake_hub: FakeHub) -> None:
         assert status == 200 and info["state"] == "cancelled"
         with pytest.raises(errors.JobCancelledError, match="was cancelled"):
             await job.wait()
+
+
+async def test_a_since_that_is_no_event_number_is_a_400(daemon: Daemon) -> None:
+    """``"\u00b2".isdigit()`` is true and ``int`` refuses it: the answer was a 200 whose body
+    then held a second, 500 answer."""
+    status, job = await api(daemon.socket_path, "POST", "/v1/jobs", json_body={"source": REPO})
+    assert status in (200, 201)
+    status, body = await api(daemon.socket_path, "GET", f"/v1/jobs/{job['id']}/events?since=%C2%B2")
+    assert status == 400 and body["error"]["code"] == "bad_request"
+
+
+async def test_an_event_stream_its_client_left_ends_without_an_event(
+    daemon: Daemon, fake_hub: FakeHub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stream of a job that says nothing for a while (queued, listing a slow origin) found
+    out that its client had gone only at the job's next event: each one left held a handler
+    and a connection until then. The heartbeat finds out within one beat."""
+    # raising=False: a daemon without a heartbeat fails the promise below, not this line
+    monkeypatch.setattr(daemon_module, "_HEARTBEAT_S", 0.2, raising=False)
+    fake_hub.faults.add(Latency(30, server="hub"))  # the job's listing: no event meanwhile
+    status, job = await api(daemon.socket_path, "POST", "/v1/jobs", json_body={"source": REPO})
+    assert status == 201
+    for _ in range(5):
+        reader, writer = await asyncio.open_unix_connection(str(daemon.socket_path))
+        request = f"GET /v1/jobs/{job['id']}/events?since=0 HTTP/1.1\r\nHost: d\r\n\r\n"
+        writer.write(request.encode())
+        await reader.readuntil(b"\r\n\r\n")
+        writer.close()
+        await writer.wait_closed()
+    async with asyncio.timeout(10):
+        await until(lambda: daemon.statistics().api_requests == 0)
 
 
 async def test_client_errors_carry_the_daemons_message(daemon: Daemon) -> None:

@@ -979,6 +979,20 @@ MUTANTS: tuple[Mutant, ...] = (
         "a request made while a job is being cancelled joins it and ends cancelled",
     ),
     Mutant(
+        "since-unicode-digit-500",
+        "shardsync/daemon.py",
+        (("since_text.isascii() and since_text.isdigit()", "since_text.isdigit()"),),
+        ("tests/test_daemon.py::test_a_since_that_is_no_event_number_is_a_400",),
+        "an event stream asked from a Unicode digit (?since=\u00b2) is a 500, not a 400",
+    ),
+    Mutant(
+        "event-stream-without-heartbeat",
+        "shardsync/daemon.py",
+        (("timeout=_HEARTBEAT_S", "timeout=None"),),
+        ("tests/test_daemon.py::test_an_event_stream_its_client_left_ends_without_an_event",),
+        "an event stream whose client left holds its handler until the job's next event",
+    ),
+    Mutant(
         "hidden-holder-taken-for-dead",
         "shardsync/snapshot_use.py",
         (
