@@ -49,6 +49,7 @@ from shardsync.api import JobRequest, error_json
 from shardsync.checkpoint_selection import selection_for
 from shardsync.config import Config, daemon_socket, load_config
 from shardsync.errors import (
+    CacheError,
     ConfigError,
     DaemonStoppingError,
     JobCancelledError,
@@ -64,6 +65,7 @@ from shardsync.prefetch import Engine
 from shardsync.prune import CacheRoom
 from shardsync.records import TierStatistics
 from shardsync.scheduler import Scheduler, SharedJob
+from shardsync.snapshot_use import Leases
 from shardsync.version import __version__
 
 __all__ = ["API_VERSION", "Daemon", "DaemonStatistics", "run_daemon"]
@@ -272,6 +274,7 @@ class Daemon:
     def _app(self) -> web.Application:
         app = web.Application(middlewares=[self._errors, self._guard], client_max_size=_MAX_BODY)
         app.router.add_post("/v1/prepare", self._prepare)
+        app.router.add_post("/v1/leases", self._hold)
         app.router.add_post("/v1/jobs", self._submit)
         app.router.add_get("/v1/jobs", self._list)
         app.router.add_get("/v1/jobs/{id}", self._get)
@@ -355,6 +358,31 @@ class Daemon:
             origin, revision=wanted.revision, allow_pickle=wanted.allow_pickle
         )
         return web.json_response(prepared.to_json())
+
+    async def _hold(self, request: web.Request) -> web.StreamResponse:
+        """Lease a repo's snapshots in this cache for a client (a load still placing tensors
+        from it after its job ended) while the client keeps this request open. The lease
+        also follows the client's process, so it ends with it whatever this daemon does."""
+        wanted = JobRequest.from_json(await _json_body(request))
+        if self._engine is None:
+            raise DaemonStoppingError("the daemon is not serving")
+        repo = self._engine.origin(wanted.source).repo
+        assert request.transport is not None  # the guard let a Unix socket's peer in
+        pid = _peer_credentials(request.transport.get_extra_info("socket"))[0]
+        leases = Leases(self._engine.cache)
+        try:
+            lease = await leases.ahold(repo, owner=f"load by pid {pid}", pid=pid)
+        except CacheError:  # its process hidden from ours (/proc's hidepid): follows ours
+            lease = await leases.ahold(repo, owner=f"load by pid {pid}")
+        response = web.StreamResponse(status=201, headers={"Cache-Control": "no-store"})
+        try:
+            await response.prepare(request)
+            while True:  # a heartbeat: the client's going is found at the next one
+                await response.write(b"\n")
+                await asyncio.sleep(_HEARTBEAT_S)
+        except ConnectionError:
+            lease.release()
+        return response
 
     async def _submit(self, request: web.Request) -> web.Response:
         job, created = await self._sched.submit(JobRequest.from_json(await _json_body(request)))

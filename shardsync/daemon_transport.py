@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import json
+import socket
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -242,3 +243,51 @@ async def _ndjson(chunks: AsyncIterator[bytes]) -> AsyncIterator[object]:
                 yield value
         if len(buffer) > _MAX_LINE:
             raise DaemonError("the daemon sent an event line larger than 64 MiB")
+
+
+class DaemonLease:
+    """A lease the daemon holds on a repo's snapshots in its cache for this process, for as
+    long as this connection stays open (``release`` closes it). It also follows this
+    process: it ends with it, ``kill -9`` included."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+
+    def release(self) -> None:
+        """Stop protecting (the daemon lets go at its next heartbeat); idempotent."""
+        self._sock.close()
+
+
+def hold_lease(path: Path, request: JobRequest) -> DaemonLease | None:
+    """Ask the daemon at ``path`` to lease ``request.source``'s snapshots in its cache
+    (``POST /v1/leases``): blocking, so that any thread may hold and release it. None from a
+    daemon older than that route."""
+    body = json.dumps(request.to_json()).encode()
+    conn = h11.Connection(h11.CLIENT)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        sock.settimeout(_REQUEST_TIMEOUT_S)
+        sock.connect(str(path))
+        headers = [("Host", "daemon"), ("Content-Type", "application/json")]
+        headers.append(("Content-Length", str(len(body))))
+        sock.sendall(conn.send(h11.Request(method="POST", target="/v1/leases", headers=headers)))
+        sock.sendall(conn.send(h11.Data(data=body)) + conn.send(h11.EndOfMessage()))
+        event = conn.next_event()
+        while event is h11.NEED_DATA:
+            conn.receive_data(sock.recv(1 << 16))
+            event = conn.next_event()
+        if not isinstance(event, h11.Response):
+            raise DaemonError(f"the daemon at {path} answered a lease with {event!r}")
+        if event.status_code == 201:
+            sock.settimeout(None)
+            return DaemonLease(sock)
+    except (OSError, h11.ProtocolError) as exc:
+        sock.close()
+        raise DaemonError(f"the daemon at {path} did not lease: {exc!r}") from exc
+    except BaseException:
+        sock.close()
+        raise
+    sock.close()
+    if event.status_code in (404, 405):
+        return None  # a daemon from before the route
+    raise DaemonError(f"the daemon at {path} answered {event.status_code} to a lease")

@@ -25,7 +25,7 @@ from shardsync.api import (
     result_from_json,
 )
 from shardsync.config import Config, Fallback, client_sockets, load_config
-from shardsync.daemon_transport import DaemonTransport, error_from
+from shardsync.daemon_transport import DaemonLease, DaemonTransport, error_from, hold_lease
 from shardsync.errors import DaemonError, DaemonUnavailableError, EntryNotFoundError
 from shardsync.events import (
     FileStarted,
@@ -38,6 +38,7 @@ from shardsync.events import (
 )
 from shardsync.prepared import Prepared
 from shardsync.records import PrefetchResult, ProgressSink, TierStatistics
+from shardsync.tasks import opened
 
 __all__ = [
     "JobClient",
@@ -406,6 +407,16 @@ class JobClient:
         None: the daemon is older than that route; read them yourself."""
         request = JobRequest(source=source, revision=revision, allow_pickle=allow_pickle)
         return await self._connection.prepare(request)
+
+    async def hold(self, source: str) -> DaemonLease | None:
+        """A lease on ``source``'s snapshots in the daemon's cache, which the daemon holds for
+        this process until it is released or the process ends (a load still reading its
+        cache after the job ended); None in-process or from a daemon older than that."""
+        transport = self._connection
+        if not isinstance(transport, DaemonTransport):
+            return None
+        holding = asyncio.to_thread(hold_lease, transport.socket, JobRequest(source))
+        return await opened(holding, DaemonLease.release)  # released if cancelled meanwhile
 
     async def job(self, job_id: str) -> JobHandle:
         """A handle on an existing job (after a restart, the daemon keeps unfinished ids)."""

@@ -45,10 +45,12 @@ from shardsync.prefetch import Engine, Job
 from shardsync.records import FileOutcome
 from shardsync.safetensors_header import Header, check_index, parse_header
 from shardsync.snapshot_use import Lease, Leases
+from shardsync.tasks import opened
 
 if TYPE_CHECKING:
     import torch
 
+    from shardsync.daemon_transport import DaemonLease
     from shardsync.jobs import JobClient
 
 __all__ = ["LoadResult", "LoadStatistics", "TensorStream", "load", "stream"]
@@ -112,6 +114,30 @@ class _Handoff:
     loop: asyncio.AbstractEventLoop | None = None
     task: asyncio.Task[None] | None = None
     go: asyncio.Event | None = None  # set by the consumer when iteration starts
+
+
+class _Leases:
+    """The stream's lease, released once from whichever thread closes the stream first; one
+    added after that is released at once."""
+
+    def __init__(self) -> None:
+        self._guard = threading.Lock()
+        self._held: list[Lease | DaemonLease] = []
+        self._released = False
+
+    def add(self, lease: Lease | DaemonLease) -> None:
+        with self._guard:
+            if not self._released:
+                self._held.append(lease)
+                return
+        lease.release()
+
+    def release(self) -> None:
+        with self._guard:
+            self._released = True
+            held, self._held = self._held, []
+        for lease in held:
+            lease.release()
 
 
 class _ShardSink:
@@ -197,8 +223,8 @@ class TensorStream:
         self._bytes: int = 0
         self._placer = ShardPlacer(dtype, device_map)
         self._iterator: Iterator[tuple[str, torch.Tensor]] = self._iterate()
-        lease = _lease(config, source, token)
-        self._release_lease = weakref.finalize(self, lease.release)
+        self._leases = _Leases()  # taken by the producer: this process's, or the daemon's
+        self._release_lease = weakref.finalize(self, self._leases.release)
         self._thread.start()  # listing, index and headers go on while torch imports
         self._devices: tuple[str, ...] = ()
         try:
@@ -358,6 +384,7 @@ class TensorStream:
 
     async def _produce_here(self, request: _Request) -> None:
         """No daemon serves us: list, read the headers and download in this process."""
+        await self._lease_here(request)
         async with Engine(request.config) as engine:
             origin = engine.origin(request.source, token=request.token)
             sink = _ShardSink(self._handoff)
@@ -381,7 +408,13 @@ class TensorStream:
     async def _produce_via(self, client: JobClient, request: _Request) -> None:
         """A daemon lists, reads the headers and downloads (each byte once per host); this
         process asks the origin nothing. The commit the headers came from is pinned, so the
-        daemon fetches those exact shards."""
+        daemon fetches those exact shards. The daemon leases them in its cache for us (this
+        process's own cache may be another one)."""
+        lease = await client.hold(request.source)
+        if lease is None:  # a daemon older than ``POST /v1/leases``
+            await self._lease_here(request)
+        else:
+            self._leases.add(lease)
         prepared = await client.prepare(
             request.source, revision=request.revision, allow_pickle=request.allow_pickle
         )
@@ -407,6 +440,12 @@ class TensorStream:
             await remote.wait()
 
         await self._plan_then(request, manifest, planned_headers, download)
+
+    async def _lease_here(self, request: _Request) -> None:
+        taking = asyncio.to_thread(_lease, request.config, request.source, request.token)
+        lease = await opened(taking, Lease.release)
+        if lease is not None:
+            self._leases.add(lease)
 
     async def _plan_then(
         self,

@@ -94,6 +94,8 @@ def _mode(path: Path) -> int:
         ("POST", "/v1/jobs", b'{"source": "/etc"}', 400, "config", "local directories"),
         ("POST", "/v1/jobs", b'{"source": "ftp://x/y"}', 400, "config", "unsupported source"),
         ("POST", "/v1/prepare", b"{not json", 400, "bad_request", "not valid JSON"),
+        ("POST", "/v1/leases", b"{not json", 400, "bad_request", "not valid JSON"),
+        ("POST", "/v1/leases", b'{"source": "not a repo!"}', 400, "config", "invalid repo id"),
         ("POST", "/v1/prepare", b'{"source": "/etc"}', 400, "config", "local director"),
         ("POST", "/v1/prepare", b'{"source": "acme/x", "checkpoint": "latest"}', 400, "config", ""),
         ("POST", "/v1/prepare", b'{"source": "acme/x", "revision": "a/../b"}', 400, "config", ""),

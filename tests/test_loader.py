@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import fast_config, serving
+from helpers import fast_config, serving, until
 from huggingface_hub import save_torch_state_dict
 from safetensors.torch import load_file
 
@@ -435,6 +435,48 @@ async def test_load_goes_through_a_running_daemon(
     shard_bytes = sum(checkpoint.path(s).stat().st_size for s in checkpoint.shards)
     header_probes = len(checkpoint.shards) * 65536
     assert fake_hub.bytes_served("*.safetensors") <= shard_bytes + header_probes
+
+
+async def test_a_stream_through_a_daemon_is_leased_in_the_daemons_cache(
+    fake_hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stream a daemon serves reads the daemon's cache, which need not be the caller's own
+    (the system daemon's). The daemon leases the snapshot there while the stream is open, so
+    a prune of that cache after the job ended leaves the shards still to be placed; once
+    the stream is closed, the lease ends (at the daemon's next heartbeat)."""
+    from daemons import daemon_in_loop, short_tmp
+
+    from shardsync import daemon as daemon_module
+    from shardsync.cache import CacheStore
+    from shardsync.config import DaemonConfig
+    from shardsync.prune import prune_cache
+    from shardsync.prune_plan import Limits
+
+    monkeypatch.setattr(daemon_module, "_HEARTBEAT_S", 0.2)
+    fake_hub.add_checkpoint(REPO, checkpoint)
+
+    def prune(cache: Path) -> list[str]:
+        return [e.repo for e in prune_cache(CacheStore(cache), Limits(max_size=0)).evicted]
+
+    with short_tmp() as work:
+        socket_path, theirs = work / "shardsync" / "d.sock", work / "daemon-cache"
+        async with daemon_in_loop(fast_config(theirs, fake_hub.endpoint), socket_path) as running:
+            mine = replace(
+                fast_config(tmp_path / "mine", fake_hub.endpoint),
+                daemon=DaemonConfig(socket=socket_path),
+            )
+            stream = await asyncio.to_thread(shardsync.stream, REPO, device_map="cpu", config=mine)
+            try:
+                first = await asyncio.to_thread(next, stream)
+                await until(lambda: running.statistics().jobs.get("done") == 1)
+                assert await asyncio.to_thread(prune, theirs) == []  # its own lease ended
+                rest = await asyncio.to_thread(list, stream)
+            finally:
+                await asyncio.to_thread(stream.close)
+            _assert_bit_exact(dict([first, *rest]), _originals(checkpoint))
+            async with asyncio.timeout(10):
+                while await asyncio.to_thread(prune, theirs) != [REPO]:  # noqa: ASYNC110
+                    await asyncio.sleep(0.1)  # a prune has no event to await
 
 
 async def test_a_prepare_slower_than_a_plain_request_still_serves_the_load(

@@ -993,6 +993,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "an event stream whose client left holds its handler until the job's next event",
     ),
     Mutant(
+        "stream-leased-in-its-own-cache",
+        "shardsync/loader.py",
+        (("lease = await client.hold(request.source)", "lease = None"),),
+        ("tests/test_loader.py::test_a_stream_through_a_daemon_is_leased_in_the_daemons_cache",),
+        "a stream a daemon serves leases its own cache, and a prune of the daemon's evicts it",
+    ),
+    Mutant(
         "hidden-holder-taken-for-dead",
         "shardsync/snapshot_use.py",
         (
