@@ -10,6 +10,7 @@ so nothing that starts work or names a repository is reachable over it.
 Routes (see the README for the shapes)::
 
     POST   /v1/prepare              a model's fetch list and shard headers, for a stream
+    POST   /v1/leases               lease a repo's snapshots here while the request is open
     POST   /v1/jobs                 submit (or join) a prefetch job
     GET    /v1/jobs                 every known job
     GET    /v1/jobs/{id}            one job
@@ -36,9 +37,10 @@ import signal
 import socket
 import struct
 import sys
+import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -60,10 +62,10 @@ from shardsync.inventory import cache_summary
 from shardsync.journal import Journal
 from shardsync.limits import TokenBucket
 from shardsync.listeners import bind_tcp, bind_unix, host_port, unlink_socket
+from shardsync.metrics import DaemonStatistics, render_metrics
 from shardsync.notify import Notifier
 from shardsync.prefetch import Engine
 from shardsync.prune import CacheRoom
-from shardsync.records import TierStatistics
 from shardsync.scheduler import Scheduler, SharedJob
 from shardsync.snapshot_use import Leases
 from shardsync.version import __version__
@@ -74,38 +76,12 @@ log = logging.getLogger("shardsync.daemon")
 
 API_VERSION = 1
 _MAX_BODY = 64 * 1024
-_STOP_TIMEOUT = 8.0  # the whole shutdown; systemd's TimeoutStopSec is longer
+_STOP_TIMEOUT = 8.0  # the shutdown's own steps; systemd's TimeoutStopSec is longer
+_EXIT_GRACE = 2.0  # then the process leaves whatever still runs (a step that never gives way)
 _TCP_ROUTES = frozenset({"/metrics", "/v1/status"})
 _NDJSON = "application/x-ndjson"
 _CACHE_TTL = 10.0
 _HEARTBEAT_S = 15.0  # an event stream silent this long gets an empty line (clients skip it)
-
-
-@dataclass(frozen=True, slots=True)
-class DaemonStatistics:
-    """What ``GET /v1/status`` and ``shardsync status`` report."""
-
-    version: str
-    api: int
-    pid: int
-    uptime_s: float
-    socket: str
-    tcp: str | None
-    cache_dir: str
-    endpoint: str | None
-    stopping: bool
-    jobs: Mapping[str, int]
-    jobs_submitted: int
-    jobs_deduplicated: int
-    files_waiting: int
-    api_requests: int
-    bytes_downloaded: int
-    files_fetched: int
-    active_connections: int
-    retries: Mapping[str, int]
-    verify_failures: int
-    max_bandwidth: int
-    tier: TierStatistics | None = None  # the shared tier's counters, when one is configured
 
 
 class Daemon:
@@ -523,149 +499,6 @@ def _status_for(exc: ShardsyncError) -> int:
     return 500
 
 
-def render_metrics(stats: DaemonStatistics, scheduler: Scheduler, cache: Mapping[str, Any]) -> str:
-    """The Prometheus text exposition format (0.0.4), written by hand: a few counters do not
-    justify a dependency."""
-    out: list[str] = []
-
-    def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> None:
-        out.append(f"# HELP shardsync_{name} {help_text}")
-        out.append(f"# TYPE shardsync_{name} {kind}")
-        for labels, value in samples:
-            out.append(f"shardsync_{name}{labels} {_number(value)}")
-
-    metric("uptime_seconds", "gauge", "Seconds since the daemon started.", [("", stats.uptime_s)])
-    metric(
-        "bytes_downloaded_total",
-        "counter",
-        "Bytes received from origins.",
-        [("", stats.bytes_downloaded)],
-    )
-    metric("files_fetched_total", "counter", "Files downloaded.", [("", stats.files_fetched)])
-    metric(
-        "active_connections",
-        "gauge",
-        "HTTP requests to origins in flight.",
-        [("", stats.active_connections)],
-    )
-    metric(
-        "api_requests",
-        "gauge",
-        "API requests in flight (event streams too).",
-        [("", stats.api_requests)],
-    )
-    metric(
-        "retries_total",
-        "counter",
-        "Transfer retries by cause.",
-        [(_labels(cause=c), n) for c, n in sorted(stats.retries.items())],
-    )
-    metric(
-        "verify_failures_total",
-        "counter",
-        "Downloads whose hash did not match.",
-        [("", stats.verify_failures)],
-    )
-    metric("cache_size_bytes", "gauge", "Bytes of verified blobs.", [("", cache["bytes"])])
-    metric("cache_blobs", "gauge", "Verified blobs in the cache.", [("", cache["blobs"])])
-    metric(
-        "partial_bytes", "gauge", "Disk used by partial downloads.", [("", cache["partial_bytes"])]
-    )
-    metric(
-        "jobs",
-        "gauge",
-        "Jobs the daemon knows, by state.",
-        [(_labels(state=s), n) for s, n in sorted(stats.jobs.items())],
-    )
-    metric(
-        "jobs_submitted_total", "counter", "Job requests received.", [("", stats.jobs_submitted)]
-    )
-    metric(
-        "jobs_deduplicated_total",
-        "counter",
-        "Job requests answered by a job already running.",
-        [("", stats.jobs_deduplicated)],
-    )
-    metric(
-        "bandwidth_limit_bytes_per_second",
-        "gauge",
-        "Global download cap (0: none).",
-        [("", stats.max_bandwidth)],
-    )
-    if stats.tier is not None:
-        t = stats.tier
-        for name, kind, help_text, value in (
-            ("tier_hits_total", "counter", "Blobs read from the shared tier.", t.hits),
-            (
-                "tier_misses_total",
-                "counter",
-                "Blobs fetched from the origin for the fleet.",
-                t.misses,
-            ),
-            ("tier_bytes_total", "counter", "Bytes read from the shared tier.", t.bytes_from_tier),
-            ("tier_uploads_total", "counter", "Blobs uploaded to the shared tier.", t.uploads),
-            (
-                "tier_uploaded_bytes_total",
-                "counter",
-                "Bytes uploaded to the shared tier.",
-                t.bytes_uploaded,
-            ),
-            ("tier_claims_won_total", "counter", "Single-flight claims won.", t.claims_won),
-            (
-                "tier_claims_waited_total",
-                "counter",
-                "Blobs waited for while another host fetched them.",
-                t.claims_waited,
-            ),
-            (
-                "tier_claims_taken_over_total",
-                "counter",
-                "Claims of dead holders taken over.",
-                t.claims_taken_over,
-            ),
-            (
-                "tier_stalled_fallbacks_total",
-                "counter",
-                "Waits given up on a stalled claim.",
-                t.stalled_fallbacks,
-            ),
-            (
-                "tier_corrupt_objects_total",
-                "counter",
-                "Tier objects that failed verification.",
-                t.corrupt_objects,
-            ),
-            ("tier_errors_total", "counter", "Tier requests that failed.", t.errors),
-            (
-                "tier_bytes_from_parts_total",
-                "counter",
-                "Bytes taken-over downloads resumed from a dead holder's parts.",
-                t.bytes_from_parts,
-            ),
-        ):
-            metric(name, kind, help_text, [("", value)])
-    hist = scheduler.latency
-    out.append("# HELP shardsync_job_duration_seconds Seconds from submission to a complete job.")
-    out.append("# TYPE shardsync_job_duration_seconds histogram")
-    for bound, count in hist.cumulative():
-        out.append(f'shardsync_job_duration_seconds_bucket{{le="{_number(bound)}"}} {count}')
-    out.append(f'shardsync_job_duration_seconds_bucket{{le="+Inf"}} {hist.count}')
-    out.append(f"shardsync_job_duration_seconds_sum {_number(hist.sum)}")
-    out.append(f"shardsync_job_duration_seconds_count {hist.count}")
-    return "\n".join(out) + "\n"
-
-
-def _labels(**labels: str) -> str:
-    def escape(value: str) -> str:
-        return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-    return "{" + ",".join(f'{k}="{escape(v)}"' for k, v in labels.items()) + "}"
-
-
-def _number(value: float) -> str:
-    return str(int(value)) if float(value).is_integer() else repr(float(value))
-
-
 # ---------------------------------------------------------------------------------- entry
 
 
@@ -678,12 +511,34 @@ def run_daemon(config_path: Path | None, environ: Mapping[str, str] | None = Non
     config = load_config(config_path, env)
     daemon = Daemon(config, config_path=config_path, environ=env)
 
+    deadline: list[threading.Timer] = []
+
+    def stop() -> None:
+        daemon.request_stop()
+        if not deadline:
+            deadline.append(threading.Timer(_STOP_TIMEOUT + _EXIT_GRACE, _exit_now))
+            deadline[0].daemon = True
+            deadline[0].start()
+
     async def main() -> None:
         loop = asyncio.get_running_loop()
-        loop.add_signal_handler(signal.SIGTERM, daemon.request_stop)
-        loop.add_signal_handler(signal.SIGINT, daemon.request_stop)
+        loop.add_signal_handler(signal.SIGTERM, stop)
+        loop.add_signal_handler(signal.SIGINT, stop)
         loop.add_signal_handler(signal.SIGHUP, daemon.reload)
         await daemon.serve()
 
     asyncio.run(main())
+    for timer in deadline:
+        timer.cancel()
     return 0
+
+
+def _exit_now() -> None:
+    """The stop's bound passed: a step that runs to its end (a publish whose fsync a stalled
+    disk holds, a worker thread) still runs. Leave without it, as a ``kill -9`` would (and
+    systemd would, later): the journal and the partial files resume the jobs."""
+    log.error(
+        "shutdown took longer than %.0f s; exiting now (unfinished jobs resume on the next start)",
+        _STOP_TIMEOUT + _EXIT_GRACE,
+    )
+    os._exit(0)

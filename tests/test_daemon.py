@@ -405,6 +405,58 @@ async def test_twenty_clients_share_one_download(
     assert status["jobs_submitted"] == 20 and status["jobs_deduplicated"] == 19
 
 
+STALLED_DISK = r"""
+import sys, time
+from pathlib import Path
+from shardsync import slot
+def stalled(self, *args, **kwargs):  # a publish whose fsync a stalled disk holds
+    Path(sys.argv[2]).touch()
+    time.sleep(120)
+slot.Slot.commit = stalled
+from shardsync.daemon import run_daemon
+sys.exit(run_daemon(Path(sys.argv[1])))
+"""
+
+
+async def test_a_stop_ends_the_process_even_with_a_publish_that_never_returns(
+    hub: FakeHub, big_checkpoint: Checkpoint, process: DaemonProcess, workdir: Path
+) -> None:
+    """A publish runs to its end whoever cancels it; on a stalled disk it did not end, and
+    the daemon's stop waited for it past the 10 s it promises (until systemd's SIGKILL).
+    It now leaves, as a ``kill -9`` would, and the next daemon finishes the job."""
+    stalled, output = workdir / "stalled", workdir / "stalled.log"
+    with output.open("w") as log:
+        daemon = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", STALLED_DISK, str(process.config), str(stalled),
+            stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    socket_path = workdir / "shardsync" / "d.sock"
+    try:
+        async with asyncio.timeout(60):
+            await until(lambda: _answers(socket_path) or daemon.returncode is not None)
+            assert daemon.returncode is None, output.read_text()
+            status, job = await api(socket_path, "POST", "/v1/jobs", json_body={"source": REPO})
+            assert status == 201
+            await until(stalled.exists)
+        daemon.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(30):  # the stall lasts 120 s
+            assert await daemon.wait() == 0, output.read_text()
+    finally:
+        if daemon.returncode is None:
+            daemon.kill()
+            await daemon.wait()
+    await asyncio.to_thread(process.start)
+    events = await _done(socket_path, job["id"])
+    done = events[-1]
+    assert isinstance(done, JobDone), events[-1]
+    assert_snapshot_matches(Path(done.result["snapshot_path"]), big_checkpoint)
+
+
+def _answers(socket_path: Path) -> bool:
+    with socket.socket(socket.AF_UNIX) as probe:
+        return probe.connect_ex(str(socket_path)) == 0
+
+
 async def test_kill_9_mid_job_then_restart_resumes(
     hub: FakeHub, big_checkpoint: Checkpoint, process: DaemonProcess, workdir: Path
 ) -> None:

@@ -150,7 +150,7 @@ LAYERS: dict[str, set[str]] = {
     "engine": {"engine_api", "prefetch", "shard_headers", "checkpoint", "checkpoint_selection"},
     "service": {
         "scheduler", "job_log", "journal", "daemon", "daemon_transport", "listeners", "notify",
-        "jobs", "client",
+        "jobs", "client", "metrics",
     },
     "consume": {"loader", "placement", "dcp_reader", "vllm_plugin"},
     "interface": {

@@ -1000,6 +1000,20 @@ MUTANTS: tuple[Mutant, ...] = (
         "a stream a daemon serves leases its own cache, and a prune of the daemon's evicts it",
     ),
     Mutant(
+        "stop-waits-for-a-stuck-step",
+        "shardsync/daemon.py",
+        (
+            (
+                "threading.Timer(_STOP_TIMEOUT + _EXIT_GRACE, _exit_now)",
+                "threading.Timer(3600, _exit_now)",
+            ),
+        ),
+        (
+            "tests/test_daemon.py::test_a_stop_ends_the_process_even_with_a_publish_that_never_returns",
+        ),
+        "a daemon told to stop waits for a publish a stalled disk holds, past its 10 s",
+    ),
+    Mutant(
         "hidden-holder-taken-for-dead",
         "shardsync/snapshot_use.py",
         (
