@@ -82,6 +82,7 @@ _TCP_ROUTES = frozenset({"/metrics", "/v1/status"})
 _NDJSON = "application/x-ndjson"
 _CACHE_TTL = 10.0
 _HEARTBEAT_S = 15.0  # an event stream silent this long gets an empty line (clients skip it)
+_IDLE_S = 10.0  # a connection with no request in flight this long is closed (a silent one too)
 
 
 class Daemon:
@@ -107,7 +108,7 @@ class Daemon:
         self._requests = 0
         self._engine: Engine | None = None
         self._scheduler: Scheduler | None = None
-        self._cache_memo: tuple[float, object, dict[str, Any]] | None = None
+        self._cache_memo: tuple[float, object, asyncio.Future[dict[str, Any]]] | None = None
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -148,7 +149,9 @@ class Daemon:
         """Everything ``serve`` runs, entered on ``stack`` so it unwinds in reverse order:
         the scheduler (jobs interrupted) before the HTTP server, before the engine."""
         engine = await stack.enter_async_context(Engine(self.config, throttle=self.bucket))
-        runner = web.AppRunner(self._app(), access_log=None, shutdown_timeout=2.0)
+        runner = web.AppRunner(
+            self._app(), access_log=None, shutdown_timeout=2.0, keepalive_timeout=_IDLE_S
+        )
         await runner.setup()
         stack.push_async_callback(runner.cleanup)
         journal = Journal(engine.store)
@@ -436,10 +439,13 @@ class Daemon:
         stats = self.statistics()
         generation = (stats.files_fetched, tuple(sorted(stats.jobs.items())))
         memo = self._cache_memo
-        if memo is None or now - memo[0] > _CACHE_TTL or memo[1] != generation:
-            summary = await asyncio.to_thread(cache_summary, self.config.cache_dir)
-            self._cache_memo = memo = (now, generation, summary)
-        return memo[2]
+        failed = memo is not None and memo[2].done() and memo[2].exception() is not None
+        if memo is None or failed or now - memo[0] > _CACHE_TTL or memo[1] != generation:
+            # one scan at a time, shared by every request that comes meanwhile (a burst of
+            # scrapes would otherwise fill the worker threads the jobs' own steps wait for)
+            scan = asyncio.ensure_future(asyncio.to_thread(cache_summary, self.config.cache_dir))
+            self._cache_memo = memo = (now, generation, scan)
+        return await asyncio.shield(memo[2])
 
 
 # ------------------------------------------------------------------------- peer credentials

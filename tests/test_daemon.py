@@ -13,6 +13,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -225,6 +226,53 @@ async def test_the_tcp_listener_serves_monitoring_only(daemon: Daemon) -> None:
             assert "Unix socket" in (await resp.json())["error"]["message"]
         async with session.get(f"http://{host}:{port}/v1/jobs") as resp:
             assert resp.status == 403
+
+
+async def test_connections_that_send_nothing_are_closed(
+    fake_hub: FakeHub, workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The TCP listener checks no credentials: any local user may connect. Silent
+    connections used to stay for an hour each, and a few hundred held every descriptor the
+    daemon had (its clients' requests went unanswered); they are closed when idle."""
+    # raising=False: a daemon without the bound fails the promise below, not this line
+    monkeypatch.setattr(daemon_module, "_IDLE_S", 0.5, raising=False)
+    config = fast_config(workdir / "cache", fake_hub.endpoint)
+    async with daemon_in_loop(config, workdir / "shardsync" / "d.sock", tcp=("127.0.0.1", 0)) as d:
+        assert d.tcp_address is not None
+        silent = [await asyncio.open_connection(*d.tcp_address) for _ in range(20)]
+        async with asyncio.timeout(10):
+            for reader, writer in silent:
+                assert await reader.read() == b""  # closed by the daemon
+                writer.close()
+        assert (await api(d.socket_path, "GET", "/v1/status"))[0] == 200
+
+
+async def test_scrapes_at_once_share_one_scan_of_the_cache(
+    daemon: Daemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each scan walks the whole store in a worker thread the jobs' own steps also wait
+    for: a burst of scrapes started one scan each."""
+    scans = 0
+    summary = daemon_module.cache_summary
+
+    def counted(root: Path) -> dict[str, Any]:
+        nonlocal scans
+        scans += 1
+        time.sleep(0.2)  # a big store: the other scrapes come while it is walked
+        return summary(root)
+
+    monkeypatch.setattr(daemon_module, "cache_summary", counted)
+    assert daemon.tcp_address is not None
+    host, port = daemon.tcp_address
+    async with aiohttp.ClientSession() as session:
+
+        async def scrape() -> int:
+            async with session.get(f"http://{host}:{port}/metrics") as resp:
+                await resp.read()
+                return resp.status
+
+        assert await asyncio.gather(*(scrape() for _ in range(20))) == [200] * 20
+    assert scans == 1
 
 
 async def test_the_socket_is_private(daemon: Daemon) -> None:

@@ -1014,6 +1014,20 @@ MUTANTS: tuple[Mutant, ...] = (
         "a daemon told to stop waits for a publish a stalled disk holds, past its 10 s",
     ),
     Mutant(
+        "silent-connections-kept",
+        "shardsync/daemon.py",
+        ((", keepalive_timeout=_IDLE_S", ""),),
+        ("tests/test_daemon.py::test_connections_that_send_nothing_are_closed",),
+        "connections that send nothing hold the daemon's descriptors for an hour each",
+    ),
+    Mutant(
+        "a-scan-per-scrape",
+        "shardsync/daemon.py",
+        (("if memo is None or failed or", "if True or memo is None or failed or"),),
+        ("tests/test_daemon.py::test_scrapes_at_once_share_one_scan_of_the_cache",),
+        "a burst of scrapes starts one walk of the whole cache each",
+    ),
+    Mutant(
         "hidden-holder-taken-for-dead",
         "shardsync/snapshot_use.py",
         (
