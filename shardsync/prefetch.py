@@ -68,6 +68,7 @@ def _open_gate(entry: ManifestEntry, position: int) -> AbstractAsyncContextManag
 _MAX_INDEX = 64 << 20
 _SMALL_AT_ONCE = 4  # small files fetched at once, besides ``max_files`` large ones
 _TIER_RETRY_S = 0.1  # seconds before the tier client's one retry of a request
+_ORIGINS = 64  # origins an engine keeps, for the sources asked again
 
 
 class Engine:
@@ -155,19 +156,16 @@ class Engine:
         return self._fetcher
 
     def origin(self, source: str, *, token: str | None = None) -> Origin:
-        """The origin ``source`` names: one per source and token for the engine's life (a
-        daemon asks again for every job), closed when the engine closes."""
+        """The origin ``source`` names: one per source and token, the ``_ORIGINS`` last used
+        kept (a daemon asks for each job's), closed with the engine (one dropped shares the
+        engine's S3 client and session: nothing of its own to close)."""
         key = (source, token)
-        origin = self._origins.get(key)
-        if origin is None:
-            origin = parse_source(
-                source,
-                endpoint=self.config.endpoint,
-                token=token,
-                environ=self._environ,
-                s3=self.s3,
-            )
-            self._origins[key] = origin
+        origin = self._origins.pop(key, None) or parse_source(
+            source, endpoint=self.config.endpoint, token=token, environ=self._environ, s3=self.s3
+        )
+        self._origins[key] = origin  # last: the most recently used
+        if len(self._origins) > _ORIGINS:
+            del self._origins[next(iter(self._origins))]
         return origin
 
     async def prepare(

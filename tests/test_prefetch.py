@@ -581,3 +581,23 @@ async def test_cancels_during_a_downloads_cleanup_leave_no_thread_or_descriptor(
                 await task
     assert pumps() == []
     assert open_under(tmp_path) == []
+
+
+async def test_an_engine_keeps_a_bounded_number_of_origins(tmp_path: Path) -> None:
+    """A daemon asks its engine for the origin of each source a client names, one that does
+    not exist included; every one used to be kept for the daemon's life (600 requests, 600
+    origins). The recent ones still are."""
+    import gc
+
+    from shardsync.origins.hub import HubOrigin
+
+    def hub_origins() -> int:
+        gc.collect()
+        return sum(isinstance(o, HubOrigin) for o in gc.get_objects())
+
+    before = hub_origins()
+    async with Engine(fast_config(tmp_path / "cache", "http://127.0.0.1:9")) as engine:
+        for i in range(1000):
+            engine.origin(f"acme/model-{i}")
+        assert hub_origins() - before <= 100
+        assert engine.origin("acme/model-999") is engine.origin("acme/model-999")

@@ -1028,6 +1028,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "a burst of scrapes starts one walk of the whole cache each",
     ),
     Mutant(
+        "every-origin-kept",
+        "shardsync/prefetch.py",
+        (("        if len(self._origins) > _ORIGINS:", "        if False:"),),
+        ("tests/test_prefetch.py::test_an_engine_keeps_a_bounded_number_of_origins",),
+        "a daemon keeps an origin for every source it was ever asked for",
+    ),
+    Mutant(
         "hidden-holder-taken-for-dead",
         "shardsync/snapshot_use.py",
         (
