@@ -593,7 +593,7 @@ async def test_an_engine_keeps_a_bounded_number_of_origins(tmp_path: Path) -> No
 
     def hub_origins() -> int:
         gc.collect()
-        return sum(isinstance(o, HubOrigin) for o in gc.get_objects())
+        return sum(type(o) is HubOrigin for o in gc.get_objects())
 
     before = hub_origins()
     async with Engine(fast_config(tmp_path / "cache", "http://127.0.0.1:9")) as engine:
