@@ -6,6 +6,7 @@ that looks at files and variables, so tests pass both explicitly.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import tomllib
@@ -68,10 +69,12 @@ def parse_size(value: str | int) -> int:
     unit = text[len(digits) :]
     if unit not in _UNITS or not digits:
         raise ValueError(f"not a size: {value!r}")
-    number = float(digits)
+    number = float(digits) * _UNITS[unit]
     if number < 0:
         raise ValueError("size must not be negative")
-    return int(number * _UNITS[unit])
+    if not math.isfinite(number):  # "1e400": no int() of it
+        raise ValueError(f"not a size: {value!r}")
+    return int(number)
 
 
 _DURATION_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
@@ -273,6 +276,8 @@ def _coerce(key: str, value: Any, kind: object) -> Any:
     if kind is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(f"{key}: expected a number (got {value!r})")
+        if not math.isfinite(value):  # TOML has nan and inf: a timeout of either bounds nothing
+            raise ConfigError(f"{key}: expected a finite number (got {value!r})")
         return float(value)
     raise ConfigError(f"{key}: unsupported")
 
@@ -333,6 +338,8 @@ def _load_config(
             raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path}: {exc}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"{path}: not UTF-8 text (TOML is)") from None
     known = {"cache", "download", "retry", "hub", "daemon", "prune", "s3", "tier", "network"}
     for key in data:
         if key not in known:
@@ -385,7 +392,11 @@ def _load_config(
         if isinstance(value, int | float) and value <= 0 and name != "base_delay":
             raise ConfigError(f"{labels[name]} must be positive (got {value!r})")
 
-    fetch = replace(FetchConfig(), **fetch_kwargs, retry=replace(RetryPolicy(), **retry_kwargs))
+    try:
+        retry_policy = replace(RetryPolicy(), **retry_kwargs)
+    except ConfigError as exc:  # the policy's own checks, which name the key but no section
+        raise ConfigError(f"retry.{exc}") from None
+    fetch = replace(FetchConfig(), **fetch_kwargs, retry=retry_policy)
     if cache_dir is None:
         configured = cache.get("dir")
         if configured is not None and not isinstance(configured, str):
@@ -480,7 +491,10 @@ def _tier_config(section: Mapping[str, Any], env: Mapping[str, str]) -> TierConf
     if url is not None:
         if not isinstance(url, str) or not url.startswith("s3://"):
             raise ConfigError(f"{source} must be an s3://BUCKET/PREFIX URL (got {url!r})")
-        parse_s3_url(url)
+        try:
+            parse_s3_url(url)
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
     values: dict[str, Any] = {}
     for key in ("claim_lease", "claim_stall", "claim_courtesy"):
         if key in section:

@@ -73,7 +73,12 @@ def tcp_address(value: object, *, allow_remote: bool) -> tuple[str, int] | None:
         return None
     host, sep, port_text = value.rpartition(":")
     host = host.removeprefix("[").removesuffix("]")
-    if not sep or not host or not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+    if (
+        not sep
+        or not host
+        or not (port_text.isascii() and port_text.isdigit())
+        or not 0 <= int(port_text) <= 65535
+    ):
         raise ConfigError(f'daemon.tcp must look like "127.0.0.1:9464" (got {value!r})')
     if not allow_remote:
         try:

@@ -132,9 +132,12 @@ class NoProxy:
 def _split_port(item: str) -> tuple[str, int | None]:
     if item.startswith("["):  # [::1]:8080
         host, _, rest = item[1:].partition("]")
-        return host, int(rest[1:]) if rest.startswith(":") and rest[1:].isdigit() else None
+        digits = rest[1:]  # ASCII only: "\u00b2".isdigit(), yet int() refuses it
+        return host, int(digits) if rest.startswith(
+            ":"
+        ) and digits.isascii() and digits.isdigit() else None
     host, sep, port = item.rpartition(":")
-    if sep and port.isdigit() and host.count(":") == 0:
+    if sep and port.isascii() and port.isdigit() and host.count(":") == 0:
         return host, int(port)
     return item, None
 

@@ -472,7 +472,7 @@ def _read_pointer(r: _Resolver, fmt: Format) -> str | None:
     if fmt == "megatron":
         if text == "release":
             return "release"
-        if not text.isdigit():
+        if not (text.isascii() and text.isdigit()):  # "\u00b2".isdigit(), yet int() refuses it
             raise ManifestError(f"{path} holds {text!r}, not an iteration number or 'release'")
         return f"iter_{int(text):07d}"
     try:

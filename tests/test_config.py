@@ -37,7 +37,7 @@ def test_parse_size(text: str | int, expected: int) -> None:
     assert parse_size(text) == expected
 
 
-@pytest.mark.parametrize("text", ["", "MiB", "12XB", "-5", "1e", True])
+@pytest.mark.parametrize("text", ["", "MiB", "12XB", "-5", "1e", True, "1e400", "9" * 400])
 def test_parse_size_rejects(text: str) -> None:
     with pytest.raises(ValueError):
         parse_size(text)
@@ -85,6 +85,12 @@ def test_env_overrides(tmp_path: Path) -> None:
         ("[tier]\nclaim_courtesy = '-1s'\n", "tier.claim_courtesy"),
         ("[tier]\nclaim_lease = 0\n", "tier.claim_lease"),
         ("[download\n", "c.toml"),
+        ("[download]\nchunk_size = '1e400'\n", "download.chunk_size"),  # no int() of inf
+        ("[download]\nread_timeout = nan\n", "download.read_timeout"),  # TOML has nan, inf
+        ("[download]\nconnect_timeout = inf\n", "download.connect_timeout"),
+        ("[network]\nmetadata_timeout = nan\n", "network.metadata_timeout"),
+        ("[retry]\nbase_delay = 5\nmax_delay = 1\n", "retry.max_delay"),
+        ("[tier]\nurl = 's3://a..b/x'\n", "tier.url"),
     ],
 )
 def test_invalid_config_names_the_key(tmp_path: Path, body: str, needle: str) -> None:
@@ -108,6 +114,15 @@ def test_s3_ranges_have_their_own_size(tmp_path: Path) -> None:
 def test_bad_env_value(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="SHARDSYNC_MAX_FILES"):
         load_config(None, {"SHARDSYNC_MAX_FILES": "many"}, cache_dir=tmp_path)
+    with pytest.raises(ConfigError, match="SHARDSYNC_CHUNK_SIZE"):
+        load_config(None, {"SHARDSYNC_CHUNK_SIZE": "1e400"}, cache_dir=tmp_path)
+
+
+def test_a_config_file_that_is_not_utf8_is_a_config_error(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_bytes(b"\xff\xfe[download]\n")
+    with pytest.raises(ConfigError, match=r"c\.toml"):
+        load_config(cfg, {}, cache_dir=tmp_path)
 
 
 # -- [daemon] -------------------------------------------------------------------------------
@@ -145,6 +160,7 @@ def test_daemon_section(tmp_path: Path) -> None:
         ('tcp = "10.0.0.1:9464"', "daemon.tcp"),
         ('tcp = "nope"', "daemon.tcp"),
         ('tcp = "127.0.0.1:99999"', "daemon.tcp"),
+        ('tcp = "127.0.0.1:\u00b2"', "daemon.tcp"),  # a digit to str.isdigit, not to int
         ('tcp_allow_remote = "yes"', "daemon.tcp_allow_remote"),
         ('fallback = "sometimes"', "daemon.fallback"),
         ("history = 0", "daemon.history"),

@@ -60,6 +60,8 @@ REPO = "acme/net"
         ("fd00::/8", "fd12::5", 80, True),
         ("[::1]:8080", "::1", 8080, True),
         ("localhost", "localhost.", 80, True),
+        ("example.com:\u00b2", "example.com", 443, False),  # no port: "\u00b2" is no digit
+        ("[::1]:\u00b2", "::1", 80, True),  # a bracketed host's port that is no number: none
     ],
 )
 def test_no_proxy_matches_like_curl(no_proxy: str, host: str, port: int, bypass: bool) -> None:

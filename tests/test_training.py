@@ -388,8 +388,9 @@ def test_megatron_tracker_and_tensor_pipeline_rank_folders(runs: dict[str, Path]
         }
     with pytest.raises(ManifestError, match="full grid"):
         choose_from(runs["megatron"], "iter_0000300")
-    with pytest.raises(ManifestError, match="not an iteration"):
-        choose_from(runs["megatron"], read=lambda p: b"../200")
+    for hostile in (b"../200", "\u00b2".encode()):  # a digit to str.isdigit, not to int
+        with pytest.raises(ManifestError, match="not an iteration"):
+            choose_from(runs["megatron"], read=lambda p, text=hostile: text)
 
 
 def test_trainer_latest_needs_trainer_state_and_a_rank_gets_its_rng_state(

@@ -1035,6 +1035,30 @@ MUTANTS: tuple[Mutant, ...] = (
         "a daemon keeps an origin for every source it was ever asked for",
     ),
     Mutant(
+        "superscript-digit-read-as-number",
+        "shardsync/fetch/wire.py",
+        (("    return text.isascii() and text.isdigit()", "    return text.isdigit()"),),
+        (f"{FRAMING}::test_a_misframed_answer_that_passes_ends_byte_exact",),
+        "a status or Content-Length of a latin-1 \u00b2 ends the download in a ValueError",
+    ),
+    Mutant(
+        "infinite-size-crashes",
+        "shardsync/config.py",
+        (('    if not math.isfinite(number):  # "1e400"', "    if False:  #"),),
+        (
+            "tests/test_config.py::test_parse_size_rejects",
+            "tests/test_config.py::test_bad_env_value",
+        ),
+        "a size of 1e400 in the config or the environment ends in an OverflowError traceback",
+    ),
+    Mutant(
+        "nan-timeout-accepted",
+        "shardsync/config.py",
+        (("        if not math.isfinite(value):  # TOML has nan", "        if False:  #"),),
+        ("tests/test_config.py::test_invalid_config_names_the_key",),
+        "a timeout of nan (every read times out at once) or inf (none ever does) is taken",
+    ),
+    Mutant(
         "hidden-holder-taken-for-dead",
         "shardsync/snapshot_use.py",
         (

@@ -187,7 +187,7 @@ def _parse_head(raw: bytes) -> Head:
     status_line, *header_lines = text.split("\r\n")
     version, _, rest = status_line.partition(" ")
     code = rest[:3]
-    if version not in ("HTTP/1.1", "HTTP/1.0") or not code.isdigit() or len(code) != 3:
+    if version not in ("HTTP/1.1", "HTTP/1.0") or not _is_digits(code) or len(code) != 3:
         raise ProtocolError(f"malformed status line {status_line[:100]!r}")
     if len(header_lines) > _MAX_HEADERS:
         raise ProtocolError(f"more than {_MAX_HEADERS} response headers")
@@ -221,7 +221,7 @@ class Stream:
             # two lengths, or a length beside Transfer-Encoding (RFC 9112 6.3: the encoding
             # wins, and such an answer is the classic smuggling vector): never trusted
             raise ProtocolError(f"conflicting body framing: Content-Length {length[:40]!r}")
-        self.length = int(length) if length is not None and length.isdigit() else None
+        self.length = int(length) if length is not None and _is_digits(length) else None
         self._left = self.length
 
     @property
@@ -340,3 +340,8 @@ class Stream:
             self._reader.give_back(self._key, sock)
         else:
             sock.close()
+
+
+def _is_digits(text: str) -> bool:
+    """ASCII digits only: ``str.isdigit`` takes "\u00b2" (a latin-1 byte), which ``int`` refuses."""
+    return text.isascii() and text.isdigit()

@@ -117,8 +117,33 @@ def short_chunked_206(data: bytes, start: int, end: int) -> bytes:
     ) + chunked(half)
 
 
-LIES = [length_beside_chunked, two_lengths, lying_chunk_size, short_chunked_206]
-PERSISTENT = [length_beside_chunked, two_lengths, lying_chunk_size]
+def superscript_length(data: bytes, start: int, end: int) -> bytes:
+    """A length of one latin-1 byte, "\u00b2": ``str.isdigit`` takes it for a digit,
+    ``int`` does not (it ended the download in a ValueError)."""
+    return (
+        head("206 Partial Content", f"ETag: {ETAG}", content_range(data, start, end)).replace(
+            b"Connection: close", b"Content-Length: \xb2\r\nConnection: close"
+        )
+        + data[start : end + 1]
+    )
+
+
+def superscript_status(data: bytes, start: int, end: int) -> bytes:
+    """A status of "\u00b206": three "digits" to ``str.isdigit``, none to ``int``."""
+    body = data[start : end + 1]
+    return head(
+        "206 Partial Content", f"ETag: {ETAG}", content_range(data, start, end),
+        f"Content-Length: {len(body)}",
+    ).replace(b"HTTP/1.1 206", b"HTTP/1.1 \xb206", 1) + body  # fmt: skip
+
+
+LIES = [
+    length_beside_chunked, two_lengths, lying_chunk_size, short_chunked_206,
+    superscript_length, superscript_status,
+]  # fmt: skip
+PERSISTENT = [
+    length_beside_chunked, two_lengths, lying_chunk_size, superscript_length, superscript_status
+]  # fmt: skip
 
 
 @dataclass
