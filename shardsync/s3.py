@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, BinaryIO, TypeVar
 from urllib.parse import quote
 
 from shardsync.checksums import StoreChecksum, from_s3_answer
@@ -35,6 +35,7 @@ from shardsync.errors import (
     RepoNotFoundError,
     ShardsyncError,
     TransferError,
+    disk_error,
 )
 from shardsync.names import S3Location
 from shardsync.network import NetworkConfig, Proxy, S3Config
@@ -407,7 +408,7 @@ class S3Client:
         checksum = base64.b64encode(bytes.fromhex(sha256)).decode()
 
         async def run(client: _Client) -> None:
-            with path.open("rb") as body:
+            with _open_local(path) as body:
                 await client.put_object(
                     Bucket=bucket,
                     Key=key,
@@ -428,9 +429,12 @@ class S3Client:
         upload_id = await self._call("start upload", where, start)
         try:
             parts: list[dict[str, Any]] = []
-            with path.open("rb") as f:
+            with _open_local(path) as f:
                 for number, offset in enumerate(range(0, size, _PART_SIZE), start=1):
-                    chunk = await asyncio.to_thread(_read_at, f, offset, _PART_SIZE)
+                    try:
+                        chunk = await asyncio.to_thread(_read_at, f, offset, _PART_SIZE)
+                    except OSError as exc:  # ours, not the store's: not a tier gone down
+                        raise disk_error(exc, f"read {path}", then="it is not uploaded") from exc
 
                     async def part(client: _Client, n: int = number, body: bytes = chunk) -> str:
                         answer = await client.upload_part(
@@ -503,6 +507,14 @@ def _with_userinfo(url: str, proxy: Proxy) -> str:
     user = quote(proxy.username or "", safe="")
     password = quote(proxy.password or "", safe="")
     return url.replace("://", f"://{user}:{password}@", 1)
+
+
+def _open_local(path: Path) -> BinaryIO:
+    """A local file to upload; failing, a ``CacheError`` (the store did nothing wrong)."""
+    try:
+        return path.open("rb")
+    except OSError as exc:
+        raise disk_error(exc, f"read {path}", then="it is not uploaded") from exc
 
 
 def _read_at(f: Any, offset: int, n: int) -> bytes:

@@ -362,7 +362,7 @@ class Tier:
         for n in self._counting():
             n.corrupt_objects += 1
         log.warning(
-            "tier object s3://%s/%s is corrupt (%s): deleted", self.location.bucket, key, why
+            "tier object s3://%s/%s is corrupt (%s): deleting it", self.location.bucket, key, why
         )
         await self._quietly("delete", self._client.delete(self.location.bucket, key))
 
@@ -379,19 +379,19 @@ class Tier:
             n.claims_won += 1
             n.misses += 1
         upload = Upload(claim.sha256, claim.size, claim)
-        upload.renewal = self._spawn(self._renew(claim))
         seeded, publisher, lead = 0, None, None  # lead: our download held within reach
-        if slot is not None and self.config.part_size:
-            there = await self._seed(claim, slot)
-            seeded = there.total()
-            lead = Lead.of_parts(self.config.part_size)
-            publisher = self._spawn(self._publish(claim, slot, there, lead))
 
         def counted(n: int) -> None:
             claim.done += n
             progress(n)
 
-        try:
+        upload.renewal = self._spawn(self._renew(claim))
+        try:  # from here on any way out lets go of the claim, or it is renewed for ever
+            if slot is not None and self.config.part_size:
+                there = await self._seed(claim, slot)
+                seeded = there.total()
+                lead = Lead.of_parts(self.config.part_size)
+                publisher = self._spawn(self._publish(claim, slot, there, lead))
             try:
                 fetched = await from_origin(counted, lead)
             except IntegrityError:
@@ -634,6 +634,8 @@ class Tier:
                 await coro
             except ShardsyncError as exc:  # a background task never fails the jobs
                 self._failed("write", exc)
+            except Exception:  # nor ends the tier's task group, and the engine's task with it
+                log.exception("a tier task failed unexpectedly; the jobs go on without it")
 
         task = self._tasks.create_task(guarded())
         self._spawned.add(task)
@@ -675,7 +677,7 @@ class Tier:
         if isinstance(exc, TransferError):  # down or unreachable: do not wait on it per file
             self._down_until = self._clock() + _COOLDOWN
         if isinstance(exc, AuthError):
-            writing = doing in ("claim", "write")
+            writing = doing in ("claim", "write", "delete")  # a read-only identity reads on
             if writing and not self._read_only:
                 self._read_only = True
                 log.warning("tier %s refuses our writes; reading only: %s", self.location.url, exc)

@@ -135,6 +135,8 @@ class FaultGate:
     refuse: frozenset[str] = frozenset()
     # a status every PUT is answered with instead (a store refusing writes: full, throttling)
     refuse_puts: int = 0
+    # part of a path whose HEADs are answered 404, as for an object deleted since it was listed
+    gone_at_head: str | None = None
     # (part of a path, seconds): PUTs to such paths wait that long first (a tier slower than
     # the origin)
     slow_puts: tuple[str, float] | None = None
@@ -256,6 +258,9 @@ class FaultGate:
             return _s3_error(501, "NotImplemented", target)
         if self.slow_puts and request.method == "PUT" and self.slow_puts[0] in target:
             await asyncio.sleep(self.slow_puts[1])
+        if self.gone_at_head and request.method == "HEAD" and self.gone_at_head in target:
+            record("status", 404)
+            return _s3_error(404, "NoSuchKey", target)
         if self.refuse_puts and request.method == "PUT":
             record("status", self.refuse_puts)
             code = _S3_CODES.get(self.refuse_puts, "Error")

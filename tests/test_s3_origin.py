@@ -248,6 +248,23 @@ async def test_each_object_costs_one_head_and_no_more_round_trips(
     assert len(attributes) == len(checkpoint.shards)
 
 
+async def test_an_object_gone_between_the_listing_and_its_head_is_one_clear_error(
+    s3server: S3Server, s3bucket: str, s3_checkpoint: Checkpoint, aws_env: None, tmp_path: Path
+) -> None:
+    """The listing HEADs its objects side by side; one deleted since it was listed (here the
+    gate answers its HEAD 404) ended the prefetch in a bare ExceptionGroup, a traceback
+    from the CLI."""
+    from shardsync.errors import ShardsyncError
+
+    upload(s3server, s3bucket, s3_checkpoint, checksums=False)
+    shard = s3_checkpoint.shards[1]
+    async with FaultGate(s3server.endpoint, gone_at_head=f"{PREFIX}/{shard}") as gate:
+        config = s3_config(tmp_path / "cache", s3server, through=gate)
+        with pytest.raises(ShardsyncError) as failed:
+            await prefetch(f"s3://{s3bucket}/{PREFIX}/", config)
+    assert shard in str(failed.value)
+
+
 async def test_a_cached_model_costs_the_listing_alone_and_a_replaced_object_is_fetched(
     s3server: S3Server, s3bucket: str, s3_checkpoint: Checkpoint, aws_env: None, tmp_path: Path
 ) -> None:

@@ -446,6 +446,54 @@ async def test_a_tier_refusing_writes_is_still_read(
     assert len(tier_objects(s3server, s3bucket)) == 2  # nothing written
 
 
+async def test_a_read_only_identity_meeting_a_corrupt_object_still_reads_the_rest(
+    s3server: S3Server,
+    s3bucket: str,
+    model: Checkpoint,
+    hub: FakeHub,
+    aws_env: None,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Deleting a corrupt object is a write, which a read-only identity may not do: its
+    refusal turned the whole tier off, and every good object after it came from the Hub."""
+    seed_tier(s3server, s3bucket, model)
+    victim = model.path(model.shards[0]).read_bytes()
+    flipped = victim[:1000] + bytes([victim[1000] ^ 1]) + victim[1001:]
+    s3(s3server).put_object(Bucket=s3bucket, Key=blob_key(PREFIX, sha(victim)), Body=flipped)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3server.readonly_access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3server.readonly_secret_key)
+    config = host(tmp_path / "h", hub, s3server, s3bucket)
+    result = await prefetch(REPO, replace(config, max_files=1))  # the corrupt one first
+    assert_snapshot_matches(result.snapshot_path, model)
+    assert result.tier is not None and not result.tier.disabled and result.tier.read_only
+    assert sources(result, model) == ["network", "tier", "tier", "tier"]
+
+
+@pytest.mark.parametrize("size", [1 << 20, 6 << 20], ids=["one-put", "multipart"])
+async def test_a_blob_gone_before_its_upload_is_a_local_error_not_a_dead_tier(
+    s3server: S3Server, s3bucket: str, aws_env: None, tmp_path: Path, size: int, monkeypatch: Any
+) -> None:
+    """A blob pruned (or unreadable) before its upload: ours to report, not the store's.
+    It was a ``TransferError`` (the tier taken for down for a minute) in one PUT, and a bare
+    ``FileNotFoundError`` in a multipart upload, which ended the tier's task group and the
+    engine's task with it."""
+    from shardsync import s3 as s3_module
+    from shardsync.errors import CacheError
+    from shardsync.s3 import S3Client
+
+    monkeypatch.setattr(s3_module, "MAX_SINGLE_PUT", 4 << 20)  # S3's 5 GiB, in small
+    client = S3Client(
+        S3Config(endpoint=s3server.endpoint, region=s3server.region, addressing="path")
+    )
+    try:
+        with pytest.raises(CacheError):
+            await client.put_file(s3bucket, "gone", tmp_path / "gone", sha256="0" * 64, size=size)
+    finally:
+        await client.aclose()
+    assert "gone" not in s3_keys(s3server, s3bucket, "")
+
+
 class _Cut:
     """A TCP proxy in front of the store that can drop every connection at once."""
 

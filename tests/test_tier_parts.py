@@ -371,6 +371,57 @@ async def test_a_seeding_cancelled_while_its_partial_is_made_leaves_no_descripto
     assert landed is not None and landed.total() == 0  # resumable, nothing claimed
 
 
+async def test_a_taker_cancelled_while_it_seeds_lets_go_of_the_claim(
+    s3server: S3Server,
+    s3bucket: str,
+    model: Checkpoint,
+    aws_env: None,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A job cancelled (or failing: a full disk) while it seeds from a dead holder's parts
+    let go of nothing: its claim was renewed for as long as the engine lived (a daemon's:
+    for ever), so no host took the blob over and each waited out the stall instead."""
+    shard = model.shards[0]
+    sha = dead_holder(s3server, s3bucket, model.path(shard).read_bytes(), parts=2)
+    entered, release = threading.Event(), threading.Event()
+    write = Seeding.write
+
+    def held_write(self: Seeding, offset: int, piece: bytes) -> None:
+        entered.set()
+        release.wait(10)
+        write(self, offset, piece)
+
+    monkeypatch.setattr(Seeding, "write", held_write)
+
+    def claim_etag() -> str | None:
+        key = claim_key(PREFIX, sha)
+        with contextlib.suppress(Exception):  # none: the claim was let go
+            return str(s3(s3server).head_object(Bucket=s3bucket, Key=key)["ETag"])
+        return None
+
+    async with FakeHub() as hub:
+        hub.add_checkpoint(REPO, model)
+        async with Engine(host(tmp_path / "taker", hub, s3server, s3bucket)) as engine:
+            job = engine.job(engine.origin(REPO))
+
+            async def download() -> None:
+                await job.prepare(None, ())
+                await job.download()
+
+            task = asyncio.create_task(download())
+            try:
+                assert await asyncio.to_thread(entered.wait, 30)
+                task.cancel()
+            finally:
+                release.set()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            first = await asyncio.to_thread(claim_etag)
+            await asyncio.sleep(2.5)  # the claim renews every 0.8 s while it is held
+            assert first is None or await asyncio.to_thread(claim_etag) == first
+
+
 def _wait_for_parts(
     server: S3Server, bucket: str, sha: str, proc: subprocess.Popen[bytes], size: int
 ) -> None:

@@ -1059,6 +1059,52 @@ MUTANTS: tuple[Mutant, ...] = (
         "a timeout of nan (every read times out at once) or inf (none ever does) is taken",
     ),
     Mutant(
+        "failed-taker-keeps-renewing",
+        "shardsync/tier.py",
+        (
+            (
+                "except BaseException:\n            await self._release(upload)\n",
+                "except BaseException:\n",
+            ),
+        ),
+        ("tests/test_tier_parts.py::test_a_taker_cancelled_while_it_seeds_lets_go_of_the_claim",),
+        "a job that fails or is cancelled after it won a claim renews that claim for ever",
+    ),
+    Mutant(
+        "refused-delete-turns-the-tier-off",
+        "shardsync/tier.py",
+        (('doing in ("claim", "write", "delete")', 'doing in ("claim", "write")'),),
+        (
+            "tests/test_tier.py::"
+            "test_a_read_only_identity_meeting_a_corrupt_object_still_reads_the_rest",
+        ),
+        "a read-only identity refused the delete of a corrupt object reads nothing more",
+    ),
+    Mutant(
+        "listing-head-error-escapes",
+        "shardsync/origins/s3.py",
+        (("            raise_first(group)", "            raise"),),
+        (
+            "tests/test_s3_origin.py::"
+            "test_an_object_gone_between_the_listing_and_its_head_is_one_clear_error",
+        ),
+        "an object gone between the listing and its HEAD ends the job in a bare ExceptionGroup",
+    ),
+    Mutant(
+        "local-read-error-taken-for-the-tier",
+        "shardsync/s3.py",
+        (
+            (
+                '        return path.open("rb")\n    except OSError',
+                '        return path.open("rb")\n    except ZeroDivisionError',
+            ),
+        ),
+        (
+            "tests/test_tier.py::test_a_blob_gone_before_its_upload_is_a_local_error_not_a_dead_tier",
+        ),
+        "a blob gone before its upload is taken for a dead tier (one PUT) or escapes (multipart)",
+    ),
+    Mutant(
         "hidden-holder-taken-for-dead",
         "shardsync/snapshot_use.py",
         (

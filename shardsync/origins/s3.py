@@ -15,7 +15,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from shardsync.errors import ConfigError, ManifestError
+from shardsync.errors import ConfigError, ManifestError, raise_first
 from shardsync.fetch.request import BlobRequest, Located
 from shardsync.manifest import Listing, RemoteFile, validate_name
 from shardsync.names import S3Location, parse_s3_url
@@ -93,8 +93,11 @@ class S3Origin(RequestOrigin):
                 self._heads[obj.key] = (time.monotonic(), head)
             return RemoteFile(path=path, size=obj.size, sha256=sha256, version=version)
 
-        async with asyncio.TaskGroup() as tg:
-            tasks = [tg.create_task(describe(p, o)) for p, o in wanted]
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tasks = [tg.create_task(describe(p, o)) for p, o in wanted]
+        except BaseExceptionGroup as group:  # the one clear error (an object gone since)
+            raise_first(group)
         return Listing(commit=None, files=tuple(t.result() for t in tasks), exhaustive=True)
 
     def request_for(self, commit: str | None, entry: Entry) -> BlobRequest:
