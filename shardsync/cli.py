@@ -66,6 +66,11 @@ def _exit_code(exc: errors.ShardsyncError) -> int:
 _SOURCE_HELP = "ORG/NAME on the Hub, an http(s) base URL, s3://BUCKET/PREFIX/, or a directory"
 
 
+def _user_path(text: str) -> Path:
+    """A path as a user types it: ``--cache-dir=~/c`` is not expanded by the shell."""
+    return Path(text).expanduser()
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shardsync",
@@ -79,7 +84,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--config", type=Path, default=argparse.SUPPRESS, help="TOML config file")
     p.add_argument("--revision", help="branch, tag, commit or refs/pr/N (default: main)")
     p.add_argument("--endpoint", help="Hub endpoint (default: $HF_ENDPOINT or huggingface.co)")
-    p.add_argument("--cache-dir", type=Path, help="cache root (default: $SHARDSYNC_CACHE_DIR)")
+    p.add_argument(
+        "--cache-dir", type=_user_path, help="cache root (default: $SHARDSYNC_CACHE_DIR)"
+    )
     p.add_argument("--include", action="append", metavar="GLOB", help="small files to fetch")
     p.add_argument("--exclude", action="append", default=[], metavar="GLOB")
     p.add_argument("--offline", action="store_true", help="answer from the cache, no requests")
@@ -104,7 +111,7 @@ def _parser() -> argparse.ArgumentParser:
     ld.add_argument("--config", type=Path, default=argparse.SUPPRESS, help="TOML config file")
     ld.add_argument("--revision")
     ld.add_argument("--endpoint")
-    ld.add_argument("--cache-dir", type=Path)
+    ld.add_argument("--cache-dir", type=_user_path)
     ld.add_argument(
         "--device-map",
         default="auto",
@@ -129,7 +136,9 @@ def _parser() -> argparse.ArgumentParser:
 
     pr = sub.add_parser("prune", help="evict least recently used snapshots to fit limits")
     pr.add_argument("--config", type=Path, default=argparse.SUPPRESS, help="TOML config file")
-    pr.add_argument("--cache-dir", type=Path, help="cache root (default: $SHARDSYNC_CACHE_DIR)")
+    pr.add_argument(
+        "--cache-dir", type=_user_path, help="cache root (default: $SHARDSYNC_CACHE_DIR)"
+    )
     pr.add_argument("--max-size", metavar="SIZE", help="prune the cache down to this, e.g. 500G")
     pr.add_argument("--min-free", metavar="SIZE", help="leave this much free on the disk")
     pr.add_argument("--max-age", metavar="AGE", help="evict what was unused this long, e.g. 30d")
@@ -143,20 +152,26 @@ def _parser() -> argparse.ArgumentParser:
     vf = sub.add_parser("verify", help="re-hash cached blobs, quarantine corrupt ones")
     vf.add_argument("repo", nargs="?", help="only this repo (name or glob)")
     vf.add_argument("--config", type=Path, default=argparse.SUPPRESS, help="TOML config file")
-    vf.add_argument("--cache-dir", type=Path, help="cache root (default: $SHARDSYNC_CACHE_DIR)")
+    vf.add_argument(
+        "--cache-dir", type=_user_path, help="cache root (default: $SHARDSYNC_CACHE_DIR)"
+    )
     vf.add_argument("--full", action="store_true", help="recompute sha256 too (slower)")
     vf.add_argument("--json", action="store_true", help="print the report as JSON")
 
     ls = sub.add_parser("ls", help="cached repos and snapshots: size, completeness, last use")
     ls.add_argument("--config", type=Path, default=argparse.SUPPRESS, help="TOML config file")
-    ls.add_argument("--cache-dir", type=Path, help="cache root (default: $SHARDSYNC_CACHE_DIR)")
+    ls.add_argument(
+        "--cache-dir", type=_user_path, help="cache root (default: $SHARDSYNC_CACHE_DIR)"
+    )
     ls.add_argument("--json", action="store_true", help="print the listing as JSON")
 
     d = sub.add_parser("demo", help="prefetch a generated checkpoint from a local fake hub")
     d.add_argument("--size", default="256MiB", help="checkpoint size (default 256MiB)")
     d.add_argument("--config", type=Path, default=argparse.SUPPRESS, help="TOML config file")
     d.add_argument("--shards", type=int, default=4)
-    d.add_argument("--cache-dir", type=Path, help="cache root (default: a temporary directory)")
+    d.add_argument(
+        "--cache-dir", type=_user_path, help="cache root (default: a temporary directory)"
+    )
     d.add_argument("--bandwidth", help="per-connection cap, e.g. 25MB (default: none)")
     return parser
 

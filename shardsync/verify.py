@@ -18,6 +18,7 @@ prune gate, so it never interleaves with a prune.
 
 from __future__ import annotations
 
+import errno
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from typing import Any, Literal
 
 from shardsync.cache import CacheStore
 from shardsync.digest import Digest
-from shardsync.errors import CacheError, ConfigError
+from shardsync.errors import CacheError, ConfigError, disk_error
 from shardsync.layout import blob_target
 from shardsync.prune_plan import matches
 from shardsync.records import FileRecord, SnapshotRecord
@@ -210,7 +211,9 @@ def _link_problem(cache: CacheStore, dirname: str, commit: str, f: FileRecord) -
     except FileNotFoundError:
         return f"{link} is missing"
     except OSError as exc:
-        return f"{link} is not a symlink: {exc.strerror}"
+        if exc.errno != errno.EINVAL:  # unreadable (EACCES, EIO): not a problem of the link's
+            raise disk_error(exc, f"read {link}") from exc
+        return f"{link} is not a symlink"
     if found != target:
         return f"{link} points to {found!r}, not {target!r}"
     if not os.path.exists(link):

@@ -54,6 +54,26 @@ def _shard_bytes(checkpoint: Checkpoint) -> int:
     return sum(checkpoint.path(s).stat().st_size for s in checkpoint.shards)
 
 
+def test_a_cache_dir_given_as_tilde_is_the_users_home(
+    hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    """``--cache-dir=~/c`` reaches the command unexpanded (a shell expands ``~`` only at a
+    word's start): it made a cache in a folder named ``~`` under the working directory, as
+    ``$SHARDSYNC_CACHE_DIR`` and ``cache.dir`` never did."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    done = subprocess.run(
+        [*_cmd(tmp_path, "prefetch", REPO, "--endpoint", hub.endpoint, "--cache-dir=~/c")],
+        capture_output=True, text=True, timeout=120, cwd=work,
+        env={**os.environ, "HOME": str(home), "SHARDSYNC_SOCKET": str(tmp_path / "none.sock")},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert_snapshot_matches(Path(done.stdout.strip().splitlines()[-1]), checkpoint)
+    assert Path(done.stdout.strip().splitlines()[-1]).is_relative_to(home / "c")
+    assert list(work.iterdir()) == []
+
+
 def test_prefetch_prints_the_snapshot_path(
     hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path
 ) -> None:

@@ -6,8 +6,10 @@ import asyncio
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -171,6 +173,37 @@ def test_full_recomputes_sha256(hub: FakeHub, checkpoint: Checkpoint, tmp_path: 
     (problem,) = json.loads(out.stdout)["problems"]
     assert (problem["path"], problem["problem"]) == (shard, "corrupt")
     assert "sha256" in problem["detail"]
+
+
+def test_a_snapshot_it_may_not_read_is_an_error_not_missing_files(
+    hub: FakeHub, tmp_path: Path
+) -> None:
+    """A user who may not read a snapshot folder (its mode 000) was told each of its files
+    is missing, and that the snapshot is incomplete now (exit 13); ``ls`` and ``prune`` say
+    what it is: the cache cannot be read (exit 9)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: the check runs as another user")
+    as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--"]
+    root = Path(tempfile.mkdtemp(prefix="verify-"))
+    try:
+        root.chmod(0o755)
+        cache_dir = root / "cache"
+        snapshot = get(cache_dir, hub)
+        subprocess.run(["chmod", "-R", "a+rwX", str(cache_dir)], check=True)
+        snapshot.chmod(0)
+        done = subprocess.run(
+            [*as_nobody, sys.executable, "-m", "shardsync.cli", "verify", "--cache-dir",
+             str(cache_dir)],
+            capture_output=True, text=True, timeout=120, cwd=root,
+            env={**os.environ, "HOME": str(root)},
+        )  # fmt: skip
+        if "No module named" in done.stderr:
+            pytest.skip("another user cannot run this checkout's Python here")
+        assert done.returncode == 9, (done.returncode, done.stdout, done.stderr)
+        assert "Permission denied" in done.stderr and "missing" not in done.stdout
+    finally:
+        subprocess.run(["chmod", "-R", "u+rwX", str(root)], check=False)
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def test_missing_link_and_missing_blob(

@@ -1105,6 +1105,20 @@ MUTANTS: tuple[Mutant, ...] = (
         "a blob gone before its upload is taken for a dead tier (one PUT) or escapes (multipart)",
     ),
     Mutant(
+        "tilde-cache-dir-taken-literally",
+        "shardsync/cli.py",
+        (("    return Path(text).expanduser()", "    return Path(text)"),),
+        ("tests/test_cli.py::test_a_cache_dir_given_as_tilde_is_the_users_home",),
+        "--cache-dir=~/c makes a cache in a folder named ~ under the working directory",
+    ),
+    Mutant(
+        "unreadable-link-called-missing",
+        "shardsync/verify.py",
+        (("        if exc.errno != errno.EINVAL:", "        if False:"),),
+        ("tests/test_verify.py::test_a_snapshot_it_may_not_read_is_an_error_not_missing_files",),
+        "verify reports a snapshot it may not read as missing files, exit 13",
+    ),
+    Mutant(
         "hidden-holder-taken-for-dead",
         "shardsync/snapshot_use.py",
         (
