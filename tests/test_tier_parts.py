@@ -272,6 +272,33 @@ def test_a_holder_killed_mid_download_leaves_parts_the_taker_resumes_from(
     assert by_holder + by_taker < 1.5 * len(data)
 
 
+async def _cancel_a_seeding(
+    server: S3Server,
+    bucket: str,
+    sha: str,
+    size: int,
+    slot: Slot,
+    entered: threading.Event,
+    release: threading.Event,
+) -> None:
+    """Seed ``slot`` from the dead holder's parts, cancel the seeding once a step of it held
+    in its thread (``entered``) runs, and let that step go 0.3 s later: a cleanup that does
+    not wait for it runs meanwhile."""
+    client = S3Client(S3Config(endpoint=server.endpoint, region=server.region, addressing="path"))
+    try:
+        where = S3Location(bucket, PREFIX)
+        seeding = asyncio.create_task(seed_from_parts(client, where, sha, size, slot))
+        assert await asyncio.to_thread(entered.wait, 10)
+        seeding.cancel()
+        await asyncio.sleep(0.3)
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await seeding
+    finally:
+        release.set()
+        await client.aclose()
+
+
 async def test_a_cancelled_seeding_closes_its_partial_only_after_its_writes(
     s3server: S3Server,
     s3bucket: str,
@@ -301,21 +328,7 @@ async def test_a_cancelled_seeding_closes_its_partial_only_after_its_writes(
     monkeypatch.setattr(Seeding, "write", held_write)
     monkeypatch.setattr(Seeding, "close", noted_close)
     slot = Slot(CacheStore(tmp_path / "cache"), sha)
-    client = S3Client(
-        S3Config(endpoint=s3server.endpoint, region=s3server.region, addressing="path")
-    )
-    try:
-        where = S3Location(s3bucket, PREFIX)
-        seeding = asyncio.create_task(seed_from_parts(client, where, sha, len(data), slot))
-        assert await asyncio.to_thread(entered.wait, 10)
-        seeding.cancel()
-        await asyncio.sleep(0.3)  # a close that does not wait for the writes runs now
-        release.set()
-        with pytest.raises(asyncio.CancelledError):
-            await seeding
-    finally:
-        release.set()
-        await client.aclose()
+    await _cancel_a_seeding(s3server, s3bucket, sha, len(data), slot, entered, release)
     assert events[-1] == "closed" and events.count("wrote") >= 1, events
     landed = slot.landed()
     assert landed is not None and landed.total() >= PART
@@ -350,22 +363,8 @@ async def test_a_seeding_cancelled_while_its_partial_is_made_leaves_no_descripto
     monkeypatch.setattr(Slot, "seed", held_seed)
     cache = tmp_path / "cache"
     slot = Slot(CacheStore(cache), sha)
-    client = S3Client(
-        S3Config(endpoint=s3server.endpoint, region=s3server.region, addressing="path")
-    )
-    try:
-        where = S3Location(s3bucket, PREFIX)
-        seeding = asyncio.create_task(seed_from_parts(client, where, sha, len(data), slot))
-        assert await asyncio.to_thread(entered.wait, 10)
-        seeding.cancel()
-        await asyncio.sleep(0.3)  # a seeding that does not wait for the thread ends now
-        release.set()
-        with pytest.raises(asyncio.CancelledError):
-            await seeding
-        assert await asyncio.to_thread(made.wait, 10)
-    finally:
-        release.set()
-        await client.aclose()
+    await _cancel_a_seeding(s3server, s3bucket, sha, len(data), slot, entered, release)
+    assert await asyncio.to_thread(made.wait, 10)
     assert open_under(cache) == []
     landed = slot.landed()
     assert landed is not None and landed.total() == 0  # resumable, nothing claimed
