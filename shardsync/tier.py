@@ -378,14 +378,13 @@ class Tier:
         for n in self._counting():
             n.claims_won += 1
             n.misses += 1
-        upload = Upload(claim.sha256, claim.size, claim)
         seeded, publisher, lead = 0, None, None  # lead: our download held within reach
 
         def counted(n: int) -> None:
             claim.done += n
             progress(n)
 
-        upload.renewal = self._spawn(self._renew(claim))
+        upload = Upload(claim.sha256, claim.size, claim, self._spawn(self._renew(claim)))
         try:  # from here on any way out lets go of the claim, or it is renewed for ever
             if slot is not None and self.config.part_size:
                 there = await self._seed(claim, slot)
