@@ -132,14 +132,15 @@ class NoProxy:
 def _split_port(item: str) -> tuple[str, int | None]:
     if item.startswith("["):  # [::1]:8080
         host, _, rest = item[1:].partition("]")
-        digits = rest[1:]  # ASCII only: "\u00b2".isdigit(), yet int() refuses it
-        return host, int(digits) if rest.startswith(
-            ":"
-        ) and digits.isascii() and digits.isdigit() else None
+        return host, _port(rest[1:]) if rest.startswith(":") else None
     host, sep, port = item.rpartition(":")
-    if sep and port.isascii() and port.isdigit() and host.count(":") == 0:
-        return host, int(port)
-    return item, None
+    number = _port(port) if sep and host.count(":") == 0 else None
+    return (item, None) if number is None else (host, number)
+
+
+def _port(text: str) -> int | None:
+    """ASCII digits as a number: ``"\u00b2".isdigit()`` is true, yet ``int`` refuses it."""
+    return int(text) if text.isascii() and text.isdigit() else None
 
 
 @dataclass(frozen=True, slots=True)
