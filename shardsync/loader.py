@@ -117,27 +117,27 @@ class _Handoff:
 
 
 class _Leases:
-    """The stream's lease, released once from whichever thread closes the stream first; one
-    added after that is released at once."""
+    """The stream's one lease, released once from whichever thread closes the stream first;
+    one added after that is released at once."""
 
     def __init__(self) -> None:
         self._guard = threading.Lock()
-        self._held: list[Lease | DaemonLease] = []
+        self._held: Lease | DaemonLease | None = None
         self._released = False
 
     def add(self, lease: Lease | DaemonLease) -> None:
         with self._guard:
             if not self._released:
-                self._held.append(lease)
+                self._held = lease
                 return
         lease.release()
 
     def release(self) -> None:
         with self._guard:
             self._released = True
-            held, self._held = self._held, []
-        for lease in held:
-            lease.release()
+            held, self._held = self._held, None
+        if held is not None:
+            held.release()
 
 
 class _ShardSink:
