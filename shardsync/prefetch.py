@@ -22,7 +22,7 @@ import aiohttp
 from shardsync.cache import CacheStore
 from shardsync.config import Config
 from shardsync.engine_api import FileGate, Select
-from shardsync.errors import CacheError, OfflineError, raise_first
+from shardsync.errors import CacheError, raise_first
 from shardsync.events import Verified
 from shardsync.fetch.fetcher import Fetcher, IntoSlot
 from shardsync.fetch.request import Sleep, Throttle, Turn
@@ -46,7 +46,6 @@ from shardsync.records import (
     NoProgress,
     PrefetchResult,
     ProgressSink,
-    RepoRef,
     SnapshotRecord,
     TierStatistics,
     VerifiedFile,
@@ -54,7 +53,7 @@ from shardsync.records import (
 from shardsync.s3 import S3Client
 from shardsync.shard_headers import read_headers
 from shardsync.slot import Slot
-from shardsync.snapshot_use import AccessLog, Lease, Leases
+from shardsync.snapshot_use import AccessLog, Lease, Leases, offline_result
 from shardsync.store import AsyncStore
 from shardsync.tier import Tier, TierCounters, Upload
 
@@ -228,7 +227,9 @@ async def prefetch(
     engine = Engine(config, sleep=sleep, environ=environ)
     origin = engine.origin(source, token=token)
     if offline:
-        return _from_cache(engine.cache, origin.repo, revision or origin.default_revision, started)
+        return offline_result(
+            engine.cache, origin.repo, revision or origin.default_revision, started
+        )
     async with engine:
         job = engine.job(origin, revision=revision, allow_pickle=allow_pickle, sink=progress)
         await job.prepare(include, exclude)
@@ -237,29 +238,6 @@ async def prefetch(
         if on_complete is not None:
             on_complete(result)
     return job.after_uploads(result)
-
-
-def _from_cache(cache: CacheStore, repo: RepoRef, revision: str, started: float) -> PrefetchResult:
-    """Offline: answer from the cache alone, without a single request."""
-    record = cache.find_complete(repo, revision)
-    if record is None:
-        raise OfflineError(
-            f"{repo.name}@{revision} is not complete in {cache.root}; run prefetch online first"
-        )
-    AccessLog(cache).record(repo, record.commit)
-    files = tuple(
-        FileOutcome(f.path, f.size, f.sha256, f.verified, "cache", 0, 0) for f in record.files
-    )
-    return PrefetchResult(
-        repo=repo,
-        revision=revision,
-        commit=record.commit,
-        snapshot_path=cache.snapshot_dir(repo, record.commit),
-        files=files,
-        bytes_downloaded=0,
-        elapsed=time.monotonic() - started,
-        fetch=None,
-    )
 
 
 class Job:
@@ -305,6 +283,7 @@ class Job:
         self._ahead: list[Forget] = []  # shards located while the index downloads
         self._tier_counters = TierCounters()
         self._uploads: set[asyncio.Task[None]] = set()  # this job's, to the tier, running
+        self._lease_held: Lease | None = None
 
     @property
     def manifest(self) -> Manifest:
@@ -414,10 +393,20 @@ class Job:
 
     async def _lease(self) -> Lease:
         """While a job works, every snapshot of its repo is leased: a prune leaves them be
-        (the commit may not be known yet, and the previous snapshot's blobs are reused)."""
-        return await Leases(self.cache).ahold(
-            self.origin.repo, owner=f"prefetch {self.origin.repo.name}@{self.revision}"
+        (the commit may not be known yet, and the previous snapshot's blobs are reused), and
+        so are the blobs it ``_keep``s."""
+        kept = () if self._lease_held is None else self._lease_held.info.blobs
+        self._lease_held = await Leases(self.cache).ahold(
+            self.origin.repo, owner=f"prefetch {self.origin.repo.name}@{self.revision}", blobs=kept
         )
+        return self._lease_held
+
+    async def _keep(self, sha256: str) -> None:
+        """A content-named snapshot links its files only at its end: until then the job's
+        lease names each blob it counts on, or a prune evicting another repo's snapshot that
+        holds one would delete it. Check the blob after this, not before."""
+        if not self.commit and self._lease_held is not None:
+            await self._lease_held.akeep(sha256)
 
     async def _prepare(
         self,
@@ -553,7 +542,10 @@ class Job:
         sha = entry.sha256
         if sha is None and hint is not None and await self._hint_matches(entry, hint):
             sha = hint.sha256
-        if sha is None or not await self.store.has_blob(sha, entry.size):
+        if sha is None:
+            return None
+        await self._keep(sha)
+        if not await self.store.has_blob(sha, entry.size):
             return None
         try:
             record = await self._reuse(entry, sha, hint)
@@ -634,6 +626,7 @@ class Job:
         else:
             fetched = await from_origin(progress)
         try:
+            await self._keep(fetched.sha256)
             await self.store.commit(slot, fetched)
         except BaseException:
             if self.tier is not None and upload is not None:

@@ -387,6 +387,7 @@ def _view(
         other_bytes=inv.foreign_bytes,
         free_bytes=inv.disk_free,
         leased_since=min((lease.created_at for lease in inv.leases), default=None),
+        leased_blobs=frozenset(b for lease in inv.leases for b in lease.blobs),
     )
     return view, tuple(protected), frozenset(whole)
 

@@ -14,8 +14,9 @@ carries the plan out. The rules, in the order they apply:
    ``min_free``. A snapshot whose every blob a protected one also holds would free nothing
    and is skipped here.
 
-A blob is freed when the last snapshot referring to it goes; sizes are bytes on disk with
-every blob counted once, however many snapshots and repos share it.
+A blob is freed when the last snapshot referring to it goes, unless a live lease names it (a
+content-named job reusing another repo's blob); sizes are bytes on disk with every blob
+counted once, however many snapshots and repos share it.
 """
 
 from __future__ import annotations
@@ -107,6 +108,8 @@ class CacheView:
     # when the oldest live lease was taken (None: none): a job holding one may have published
     # blobs it links only at its end (content-named snapshots), so none newer is an orphan
     leased_since: float | None = None
+    # blobs a live lease names: a content-named job counts on them before it links them
+    leased_blobs: frozenset[str] = frozenset()
 
     @property
     def total_bytes(self) -> int:
@@ -154,7 +157,9 @@ def plan_prune(view: CacheView, limits: Limits) -> PrunePlan:
     """Decide what to remove; see the module docstring for the rules."""
     sizes = {b.id: b.nbytes for b in view.blobs}
     refs: Counter[str] = Counter(b for u in view.units for b in u.blobs if b in sizes)
+    refs.update(b for b in view.leased_blobs if b in sizes)  # a reference no eviction drops
     held = {b for u in view.units if u.protected is not None for b in u.blobs}
+    held |= view.leased_blobs
     stale_cut = view.now - limits.stale_age
     freed = 0
 

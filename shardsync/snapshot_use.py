@@ -8,7 +8,8 @@ a crash mid-append never swallows the next record.
 
 A lease is one small JSON file in ``state/leases/``. It says that a process is using a
 snapshot (or, with ``commit`` None, every snapshot of a repo) and it dies with its holder,
-so a crashed holder never pins the cache:
+so a crashed holder never pins the cache. It may also name store blobs its holder counts on
+before any snapshot links them (``Lease.akeep``: a content-named job's files):
 
 * a *process* lease names a pid and that process's start time (field 22 of
   ``/proc/<pid>/stat``), the boot id and the PID namespace: it protects while that exact
@@ -36,18 +37,19 @@ import json
 import os
 import secrets
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import TracebackType
 from typing import Self, TypeVar
 
 from shardsync import strict_json
 from shardsync.cache import CacheStore
-from shardsync.errors import CacheError
+from shardsync.errors import CacheError, OfflineError
 from shardsync.locks import BlobLock
-from shardsync.records import RepoRef
+from shardsync.records import FileOutcome, PrefetchResult, RepoRef
 
 __all__ = [
     "FOREIGN_LEASE_AGE",
@@ -56,6 +58,7 @@ __all__ = [
     "Lease",
     "LeaseInfo",
     "Leases",
+    "offline_result",
     "prune_gate",
     "wait_lock",
 ]
@@ -277,6 +280,8 @@ class LeaseInfo:
     ttl: float | None
     created_at: float
     heartbeat_at: float  # the file's mtime
+    # store blobs (sha256) the holder counts on though no snapshot of its links them yet
+    blobs: tuple[str, ...] = ()
 
     def covers(self, dirname: str, commit: str) -> bool:
         return self.dirname == dirname and self.commit in (None, commit)
@@ -291,19 +296,22 @@ class LeaseInfo:
             "ttl": self.ttl,
             "created_at": self.created_at,
             "heartbeat_at": self.heartbeat_at,
+            "blobs": list(self.blobs),
         }
 
 
 class Lease:
     """A held lease: a context manager (sync or async) that releases it on exit."""
 
-    __slots__ = ("_cache", "_released", "id", "info")
+    __slots__ = ("_cache", "_file", "_released", "_written", "id", "info")
 
     def __init__(self, cache: CacheStore, info: LeaseInfo) -> None:
         self._cache = cache
         self.id = info.id
         self.info = info
         self._released = False
+        self._file = threading.Lock()  # a worker's rewrite, or the release
+        self._written = frozenset(info.blobs)  # the blobs in the file
 
     def heartbeat(self) -> None:
         """Keep a ``ttl`` lease alive (cheap: one ``utime``). A no-op once released; a lease
@@ -313,11 +321,38 @@ class Lease:
         if not self._cache.touch_state_file(_LEASES, f"{self.id}.json"):
             _write_lease(self._cache, self.info)
 
+    async def akeep(self, sha256: str) -> None:
+        """Protect the store blob ``sha256`` too, before the holder relies on it: a job whose
+        snapshot is named by its content links its files only at its end, and a prune that
+        evicts another snapshot holding one of them would delete it meanwhile. Under the prune
+        gate, so a prune that has not seen it yet has finished: check the blob after this."""
+        if sha256 in self._written:
+            return
+        self._cache.blob_path(sha256)  # validates the name
+        if sha256 not in self.info.blobs:
+            self.info = replace(self.info, blobs=(*self.info.blobs, sha256))
+        # the gate is waited for in the worker: held across an await, a prune run on this
+        # loop's thread (a test's, a caller's) would wait for it for ever
+        await asyncio.to_thread(self._rewrite)
+
+    def _rewrite(self) -> None:
+        gate = prune_gate(self._cache, shared=True)
+        wait_lock(gate, None)
+        try:
+            with self._file:  # the latest ``info``: a write finishing last loses no blob
+                if not self._released:
+                    info = self.info
+                    _write_lease(self._cache, info)
+                    self._written = frozenset(info.blobs)
+        finally:
+            gate.release()
+
     def release(self) -> None:
         """Stop protecting; idempotent."""
-        if not self._released:
-            self._released = True
-            self._cache.remove_state_file(_LEASES, f"{self.id}.json")
+        with self._file:
+            if not self._released:
+                self._released = True
+                self._cache.remove_state_file(_LEASES, f"{self.id}.json")
 
     @property
     def released(self) -> bool:
@@ -392,11 +427,16 @@ class Leases:
         ttl: float | None = None,
         pid: int | None = None,
         timeout: float | None = None,  # noqa: ASYNC109 - the wait ends in CacheError
+        blobs: Iterable[str] = (),
     ) -> Lease:
         """``hold`` for an event loop: waits on the gate without blocking the loop, and writes
         (fsyncs) the lease in a worker thread. Cancelled meanwhile, the write still finishes
-        and the lease is taken back then, so none is left behind that nobody releases."""
+        and the lease is taken back then, so none is left behind that nobody releases.
+        ``blobs``: store blobs it protects from the start (``Lease.akeep``)."""
         info = self._new(repo, commit, owner=owner, ttl=ttl, pid=pid)
+        info = replace(info, blobs=tuple(blobs))
+        for sha256 in info.blobs:
+            self.cache.blob_path(sha256)  # validates the name
         lease = Lease(self.cache, info)
         gate = prune_gate(self.cache, shared=True)
         await gate.acquire(poll=_POLL, timeout=timeout)
@@ -495,6 +535,32 @@ class Leases:
         )
 
 
+def offline_result(
+    cache: CacheStore, repo: RepoRef, revision: str, started: float
+) -> PrefetchResult:
+    """An offline prefetch: a complete snapshot from the cache alone, without a single
+    request, its use logged like any other."""
+    record = cache.find_complete(repo, revision)
+    if record is None:
+        raise OfflineError(
+            f"{repo.name}@{revision} is not complete in {cache.root}; run prefetch online first"
+        )
+    AccessLog(cache).record(repo, record.commit)
+    files = tuple(
+        FileOutcome(f.path, f.size, f.sha256, f.verified, "cache", 0, 0) for f in record.files
+    )
+    return PrefetchResult(
+        repo=repo,
+        revision=revision,
+        commit=record.commit,
+        snapshot_path=cache.snapshot_dir(repo, record.commit),
+        files=files,
+        bytes_downloaded=0,
+        elapsed=time.monotonic() - started,
+        fetch=None,
+    )
+
+
 def _write_lease(cache: CacheStore, info: LeaseInfo) -> None:
     obj = {
         "format": _LEASE_FORMAT,
@@ -509,6 +575,7 @@ def _write_lease(cache: CacheStore, info: LeaseInfo) -> None:
         "host": info.host,
         "ttl": info.ttl,
         "created_at": info.created_at,
+        "blobs": list(info.blobs),
     }
     cache.write_state_file(_LEASES, f"{info.id}.json", data=json.dumps(obj).encode() + b"\n")
 
@@ -536,6 +603,7 @@ def _parse_lease(lease_id: str, data: bytes, mtime: float) -> LeaseInfo | None:
             ttl=_optional_number(obj, "ttl"),
             created_at=_number(obj, "created_at"),
             heartbeat_at=mtime,
+            blobs=_strings(obj, "blobs"),
         )
     except (KeyError, TypeError):
         return None
@@ -551,6 +619,13 @@ def _typed(obj: Mapping[str, object], key: str, kind: type[T]) -> T:
 
 def _optional(obj: Mapping[str, object], key: str, kind: type[T]) -> T | None:
     return None if obj.get(key) is None else _typed(obj, key, kind)
+
+
+def _strings(obj: Mapping[str, object], key: str) -> tuple[str, ...]:
+    value = obj.get(key, [])
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise TypeError(key)
+    return tuple(value)
 
 
 def _number(obj: Mapping[str, object], key: str) -> float:

@@ -197,6 +197,19 @@ class Bars:
         return None
 
 
+class OnFileDone(Bars):
+    """A progress sink that calls ``act()`` once, in the job's own thread, when ``path`` is
+    done: the job is then between that file and the next (or its end)."""
+
+    def __init__(self, path: str, act: Callable[[], object]) -> None:
+        super().__init__()
+        self.path, self.act, self.results = path, act, list[object]()
+
+    def file_done(self, outcome: FileOutcome) -> None:
+        if outcome.path == self.path and not self.results:
+            self.results.append(self.act())
+
+
 SendBody = Callable[["web.StreamResponse", int, int], Awaitable[None]]
 """Writes bytes ``first..last`` (inclusive) of a 206 that is already prepared."""
 

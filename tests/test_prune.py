@@ -15,7 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from helpers import assert_snapshot_matches, assert_store_verified, fast_config, tmpfs
+from helpers import (
+    OnFileDone,
+    assert_snapshot_matches,
+    assert_store_verified,
+    fast_config,
+    tmpfs,
+)
 from huggingface_hub import hf_hub_download, scan_cache_dir
 
 from shardsync.cache import CacheStore
@@ -23,7 +29,13 @@ from shardsync.config import PruneConfig, load_config, parse_duration
 from shardsync.errors import CacheError, ConfigError, DiskFullError
 from shardsync.inventory import scan
 from shardsync.prefetch import prefetch
-from shardsync.prune import ensure_free, limits_from_config, needs_prune, prune_cache
+from shardsync.prune import (
+    PruneReport,
+    ensure_free,
+    limits_from_config,
+    needs_prune,
+    prune_cache,
+)
 from shardsync.prune_plan import Blob, CacheView, Leftover, Limits, Unit, plan_prune
 from shardsync.records import PrefetchResult, RepoRef
 from shardsync.snapshot_use import AccessLog, Leases, prune_gate
@@ -191,6 +203,18 @@ CASES = [
         orphans=("p",),
     ),
     Case(
+        "a blob a live lease names outlives its last snapshot and is no orphan",
+        CacheView(
+            NOW,
+            (unit("a", 1, "xy"),),
+            (Blob("x", 100, 0), Blob("y", 100, 0), Blob("o", 7, NOW - 2 * DAY)),
+            leased_blobs=frozenset({"y", "o"}),
+        ),
+        Limits(max_size=0),
+        [("o/a", "max_size")],
+        unmet=("max_size",),
+    ),
+    Case(
         "ties are broken by folder and commit, so plans are reproducible",
         CacheView(NOW, (unit("b", 1, "y"), unit("a", 1, "x")), blobs(x=100, y=100)),
         Limits(max_size=100),
@@ -211,7 +235,8 @@ def test_plan(case: Case) -> None:
     kept_blobs = {
         b for u in case.view.units if (u.dirname, u.commit) not in evicted for b in u.blobs
     }
-    assert not kept_blobs & set(plan.blobs), "a blob a kept snapshot refers to would go"
+    kept_blobs |= case.view.leased_blobs
+    assert not kept_blobs & set(plan.blobs), "a blob a kept snapshot or a lease names would go"
 
 
 def test_plan_accounts_each_blob_to_the_eviction_that_frees_it() -> None:
@@ -684,3 +709,26 @@ def test_needs_prune(hub: FakeHub, tmp_path: Path) -> None:
     assert needs_prune(cache, PruneConfig(max_size=size - 1))
     assert not needs_prune(cache, PruneConfig(max_size=size - 1, high_water=size))
     assert needs_prune(cache, PruneConfig(min_free=1 << 62))
+
+
+async def test_a_blob_a_content_named_job_reuses_outlives_its_other_snapshot(
+    tmp_path: Path,
+) -> None:
+    """A job whose snapshot is named by its content (a local directory, S3, a URL) links its
+    files only at its end. A blob it found in the store, held by another repo's snapshot,
+    must survive a prune that evicts that snapshot meanwhile: the job is running."""
+    first = build_checkpoint(tmp_path / "first", total_bytes=40_000, n_shards=1, extras=False)
+    second = tmp_path / "second"
+    shutil.copytree(first.directory, second)
+    (second / "README.md").write_text("the same weights, another folder\n")
+    (first.directory / "README.md").write_text("what an eviction of the first frees\n")
+    config = fast_config(tmp_path / "cache")
+    cache = CacheStore(config.cache_dir)
+    await prefetch(str(first.directory), config)
+    pruning = OnFileDone("model.safetensors", lambda: prune_cache(cache, Limits(max_size=0)))
+    result = await prefetch(str(second), config, progress=pruning)
+    (report,) = pruning.results
+    assert isinstance(report, PruneReport)
+    assert [e.repo for e in report.evicted] == [str(first.directory)]
+    for f in result.files:
+        assert (result.snapshot_path / f.path).read_bytes() == (second / f.path).read_bytes()

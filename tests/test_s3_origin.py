@@ -24,6 +24,7 @@ import pytest
 from daemons import daemon_in_loop, short_tmp
 from faultgate import FaultGate, GateFault
 from helpers import (
+    OnFileDone,
     assert_snapshot_matches,
     assert_store_verified,
     fast_config,
@@ -32,6 +33,7 @@ from helpers import (
     upload_as_uploaders_do,
 )
 
+from shardsync.cache import CacheStore
 from shardsync.client import Client
 from shardsync.config import Config, S3Config
 from shardsync.errors import (
@@ -44,6 +46,8 @@ from shardsync.errors import (
 )
 from shardsync.network import network_from_env
 from shardsync.prefetch import Engine, prefetch
+from shardsync.prune import PruneReport, prune_cache
+from shardsync.prune_plan import Limits
 from shardsync.records import FileOutcome
 from shardsync.s3 import S3Client
 from shardsync.testing import Checkpoint, build_checkpoint, serve_in_thread
@@ -294,6 +298,29 @@ async def test_a_cached_model_costs_the_listing_alone_and_a_replaced_object_is_f
     for rel in s3_checkpoint.files:
         if rel != first:
             assert (third.snapshot_path / rel).read_bytes() == s3_checkpoint.path(rel).read_bytes()
+
+
+async def test_a_blob_an_s3_job_finds_in_the_store_outlives_a_prune_of_its_other_snapshot(
+    s3server: S3Server, s3bucket: str, s3_checkpoint: Checkpoint, aws_env: None, tmp_path: Path
+) -> None:
+    """Objects with a SHA-256 are found in the store before any byte moves; a snapshot named
+    by its content links them only at its end. A prune evicting the other prefix's snapshot,
+    which held them, while this job runs leaves them: the job finishes with the origin's
+    bytes."""
+    upload(s3server, s3bucket, s3_checkpoint, checksums=True, prefix="models/a")
+    put(s3server, s3bucket, "models/a/NOTES.md", b"what an eviction of models/a frees")
+    upload(s3server, s3bucket, s3_checkpoint, checksums=True, prefix="models/b")
+    config = s3_config(tmp_path / "cache", s3server)
+    cache = CacheStore(config.cache_dir)
+    await prefetch(f"s3://{s3bucket}/models/a/", config)
+    pruning = OnFileDone(s3_checkpoint.shards[0], lambda: prune_cache(cache, Limits(max_size=0)))
+    result = await prefetch(f"s3://{s3bucket}/models/b/", config, progress=pruning)
+    (report,) = pruning.results
+    assert isinstance(report, PruneReport)
+    assert [e.repo for e in report.evicted] == [f"s3://{s3bucket}/models/a/"]
+    sources = {f.path: f.source for f in result.files}
+    assert sources[s3_checkpoint.shards[0]] == "cache"  # found in the store, then kept
+    assert_snapshot_matches(result.snapshot_path, s3_checkpoint)
 
 
 @pytest.mark.parametrize("client_region", ["us-east-1", None])

@@ -133,6 +133,21 @@ async def test_ahold_cancelled_while_writing_leaves_no_lease(
     assert Leases(cache).all() == ()
 
 
+async def test_a_lease_names_the_blobs_it_keeps_and_a_released_one_writes_nothing(
+    cache: CacheStore,
+) -> None:
+    kept = ("a" * 64, "b" * 64)
+    async with await Leases(cache).ahold(REPO, owner="job", blobs=kept[:1]) as lease:
+        await lease.akeep(kept[1])
+        await lease.akeep(kept[1])  # once is enough
+        (live,) = Leases(cache).live()
+        assert live.blobs == kept
+        with pytest.raises(CacheError):
+            await lease.akeep("../../etc")
+    await lease.akeep("c" * 64)
+    assert Leases(cache).all() == ()
+
+
 def test_invalid_arguments(cache: CacheStore) -> None:
     with pytest.raises(CacheError):
         Leases(cache).hold(REPO, "main", owner="x")
@@ -285,6 +300,9 @@ def test_garbage_lease_files_protect_nothing(cache: CacheStore) -> None:
     (directory / "torn.json").write_text('{"format": 1, "repo": ')
     (directory / "alien.json").write_text('{"format": 99}')
     (directory / "wrong.json").write_text('{"format": 1, "repo": 5}')
+    with Leases(cache).hold(REPO, owner="x"):
+        good = json.loads(next(directory.glob("*.json")).read_text())
+    (directory / "blobs.json").write_text(json.dumps({**good, "blobs": "a" * 64}))
     assert Leases(cache).all() == ()
 
 

@@ -1136,6 +1136,37 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
         "under /proc's hidepid another user's running holder counts as dead",
     ),
+    Mutant(
+        "found-blob-not-kept",
+        "shardsync/prefetch.py",
+        (("        await self._keep(sha)\n", ""),),
+        (
+            "tests/test_s3_origin.py::"
+            "test_a_blob_an_s3_job_finds_in_the_store_outlives_a_prune_of_its_other_snapshot",
+        ),
+        "a content-named job's blob found in the store goes with another repo's eviction",
+    ),
+    Mutant(
+        "copied-blob-not-kept",
+        "shardsync/prefetch.py",
+        (("            await self._keep(fetched.sha256)\n", ""),),
+        (
+            "tests/test_prune.py::"
+            "test_a_blob_a_content_named_job_reuses_outlives_its_other_snapshot",
+        ),
+        "a content-named job's copied blob, the same as another repo's, goes with its eviction",
+    ),
+    Mutant(
+        "leased-blob-no-reference",
+        "shardsync/prune_plan.py",
+        (("    refs.update(b for b in view.leased_blobs if b in sizes)", "    pass"),),
+        (
+            "tests/test_prune.py::test_plan",
+            "tests/test_prune.py::"
+            "test_a_blob_a_content_named_job_reuses_outlives_its_other_snapshot",
+        ),
+        "a prune deletes a blob a live lease names once its last snapshot is evicted",
+    ),
 )
 
 
