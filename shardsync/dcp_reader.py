@@ -15,7 +15,7 @@ import os
 import queue
 import threading
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +36,7 @@ from shardsync.manifest import Listing, RemoteFile
 from shardsync.origins import Origin
 from shardsync.prefetch import Engine
 from shardsync.tasks import opened, to_the_end
-from shardsync.training import (
-    Choice,
-    Need,
-)
+from shardsync.training import DCP_METADATA, Choice, Need
 
 __all__ = ["DCPReader", "ReaderStatistics"]
 
@@ -90,6 +87,19 @@ class _OpenFile:
         return self.entry.path
 
 
+def _as_planned(listed: RemoteFile, version: str | None) -> str | None:
+    """``version``, if it is the one the file had when the load was planned from the
+    ``.metadata`` (another save of the same step puts other tensors at those offsets)."""
+    from shardsync.errors import LoadError
+
+    if listed.version is not None and version != listed.version:
+        raise LoadError(
+            f"{listed.path} changed since the checkpoint's {DCP_METADATA} was read "
+            f"({listed.version} -> {version}): saved again meanwhile? load again"
+        )
+    return version
+
+
 class _Source:
     """The files of one source, for one event loop: each range from a verified blob in the
     cache, else a kept piece, else the origin (and then kept for the next load)."""
@@ -129,7 +139,7 @@ class _Source:
         if listed.sha256 is not None:  # content-named: no need to ask the origin's version
             blob = await asyncio.to_thread(self.ranges.whole, path, f.size, listed.sha256, None)
         if blob is None:
-            f.version = await self.origin.version(self.fetcher, f.entry)
+            f.version = _as_planned(listed, await self.origin.version(self.fetcher, f.entry))
             if listed.sha256 is None:
                 blob = await asyncio.to_thread(self.ranges.whole, path, f.size, None, f.version)
         if blob is not None:
@@ -138,7 +148,8 @@ class _Source:
                 return f
             except OSError:
                 if f.version is None:
-                    f.version = await self.origin.version(self.fetcher, f.entry)
+                    version = await self.origin.version(self.fetcher, f.entry)
+                    f.version = _as_planned(listed, version)
         if f.version is not None:  # closed if the load is cancelled while it opens
             opening = asyncio.to_thread(self.ranges.open, path, f.size, f.version)
             f.kept = await opened(opening, KeptFile.close)
@@ -454,6 +465,14 @@ class DCPReader(StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         choice = asyncio.run(self._with_source(self._resolve, listing=True))
         if choice.dcp is None or choice.dcp_dir is None:
+            folders = [
+                p.rpartition("/")[0] for p, _ in choice.files if p.endswith("/" + DCP_METADATA)
+            ]
+            if len(folders) > 1:  # a Trainer's, say: name the one to read
+                raise LoadError(
+                    f"{self.source}: {choice.name} holds several DCP checkpoints "
+                    f"({', '.join(folders)}); point the reader at one of them"
+                )
             raise LoadError(f"{self.source}: {choice.name} is not a DCP checkpoint")
         self.choice = choice
         metadata = choice.dcp.metadata
@@ -559,6 +578,14 @@ class DCPReader(StorageReader):
                 source.close()
 
     async def _resolve(self, source: _Source, listing: Listing) -> Choice:
-        return await resolve(
+        choice = await resolve(
             source.origin, source.fetcher, listing, self.checkpoint, read=source.read_small
         )
+        if choice.dcp is not None:  # each data file as it is now, after its .metadata
+            folder = choice.dcp.folder
+            for rel in choice.dcp.needed:
+                listed = self._listed.get(f"{folder}/{rel}" if folder else rel)
+                if listed is not None and listed.version is None:
+                    version = await source.origin.version(source.fetcher, listed)
+                    self._listed[listed.path] = replace(listed, version=version)
+        return choice

@@ -39,7 +39,7 @@ import pickle
 import posixpath
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from shardsync.errors import ManifestError, UnsafeNameError
@@ -80,6 +80,7 @@ _MEGATRON_DIR = re.compile(r"iter_(\d{7,})|release")
 _MEGATRON_RANK_DIR = re.compile(r"mp_rank_(\d+)(?:_(\d+))?(?:_(\d+))?")
 _MEGATRON_FILE = "model_optim_rng.pt"
 _STEP = re.compile(r"(\d+)$")
+_FSDP_MODEL = re.compile(r"pytorch_model_fsdp_\d+")
 
 
 # ------------------------------------------------------------------------------ values
@@ -109,6 +110,7 @@ class DCPMetadata:
 
     metadata: Any = field(repr=False, compare=False)
     needed: Mapping[str, int]
+    folder: str = ""  # where the ``.metadata`` and the files it names are
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,7 +278,7 @@ class _Resolver:
         data = self.read(meta_path, MAX_METADATA_BYTES)
         if data is None:
             raise _Incomplete(f"no {DCP_METADATA} (torn: the coordinator writes it last)")
-        meta = parse_dcp_metadata(data, path=meta_path)
+        meta = replace(parse_dcp_metadata(data, path=meta_path), folder=folder)
         for rel, end in sorted(meta.needed.items()):
             size = self.tree.sizes.get(_join(folder, rel))
             if size is None:
@@ -336,7 +338,7 @@ class _Resolver:
         if _join(folder, TRAINER_STATE) not in self.tree.sizes:
             raise _Incomplete(f"no {TRAINER_STATE} (the Trainer writes it last)")
         files = self.tree.under(folder)
-        meta = None
+        metas: list[DCPMetadata] = []
         for sub in sorted({posixpath.dirname(p) for p, _ in files} - {folder}):
             if posixpath.dirname(sub) != folder:
                 continue
@@ -344,9 +346,15 @@ class _Resolver:
             if any(_DISTCP.fullmatch(posixpath.basename(p)) for p, _ in inner):
                 dcp_files, meta = self.dcp(sub)  # an FSDP folder (pytorch_model_fsdp_0, ...)
                 files = sorted({*files, *dcp_files})
+                metas.append(meta)
             elif any(_DS_MODEL.fullmatch(posixpath.basename(p)) for p, _ in inner):
                 self.deepspeed(sub)
-        return files, meta
+        # accelerate writes the model's (``pytorch_model_fsdp_<i>``) beside the optimizer's
+        # (``optimizer_<i>``): a reader of the model reads that one, and of several models
+        # none (it is pointed at the folder it wants instead)
+        models = [m for m in metas if _FSDP_MODEL.fullmatch(posixpath.basename(m.folder))]
+        one = metas if len(metas) == 1 else models if len(models) == 1 else []
+        return files, one[0] if one else None
 
 
 def _full_grid(cells: set[tuple[int, int]], what: str) -> None:
@@ -444,19 +452,10 @@ def _highest(
             files=tuple(files),
             skipped=tuple(skipped),
             dcp=meta,
-            dcp_dir=_dcp_dir(files, meta),
+            dcp_dir=None if meta is None else meta.folder,
         )
     detail = "; ".join(f"{s.name}: {s.reason}" for s in skipped)
     raise ManifestError(f"no complete {fmt} checkpoint ({detail})")
-
-
-def _dcp_dir(files: Sequence[tuple[str, int | None]], meta: DCPMetadata | None) -> str | None:
-    if meta is None:
-        return None
-    for path, _ in files:
-        if posixpath.basename(path) == DCP_METADATA:
-            return posixpath.dirname(path)
-    return None
 
 
 def _read_pointer(r: _Resolver, fmt: Format) -> str | None:
@@ -555,7 +554,7 @@ def _pointer_choice(
         files=tuple(files),
         skipped=tuple(skipped),
         dcp=meta,
-        dcp_dir=_dcp_dir(files, meta),
+        dcp_dir=None if meta is None else meta.folder,
     )
 
 

@@ -30,7 +30,7 @@ from shardsync.cache import CacheStore, RepoRef
 from shardsync.checkpoint import prefetch_checkpoint
 from shardsync.checkpoint_cache import KeptFile, RangeCache
 from shardsync.dcp_reader import DCPReader
-from shardsync.errors import OriginError
+from shardsync.errors import LoadError, OriginError
 from shardsync.fetch.fetcher import Fetcher
 from shardsync.origins import LocalOrigin
 from shardsync.origins.base import Entry
@@ -110,6 +110,57 @@ def test_dcp_reader_loads_exactly_what_was_saved_and_reads_only_what_the_plan_ne
 
     older = DCPReader(str(root), "step-100", config=fast_config(tmp_path / "c3"))
     load_equal(_load(older, dcp_expected(100)), dcp_expected(100))
+
+
+def _dcp_save(state: dict[str, Any], folder: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, checkpoint_id=str(folder), no_dist=True)
+
+
+def test_a_trainer_checkpoint_with_model_and_optimizer_folders_loads_the_model(
+    tmp_path: Path,
+) -> None:
+    """accelerate's FSDP layout in a Trainer checkpoint: ``pytorch_model_fsdp_0`` beside
+    ``optimizer_0``, two DCP checkpoints. The reader loads the model's, tensors and bytes
+    of the same folder; with two models it names them instead of picking one."""
+    model = {"w": torch.arange(64, dtype=torch.float32), "b": torch.ones(8)}
+    optim = {"w": torch.full((64,), -1.0), "exp_avg": torch.full((64,), 7.0)}
+    step = tmp_path / "run" / "checkpoint-10"
+    _dcp_save(model, step / "pytorch_model_fsdp_0")
+    _dcp_save(optim, step / "optimizer_0")
+    (step / "trainer_state.json").write_text("{}")
+    reader = DCPReader(str(tmp_path / "run"), config=fast_config(tmp_path / "c1"))
+    load_equal(_load(reader, model), model)
+    _dcp_save(model, step / "pytorch_model_fsdp_1")
+    with pytest.raises(CheckpointException):  # its metadata cannot be read: which one?
+        _load(DCPReader(str(tmp_path / "run"), config=fast_config(tmp_path / "c2")), model)
+
+
+def test_data_files_changed_after_the_metadata_was_read_are_never_loaded(
+    tmp_path: Path,
+) -> None:
+    """The run saves the same step again (DCP overwrites) while ranks plan: the load reads
+    the ``.metadata`` of one save and must not copy the other save's bytes by its offsets
+    (here the same sizes in another order: every tensor would be another's)."""
+    first = {"a": torch.full((256,), 1.0), "b": torch.full((256,), 2.0)}
+    second = {"b": torch.full((256,), 20.0), "a": torch.full((256,), 10.0)}
+    step = tmp_path / "run" / "step-100"
+    _dcp_save(first, step)
+
+    class SavedAgainMeanwhile(DCPReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            metadata = super().read_metadata(*args, **kwargs)
+            _dcp_save(second, step)
+            return metadata
+
+    reader = SavedAgainMeanwhile(str(tmp_path / "run"), config=fast_config(tmp_path / "c"))
+    with pytest.raises(CheckpointException) as failed:  # DCP wraps what a reader raises
+        _load(reader, first)
+    ((cause, _where),) = failed.value.failures.values()
+    assert isinstance(cause, LoadError), cause
 
 
 def test_a_second_load_from_the_same_cache_moves_no_bytes(
@@ -217,14 +268,18 @@ def test_kept_pieces_of_a_changed_file_or_gone_bad_on_disk_are_never_used(
 
 @dataclass
 class FailingVersion(WrappedOrigin):
-    """A local directory that cannot say the version of ``path`` (once ``after`` is set):
-    the load fails while it opens its other files."""
+    """A local directory that cannot say the version of ``path`` when the load opens it
+    (after its plan pinned it, and once ``after`` is set): the load fails while it opens
+    its other files."""
 
     path: str = ""
     after: threading.Event = field(default_factory=threading.Event)
+    planned: bool = False
 
     async def version(self, fetcher: Fetcher, entry: Entry) -> str | None:
-        if entry.path == self.path:
+        if entry.path == self.path and not self.planned:
+            self.planned = True
+        elif entry.path == self.path:
             await asyncio.to_thread(self.after.wait, 10)
             raise OriginError(f"{entry.path}: the test's unanswered version")
         return await self.inner.version(fetcher, entry)

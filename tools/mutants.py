@@ -1167,6 +1167,31 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
         "a prune deletes a blob a live lease names once its last snapshot is evicted",
     ),
+    Mutant(
+        "trainer-first-dcp-folder",
+        "shardsync/training.py",
+        (
+            (
+                "one = metas if len(metas) == 1 else models if len(models) == 1 else []",
+                "one = metas[:1]",
+            ),
+        ),
+        (
+            "tests/test_checkpoint.py::"
+            "test_a_trainer_checkpoint_with_model_and_optimizer_folders_loads_the_model",
+        ),
+        "a Trainer's FSDP checkpoint loads its optimizer's tensors into the model",
+    ),
+    Mutant(
+        "data-version-unpinned",
+        "shardsync/dcp_reader.py",
+        (("        if choice.dcp is not None:  # each data file", "        if False:  #"),),
+        (
+            "tests/test_checkpoint.py::"
+            "test_data_files_changed_after_the_metadata_was_read_are_never_loaded",
+        ),
+        "a step saved again after its .metadata was read loads tensors at the other's offsets",
+    ),
 )
 
 
