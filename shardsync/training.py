@@ -23,18 +23,19 @@ Formats, as the frameworks write them:
   last). Complete: ``trainer_state.json`` present (and a DeepSpeed or DCP folder inside is
   checked as such).
 * **megatron**: ``latest_checkpointed_iteration.txt`` holds an iteration or ``release``;
-  ``iter_<7 digits>/mp_rank_XX[_YYY]/model_optim_rng.pt`` or a DCP (``torch_dist``)
-  folder. Complete: ``model_optim_rng.pt`` for a full grid of tensor x pipeline ranks, or
-  a complete DCP folder.
+  ``iter_<7 digits>/mp_rank_XX[_YYY[_ZZZ]]/model_optim_rng.pt`` or a DCP (``torch_dist``)
+  folder. Complete: ``model_optim_rng.pt`` for a full tensor x pipeline (x expert) grid,
+  or a complete DCP folder.
 
-``latest`` is the framework's own pointer where it has one (and the pointed-to checkpoint is
-complete), else the highest step among complete checkpoints; every candidate passed over is
-reported in ``Choice.skipped`` with the reason.
+``latest`` is the framework's own pointer where it has one (naming an incomplete checkpoint
+it is an error: the framework reads it), else the highest step among complete checkpoints;
+every candidate passed over is reported in ``Choice.skipped`` with the reason.
 """
 
 from __future__ import annotations
 
 import io
+import itertools
 import pickle
 import posixpath
 import re
@@ -74,6 +75,7 @@ MAX_POINTER_BYTES = 4096
 _DISTCP = re.compile(r"__(\d+)_(\d+)\.distcp")
 _DS_MODEL = re.compile(r"mp_rank_(\d+)_model_states\.pt")
 _DS_ZERO = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_(?:optim|model)_states\.pt")
+_DS_LAYER = re.compile(r"layer_\d+-model_\d+-model_states\.pt")
 _TRAINER_DIR = re.compile(r"checkpoint-(\d+)")
 _TRAINER_RNG = re.compile(r"rng_state_(\d+)\.pth")
 _MEGATRON_DIR = re.compile(r"iter_(\d{7,})|release")
@@ -81,6 +83,7 @@ _MEGATRON_RANK_DIR = re.compile(r"mp_rank_(\d+)(?:_(\d+))?(?:_(\d+))?")
 _MEGATRON_FILE = "model_optim_rng.pt"
 _STEP = re.compile(r"(\d+)$")
 _FSDP_MODEL = re.compile(r"pytorch_model_fsdp_\d+")
+_RANK_METADATA = re.compile(r"__\d+\.metadata")
 
 
 # ------------------------------------------------------------------------------ values
@@ -227,9 +230,22 @@ def _join(folder: str, name: str) -> str:
     return f"{folder}/{name}" if folder else name
 
 
-def _step(name: str) -> int | None:
-    m = _STEP.search(posixpath.basename(name))
+def _step(name: str, depth: int = -1) -> int | None:
+    """The number that ends ``name``'s component ``depth`` (its last by default)."""
+    parts = name.split("/")
+    m = _STEP.search(parts[depth] if -len(parts) <= depth < len(parts) else "")
     return int(m.group(1)) if m else None
+
+
+def _step_depth(candidates: Sequence[str]) -> int:
+    """The path component that tells candidates apart, the first that differs (``step-200/
+    model``, ``checkpoints/checkpoint_9/pytorch_model_fsdp_0``), else the last."""
+    split = [c.split("/") for c in candidates]
+    if len(split) > 1 and len({len(p) for p in split}) == 1:
+        for depth in range(len(split[0])):
+            if len({p[depth] for p in split}) > 1:
+                return depth
+    return -1
 
 
 class _Tree:
@@ -276,6 +292,13 @@ class _Resolver:
     def dcp(self, folder: str) -> tuple[list[tuple[str, int | None]], DCPMetadata]:
         meta_path = _join(folder, DCP_METADATA)
         data = self.read(meta_path, MAX_METADATA_BYTES)
+        if data is None and any(
+            _RANK_METADATA.fullmatch(posixpath.basename(p)) for p, _ in self.tree.under(folder)
+        ):  # dcp.save(..., use_collectives=False): not torn, so not passed over
+            raise ManifestError(
+                f"{folder or 'the checkpoint'} was saved without collectives (one "
+                f"__R.metadata per rank), which shardsync cannot read yet"
+            )
         if data is None:
             raise _Incomplete(f"no {DCP_METADATA} (torn: the coordinator writes it last)")
         meta = replace(parse_dcp_metadata(data, path=meta_path), folder=folder)
@@ -318,20 +341,19 @@ class _Resolver:
         files = self.tree.under(folder)
         if any(_DISTCP.fullmatch(posixpath.basename(p)) for p, _ in files):
             return self.dcp(folder)
-        grid: set[tuple[int, int]] = set()
+        grid: set[tuple[int, ...]] = set()
         for p, _ in files:
             parts = p[len(folder) + 1 :].split("/")
             if len(parts) == 2 and parts[1] == _MEGATRON_FILE:
                 m = _MEGATRON_RANK_DIR.fullmatch(parts[0])
                 if m:
-                    grid.add((int(m.group(1)), int(m.group(2) or 0)))
+                    grid.add(tuple(int(g) for g in m.groups() if g is not None))
         if not grid:
             raise _Incomplete(f"no mp_rank_*/{_MEGATRON_FILE}")
-        tps = {t for t, _ in grid}
-        pps = {q for _, q in grid}
-        full = {(t, q) for t in range(len(tps)) for q in range(len(pps))}
-        if grid != full:
-            raise _Incomplete("the tensor x pipeline rank folders are not a full grid")
+        # mp_rank_TT, _TT_PPP, or _TT_PPP_EEE with expert parallelism: every rank of each
+        sizes = [len({cell[i] for cell in grid}) for i in range(max(map(len, grid)))]
+        if grid != set(itertools.product(*map(range, sizes))):
+            raise _Incomplete("the tensor x pipeline (x expert) rank folders are not a full grid")
         return files, None
 
     def trainer(self, folder: str) -> tuple[list[tuple[str, int | None]], DCPMetadata | None]:
@@ -347,7 +369,7 @@ class _Resolver:
                 dcp_files, meta = self.dcp(sub)  # an FSDP folder (pytorch_model_fsdp_0, ...)
                 files = sorted({*files, *dcp_files})
                 metas.append(meta)
-            elif any(_DS_MODEL.fullmatch(posixpath.basename(p)) for p, _ in inner):
+            elif any(_is_deepspeed(posixpath.basename(p)) for p, _ in inner):
                 self.deepspeed(sub)
         # accelerate writes the model's (``pytorch_model_fsdp_<i>``) beside the optimizer's
         # (``optimizer_<i>``): a reader of the model reads that one, and of several models
@@ -355,6 +377,11 @@ class _Resolver:
         models = [m for m in metas if _FSDP_MODEL.fullmatch(posixpath.basename(m.folder))]
         one = metas if len(metas) == 1 else models if len(models) == 1 else []
         return files, one[0] if one else None
+
+
+def _is_deepspeed(name: str) -> bool:
+    """A DeepSpeed tag's file: model states, or ZeRO ones (ZeRO-3 writes no others)."""
+    return bool(_DS_MODEL.fullmatch(name) or _DS_ZERO.fullmatch(name))
 
 
 def _full_grid(cells: set[tuple[int, int]], what: str) -> None:
@@ -407,7 +434,7 @@ def _choose(tree: _Tree, r: _Resolver, wanted: str) -> Choice:
     ds = sorted(
         d
         for d in tree.top_dirs()
-        if any(_DS_MODEL.fullmatch(posixpath.basename(p)) for p, _ in tree.under(d))
+        if any(_is_deepspeed(posixpath.basename(p)) for p, _ in tree.under(d))
     )
     if ds:
         return _highest(r, wanted, "deepspeed", ds, lambda d: (r.deepspeed(d), None))
@@ -426,6 +453,7 @@ def _highest(
     check: Any,
 ) -> Choice:
     """The named candidate if complete; for ``latest`` the highest complete step."""
+    depth = _step_depth(candidates)
     if wanted != "latest":
         if wanted not in candidates:
             raise ManifestError(
@@ -433,7 +461,9 @@ def _highest(
             )
         order = [wanted]
     else:
-        order = sorted(candidates, key=lambda d: (_step(d) is not None, _step(d) or 0, d))[::-1]
+        order = sorted(
+            candidates, key=lambda d: (_step(d, depth) is not None, _step(d, depth) or 0, d)
+        )[::-1]
     skipped: list[Skipped] = []
     for name in order:
         try:
@@ -447,7 +477,7 @@ def _highest(
         return Choice(
             format=fmt,
             name=name,
-            step=_step(name),
+            step=_step(name, depth),
             root=root,
             files=tuple(files),
             skipped=tuple(skipped),
@@ -495,32 +525,33 @@ def _with_pointer(tree: _Tree, r: _Resolver, wanted: str, fmt: Format) -> Choice
         candidates = sorted(
             d
             for d in tree.top_dirs()
-            if any(
-                _DS_MODEL.fullmatch(n) or _DS_ZERO.fullmatch(n)
-                for n in (p.rsplit("/", 1)[-1] for p, _ in tree.under(d))
-            )
+            if any(_is_deepspeed(p.rsplit("/", 1)[-1]) for p, _ in tree.under(d))
         )
 
         def check(d: str) -> tuple[list[tuple[str, int | None]], DCPMetadata | None]:
             return r.deepspeed(d), None
 
-    skipped: list[Skipped] = []
-    if wanted == "latest" and target is not None:
-        if target not in tree.top_dirs():
-            skipped.append(Skipped(target, f"named by {pointer_file} but not in the listing"))
+    if wanted == "latest":
+        if target is None or target not in tree.top_dirs():
+            problem = f"{pointer_file} names {target or 'nothing'}, which is not in the listing"
         else:
             try:
                 files, meta = check(target)
             except _Incomplete as exc:
-                skipped.append(Skipped(target, f"named by {pointer_file} but {exc}"))
+                problem = f"{pointer_file} names {target}, which is incomplete: {exc}"
             else:
-                return _pointer_choice(fmt, target, files, meta, pointer_file, tree, ())
-    passed_over = {s.name for s in skipped}
-    rest = [c for c in candidates if c not in passed_over]
-    if not rest:
-        detail = "; ".join(f"{s.name}: {s.reason}" for s in skipped)
-        raise ManifestError(f"no complete {fmt} checkpoint ({detail or 'none found'})")
-    choice = _highest(r, wanted, fmt, rest, check)
+                return _pointer_choice(fmt, target, files, meta, pointer_file, tree)
+        # Not the next best: the framework, pointed at the run folder, reads the pointer, and
+        # without it starts from scratch (Megatron) or loads nothing (DeepSpeed).
+        try:
+            older = _highest(r, wanted, fmt, [c for c in candidates if c != target], check).name
+        except ManifestError:
+            raise ManifestError(f"no complete {fmt} checkpoint: {problem}") from None
+        raise ManifestError(
+            f"{problem}; the newest complete one is {older}: fetch it with --checkpoint "
+            f"{older} and resume from it by name ({_by_name(fmt, older)})"
+        )
+    choice = _highest(r, wanted, fmt, candidates, check)
     return _pointer_choice(
         fmt,
         choice.name,
@@ -528,8 +559,15 @@ def _with_pointer(tree: _Tree, r: _Resolver, wanted: str, fmt: Format) -> Choice
         choice.dcp,
         pointer_file if target == choice.name else None,
         tree,
-        (*skipped, *choice.skipped),
     )
+
+
+def _by_name(fmt: Format, name: str) -> str:
+    """How a framework pointed at the run folder is told which checkpoint to load."""
+    if fmt == "deepspeed":
+        return f"load_checkpoint(path, tag={name!r})"
+    step = _step(name)
+    return f"Megatron's --ckpt-step {step}" if step is not None else f"a tracker naming {name}"
 
 
 def _pointer_choice(
@@ -539,10 +577,10 @@ def _pointer_choice(
     meta: DCPMetadata | None,
     pointer_file: str | None,
     tree: _Tree,
-    skipped: Sequence[Skipped],
 ) -> Choice:
     """DeepSpeed and Megatron are pointed at the run folder: the pointer file goes with
-    the checkpoint when it names this one (else the caller passes the tag/iteration)."""
+    the checkpoint when it names this one (else the caller passes the tag/iteration, and
+    ``select_rank`` says so)."""
     if pointer_file is not None:
         files = sorted({*files, (pointer_file, tree.sizes[pointer_file])})
     step = _step(name)
@@ -552,7 +590,6 @@ def _pointer_choice(
         step=step,
         root="",
         files=tuple(files),
-        skipped=tuple(skipped),
         dcp=meta,
         dcp_dir=None if meta is None else meta.folder,
     )
@@ -569,8 +606,15 @@ def select_rank(choice: Choice, rank: int | None, world_size: int | None) -> Ran
     other file is shared. When the checkpoint was saved by another number of ranks than
     ``world_size``, the mapping is unknown and the whole checkpoint is selected.
     """
+    notes: list[str] = []
+    pointer = {"megatron": MEGATRON_TRACKER, "deepspeed": DEEPSPEED_LATEST}.get(choice.format)
+    if pointer is not None and all(p != pointer for p, _ in choice.files):
+        notes.append(
+            f"the run's {pointer} names another checkpoint and is not in this folder: "
+            f"resume from {choice.name} by name ({_by_name(choice.format, choice.name)})"
+        )
     if rank is None and world_size is None:
-        return RankSelection(files=choice.files)
+        return RankSelection(files=choice.files, notes=tuple(notes))
     if rank is None or world_size is None:
         raise ManifestError("give both rank and world size, or neither")
     for what, value in (("rank", rank), ("world size", world_size)):
@@ -584,7 +628,6 @@ def select_rank(choice: Choice, rank: int | None, world_size: int | None) -> Ran
     zero = {(int(m.group(1)), int(m.group(2))) for _, _, n in names if (m := _DS_ZERO.fullmatch(n))}
     rng = {int(m.group(1)) for _, _, n in names if (m := _TRAINER_RNG.fullmatch(n))}
     grid = _megatron_grid(choice)
-    notes: list[str] = []
 
     keep_distcp: set[int] | None = None
     if distcp:
@@ -598,11 +641,11 @@ def select_rank(choice: Choice, rank: int | None, world_size: int | None) -> Ran
     keep_zero: set[tuple[int, int]] | None = None
     keep_model_mp: int | None = None
     if zero:
-        mp = len({m for _, m in zero})
-        dp = len({d for d, _ in zero})
-        if mp * dp == world_size:
-            keep_zero = {(rank // mp, rank % mp)}
-            keep_model_mp = rank % mp
+        mp, dp = len({m for _, m in zero}), len({d for d, _ in zero})
+        if any(_DS_LAYER.fullmatch(n) for _, _, n in names):  # a pipeline: stage-major ranks
+            notes.append("a DeepSpeed pipeline's ranks are unknown: every ZeRO file is selected")
+        elif mp * dp == world_size:
+            keep_zero, keep_model_mp = {(rank // mp, rank % mp)}, rank % mp
         else:
             notes.append(
                 f"DeepSpeed saved {dp} data x {mp} model-parallel ranks, not {world_size}: "

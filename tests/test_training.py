@@ -10,6 +10,7 @@ laid out with ``torch.save`` under exactly the names their code writes (DeepSpee
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import pickle
@@ -368,11 +369,16 @@ def test_a_deepspeed_pointer_outside_the_prefix_or_at_a_torn_tag(
     for evil in ("../../etc", "/etc", "a/../../b", "global_step20/../.."):
         with pytest.raises(UnsafeNameError):
             choose_from(root, read=lambda p, e=evil: e.encode() if p == "latest" else None)  # type: ignore[misc]
-    choice = choose_from(root, read=lambda p: b"global_step30\n" if p == "latest" else None)
-    assert choice.name == "global_step20"
-    assert choice.skipped[0].name == "global_step30"
-    assert "named by latest" in choice.skipped[0].reason
-    assert "latest" not in names(choice.files)
+    # the pointer names a torn tag: an older one without ``latest`` beside it would make
+    # ``engine.load_checkpoint(path)`` load nothing, so ``latest`` is an error ...
+    with pytest.raises(ManifestError):
+        choose_from(root, read=lambda p: b"global_step30\n" if p == "latest" else None)
+    # ... and a tag named explicitly comes with a note to resume from it by name
+    older = choose_from(root, "global_step10")
+    assert "latest" not in names(older.files)
+    for rank, world in ((None, None), (0, WORLD)):
+        assert select_rank(older, rank, world).notes
+    assert not select_rank(choose_from(root), None, None).notes
 
 
 def test_megatron_tracker_and_tensor_pipeline_rank_folders(runs: dict[str, Path]) -> None:
@@ -391,6 +397,103 @@ def test_megatron_tracker_and_tensor_pipeline_rank_folders(runs: dict[str, Path]
     for hostile in (b"../200", "\u00b2".encode()):  # a digit to str.isdigit, not to int
         with pytest.raises(ManifestError, match="not an iteration"):
             choose_from(runs["megatron"], read=lambda p, text=hostile: text)
+
+
+def _choose_listing(
+    listing: list[tuple[str, int | None]], wanted: str = "latest", **files: bytes
+) -> Choice:
+    contents: dict[str, bytes | None] = {}
+    while isinstance(step := choose(listing, wanted, contents), Need):
+        contents[step.path] = files.get(step.path.replace(".", "_"))
+    return step
+
+
+def _megatron_listing(missing: tuple[int, int, int] | None) -> list[tuple[str, int | None]]:
+    """TP 2 x PP 2 x EP 3 (``mp_rank_TT_PPP_EEE``) at iterations 50 and 100; the tracker
+    says 100; ``missing`` is a rank folder of iteration 100 that never landed."""
+    listing: list[tuple[str, int | None]] = [("latest_checkpointed_iteration.txt", 3)]
+    for it in (50, 100):
+        for cell in itertools.product(range(2), range(2), range(3)):
+            if it == 100 and cell == missing:
+                continue
+            tp, pp, ep = cell
+            folder = f"iter_{it:07d}/mp_rank_{tp:02d}_{pp:03d}_{ep:03d}"
+            listing.append((f"{folder}/model_optim_rng.pt", 1000))
+    return listing
+
+
+def test_megatron_expert_rank_folders_make_a_full_grid_or_no_checkpoint() -> None:
+    tracker = {"latest_checkpointed_iteration_txt": b"100"}
+    choice = _choose_listing(_megatron_listing(None), **tracker)
+    assert choice.name == "iter_0000100"
+    # rank 3 of 8 (TP 2 x PP 2 x DP 2): tp 1, pp 0, and every expert folder of that cell
+    sel = {p.split("/")[1] for p, _ in select_rank(choice, 3, 8).files if "/" in p}
+    assert sel == {f"mp_rank_01_000_{ep:03d}" for ep in range(3)}
+    torn = _megatron_listing((1, 1, 2))
+    with pytest.raises(ManifestError):  # not iteration 50 without its tracker
+        _choose_listing(torn, **tracker)
+    with pytest.raises(ManifestError):
+        _choose_listing(torn, "iter_0000100", **tracker)
+    assert _choose_listing(torn, "iter_0000050", **tracker).name == "iter_0000050"
+
+
+def test_zero3_tags_are_checked_inside_a_trainer_checkpoint_and_alone() -> None:
+    """ZeRO-3 writes no ``mp_rank_XX_model_states.pt``, only per-rank ZeRO files."""
+
+    def tag(folder: str, ranks: range | tuple[int, ...]) -> list[tuple[str, int | None]]:
+        return [
+            (f"{folder}/{kind}zero_pp_rank_{dp}_mp_rank_00_{what}_states.pt", 1000)
+            for dp in ranks
+            for kind, what in (("", "model"), ("bf16_", "optim"))
+        ]
+
+    trainer: list[tuple[str, int | None]] = []
+    for step, ranks in ((10, range(2)), (20, (1,))):  # checkpoint-20: dp rank 0 missing
+        trainer += [(f"checkpoint-{step}/trainer_state.json", 100)]
+        trainer += tag(f"checkpoint-{step}/global_step{step}", ranks)
+    choice = _choose_listing(trainer)
+    assert (choice.name, [s.name for s in choice.skipped]) == ("checkpoint-10", ["checkpoint-20"])
+    alone = tag("global_step10", range(2)) + tag("global_step20", (1,))
+    assert _choose_listing(alone).name == "global_step10"
+
+
+def test_a_deepspeed_pipeline_rank_gets_every_zero_file() -> None:
+    """Its ranks are stage-major (data fastest): ``R // MP`` would give rank 1 stage 1's
+    files, where DeepSpeed opens stage 0's of data rank 1."""
+    listing: list[tuple[str, int | None]] = [("latest", 12)]
+    for mp in range(2):
+        listing.append((f"global_step5/mp_rank_{mp:02d}_model_states.pt", 100))
+        listing.append((f"global_step5/layer_{mp:02d}-model_00-model_states.pt", 100))
+        for dp in range(2):
+            listing.append((f"global_step5/zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt", 9))
+    choice = _choose_listing(listing, latest=b"global_step5")
+    selection = select_rank(choice, 1, 4)
+    assert names(selection.files) == names(choice.files) and selection.notes
+
+
+def test_the_step_is_read_where_the_checkpoints_differ_and_an_unreadable_one_is_no_torn_one(
+    tmp_path: Path,
+) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.zeros(1)}, checkpoint_id=str(tmp_path), no_dist=True)
+    metadata = (tmp_path / ".metadata").read_bytes()
+    data = (tmp_path / "__0_0.distcp").stat().st_size
+    listing: list[tuple[str, int | None]] = []
+    for step in (200, 1000):  # a fixed name under each step folder: ``model`` says nothing
+        listing += [(f"step-{step}/model/.metadata", len(metadata))]
+        listing += [(f"step-{step}/model/__0_0.distcp", data)]
+    found = {f"step-{n}/model/_metadata": metadata for n in (200, 1000)}
+    choice = _choose_listing(listing, **found)
+    assert (choice.name, choice.step) == ("step-1000/model", 1000)
+    # dcp.save(..., use_collectives=False) writes one __R.metadata per rank, no .metadata
+    older = [("step-100/.metadata", len(metadata)), ("step-100/__0_0.distcp", data)]
+    newer = [("step-200/__0.metadata", 10), ("step-200/__0_0.distcp", data)]
+    assert _choose_listing(older, **{"step-100/_metadata": metadata}).name == "step-100"
+    with pytest.raises(ManifestError):  # not passed over for step-100 as if torn
+        _choose_listing(older + newer, **{"step-100/_metadata": metadata})
 
 
 def test_trainer_latest_needs_trainer_state_and_a_rank_gets_its_rng_state(

@@ -38,6 +38,7 @@ SWEEP = "tests/adversarial/test_secrets_sweep.py"
 KILL = "tests/adversarial/test_kill_cost.py"
 LOADER_INPUTS = "tests/test_loader_inputs.py"
 S3_INTEGRITY = "tests/adversarial/test_s3_integrity.py"
+TRAINING = "tests/test_training.py"
 DAEMON_S3_KILL = (
     "tests/test_s3_origin.py::test_a_daemon_killed_mid_s3_job_resumes_it_after_a_restart"
 )
@@ -1191,6 +1192,69 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_data_files_changed_after_the_metadata_was_read_are_never_loaded",
         ),
         "a step saved again after its .metadata was read loads tensors at the other's offsets",
+    ),
+    Mutant(
+        "pointer-fallback-without-pointer",
+        "shardsync/training.py",
+        (('    if wanted == "latest":\n', '    if wanted == "latest" and False:\n'),),
+        (f"{TRAINING}::test_a_deepspeed_pointer_outside_the_prefix_or_at_a_torn_tag",),
+        "a pointer naming a torn checkpoint gives an older one without the pointer",
+    ),
+    Mutant(
+        "expert-rank-ignored",
+        "shardsync/training.py",
+        (
+            (
+                "grid.add(tuple(int(g) for g in m.groups() if g is not None))",
+                "grid.add((int(m.group(1)), int(m.group(2) or 0)))",
+            ),
+        ),
+        (f"{TRAINING}::test_megatron_expert_rank_folders_make_a_full_grid_or_no_checkpoint",),
+        "a Megatron checkpoint missing an expert rank's folder counts as complete",
+    ),
+    Mutant(
+        "zero3-tag-unseen",
+        "shardsync/training.py",
+        (
+            (
+                "return bool(_DS_MODEL.fullmatch(name) or _DS_ZERO.fullmatch(name))",
+                "return bool(_DS_MODEL.fullmatch(name))",
+            ),
+        ),
+        (f"{TRAINING}::test_zero3_tags_are_checked_inside_a_trainer_checkpoint_and_alone",),
+        "a Trainer checkpoint's torn ZeRO-3 tag is not checked; a ZeRO-3 run is not seen",
+    ),
+    Mutant(
+        "step-from-basename",
+        "shardsync/training.py",
+        (("    depth = _step_depth(candidates)", "    depth = -1"),),
+        (
+            f"{TRAINING}::"
+            "test_the_step_is_read_where_the_checkpoints_differ_and_an_unreadable_one_is_no_torn_one",
+        ),
+        "step-1000/model loses to step-200/model: the step is read from the folder's name",
+    ),
+    Mutant(
+        "unreadable-dcp-taken-for-torn",
+        "shardsync/training.py",
+        (
+            (
+                "            _RANK_METADATA.fullmatch(posixpath.basename(p)) for p, _ in",
+                "            False and _RANK_METADATA.fullmatch(posixpath.basename(p)) for p, _ in",
+            ),
+        ),
+        (
+            f"{TRAINING}::"
+            "test_the_step_is_read_where_the_checkpoints_differ_and_an_unreadable_one_is_no_torn_one",
+        ),
+        "a DCP step saved without collectives is passed over for an older one as torn",
+    ),
+    Mutant(
+        "pipeline-ranks-data-major",
+        "shardsync/training.py",
+        (("        if any(_DS_LAYER.fullmatch(n) for _, _, n in names):", "        if False:"),),
+        (f"{TRAINING}::test_a_deepspeed_pipeline_rank_gets_every_zero_file",),
+        "a DeepSpeed pipeline's rank fetches another stage's ZeRO files",
     ),
 )
 
