@@ -39,3 +39,22 @@ async def test_urls_that_expire_mid_download_are_resolved_again_and_counted_once
     assert result.bytes_downloaded == served  # every byte the Hub sent, once
     for path, size in bars.sizes.items():
         assert bars.now[path] == size and bars.peak[path] <= (size or 0), path
+
+
+async def test_relocations_that_each_make_progress_never_run_out_of_attempts(
+    tmp_path: Path,
+) -> None:
+    # one shard of about 3.5 MiB: fourteen 256 KiB ranges on one connection, each outliving
+    # its URL; more relocations than ``max_attempts`` (6), each after a range landed
+    checkpoint = build_checkpoint(tmp_path / "ckpt", total_bytes=3600 << 10, n_shards=1)
+    async with FakeHub(url_lifetime=0.15) as hub:
+        hub.add_checkpoint(REPO, checkpoint)
+        hub.faults.add(Bandwidth(1_600_000, server="cdn"))
+        config = fast_config(
+            tmp_path / "c", hub.endpoint, chunk_size=256 * 1024, connections_per_file=1
+        )
+        result = await prefetch(REPO, config)
+    assert result.fetch is not None
+    assert result.fetch.retries["relocate"] >= config.fetch.retry.max_attempts
+    assert_snapshot_matches(result.snapshot_path, checkpoint)
+    assert_store_verified(config.cache_dir, checkpoint)

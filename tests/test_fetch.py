@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import time
@@ -11,13 +12,15 @@ from pathlib import Path
 import aiohttp
 import pytest
 from aiohttp import web
-from helpers import fast_config
+from helpers import fast_config, range_server
 
+from shardsync.cache import CacheStore
 from shardsync.errors import ProtocolError
 from shardsync.fetch.answers import follow as _follow
 from shardsync.fetch.fetcher import Fetcher
-from shardsync.fetch.request import joined
+from shardsync.fetch.request import BlobRequest, joined
 from shardsync.prefetch import prefetch
+from shardsync.slot import Slot
 from shardsync.testing import Bandwidth, FakeHub, serve_in_thread
 
 
@@ -189,3 +192,42 @@ def test_joined_throttles_each_hear_every_read_and_the_longer_pause_wins() -> No
     assert both is not None and both(100) == 0.5 and both(0) == 0.5
     assert heard == {"cap": [100, 0], "lead": [100, 0]}
     assert joined(cap, None) is cap and joined(None, lead) is lead and joined(None, None) is None
+
+
+async def test_a_throttle_hold_longer_than_the_timeouts_times_nothing_out(tmp_path: Path) -> None:
+    """A throttle (a pace catching up) holds the file's reads for 2 s, longer than the read
+    timeout and the watchdog's window: no server was silent or slow, so no connection is
+    dropped for it."""
+    data = os.urandom(8 << 20)
+    held_until: list[float] = []
+
+    def hold(n: int) -> float:
+        if not held_until and n:
+            held_until.append(time.monotonic() + 2.0)
+        return 0.25 if time.monotonic() < held_until[0] else 0.0
+
+    async def send(response: web.StreamResponse, first: int, last: int) -> None:
+        for pos in range(first, last + 1, 64 << 10):
+            await response.write(data[pos : min(pos + (64 << 10), last + 1)])
+            await asyncio.sleep(0.01)  # about 6 MB/s per connection
+
+    settings = fast_config(
+        tmp_path,
+        chunk_size=2 << 20,
+        read_timeout=1.0,
+        min_throughput=256 << 10,
+        throughput_window=1.0,
+    ).fetch
+    async with range_server(data, send) as base, aiohttp.ClientSession() as session:
+        fetcher = Fetcher(session, settings, throttle=hold)
+        request = BlobRequest(
+            url=base + "model.safetensors",
+            headers={},
+            label="f",
+            size=len(data),
+            sha256=hashlib.sha256(data).hexdigest(),
+        )
+        async with Slot(CacheStore(tmp_path), "k" * 64) as slot:
+            verified = await fetcher.fetch(request, slot)
+    assert held_until and verified.verified == "sha256" and verified.downloaded == len(data)
+    assert fetcher.statistics().retries == {}

@@ -8,6 +8,7 @@ answers it hands back to aiohttp's path.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import filecmp
 import hashlib
 import mmap
@@ -17,7 +18,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -150,6 +151,71 @@ def test_a_body_cut_short_is_a_retryable_connection_error() -> None:
         with pytest.raises(BodyTruncated):
             read_all(url, rd)
         rd.close()
+
+
+@contextmanager
+def dripping_server(size: int) -> Iterator[str]:
+    """Answers a HEAD at once (``size`` bytes, for a plain-URL origin), but a GET's head a
+    byte every 50 ms, never ending it: each byte well within any read timeout."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def serve(conn: socket.socket) -> None:
+        with conn, contextlib.suppress(OSError):
+            while not stop.is_set():
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    more = conn.recv(65536)
+                    if not more:
+                        return
+                    data += more
+                if data.startswith(b"HEAD"):
+                    conn.sendall(
+                        b'HTTP/1.1 200 OK\r\nETag: "v1"\r\nContent-Length: %d\r\n\r\n' % size
+                    )
+                    continue
+                conn.sendall(b"HTTP/1.1 206 Partial Content\r\n")
+                while not stop.wait(0.05):
+                    conn.sendall(b"X")
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}/ckpt/"
+    finally:
+        stop.set()
+        listener.close()
+
+
+def test_a_head_that_drips_in_times_out_as_a_whole() -> None:
+    """``read_timeout`` bounds the whole response head, not each of its bytes."""
+    rd = RangeReader(None, connect_timeout=5, read_timeout=0.5)
+    with ThreadPoolExecutor(1) as pool, dripping_server(100) as url:
+        opening = pool.submit(rd.open, url + "model.safetensors", {"Range": "bytes=0-9"})
+        done, _ = wait([opening], timeout=3.0)  # the server's stop ends it otherwise
+        assert opening in done
+        assert isinstance(opening.exception(), TimeoutError)
+    rd.close()
+
+
+async def test_a_cancel_stops_a_request_whose_head_drips_in(tmp_path: Path) -> None:
+    """A cancelled prefetch returns at once, though its worker threads are still reading
+    heads (a read timeout away from ending): their sockets are shut down under them."""
+    config = fast_config(tmp_path, read_timeout=30.0)
+    with dripping_server(4 << 20) as url:
+        task = asyncio.ensure_future(prefetch(url, config))
+        await asyncio.sleep(1.0)  # every connection is reading a head by now
+        assert not task.done()
+        task.cancel()
+        done, _ = await asyncio.wait({task}, timeout=5.0)
+        assert task in done
 
 
 def request_sent(suffix: str, headers: dict[str, str]) -> tuple[str, bytes]:
@@ -329,6 +395,48 @@ async def test_a_body_whose_end_trickles_in_is_not_timed_out(tmp_path: Path) -> 
     assert outcome.downloaded == len(data)  # one request did it: no timeout, no retry
 
 
+async def test_an_honest_short_206_is_read_to_its_end_without_a_wait(tmp_path: Path) -> None:
+    """A server that answers each range with at most 700 KiB (Content-Range and
+    Content-Length agree) at a steady rate, its last KiB a moment later: the wake-up mark
+    follows what the body has left, not the range asked, or that KiB sits in the kernel
+    until the read timeout."""
+    data = os.urandom(4 << 20)
+    cap = 700 << 10
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        if request.match_info["name"] != "model.safetensors":
+            raise web.HTTPNotFound()
+        headers = {"ETag": '"v1"', "Accept-Ranges": "bytes"}
+        if request.method == "HEAD":
+            return web.Response(headers={**headers, "Content-Length": str(len(data))})
+        first, last = (int(x) for x in request.headers["Range"][6:].split("-"))
+        last = min(last, first + cap - 1)
+        headers["Content-Range"] = f"bytes {first}-{last}/{len(data)}"
+        headers["Content-Length"] = str(last + 1 - first)
+        out = web.StreamResponse(status=206, headers=headers)
+        await out.prepare(request)
+        tail = last + 1 - 1024
+        for pos in range(first, tail, 64 << 10):
+            await out.write(data[pos : min(pos + (64 << 10), tail)])
+            await asyncio.sleep(0.003)  # about 20 MB/s: the pump sizes its wake-ups to it
+        await asyncio.sleep(0.05)
+        await out.write(data[tail : last + 1])  # far less than a wake-up's worth
+        return out
+
+    app = web.Application()
+    app.router.add_route("*", "/ckpt/{name}", handle)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    config = fast_config(tmp_path, chunk_size=1 << 20, read_size=1 << 20, read_timeout=3.0)
+    try:
+        result = await prefetch(f"http://127.0.0.1:{runner.addresses[0][1]}/ckpt/", config)
+    finally:
+        await runner.cleanup()
+    assert (result.snapshot_path / "model.safetensors").read_bytes() == data
+    assert result.fetch is not None and "timeout" not in result.fetch.retries
+
+
 async def test_writeback_starts_as_the_hash_passes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -359,6 +467,8 @@ async def test_writeback_starts_as_the_hash_passes(
 
 
 class _Unbuffered:
+    remaining = None  # a body without a length: the range asked bounds the wake-ups
+
     def buffered_bytes(self) -> int:
         return 0
 

@@ -150,9 +150,11 @@ def range_headers(
 
 def check_range_answer(
     status: int, header: Header, label: str, state: Bound, start: int, end: int
-) -> None:
-    """Accept a 206 for exactly ``[start, end)`` of the object first seen; a 200 or 416 to a
-    Range request means start over (``Restart``), as does a changed ETag."""
+) -> int:
+    """Accept a 206 for ``[start, stop)`` of the object first seen, ``stop <= end``; returns
+    ``stop``, where its body ends as file data (a chunked body may run on: the rest is not
+    the file's). A 200 or 416 to a Range request means start over (``Restart``), as does a
+    changed ETag."""
     if status == 200:
         # Range ignored (same object: fall back to one stream) or If-Range failed (a new
         # object: start over with ranges).
@@ -181,6 +183,17 @@ def check_range_answer(
             raise Restart("ETag changed", etag=etag, single_stream=False)
         if state.etag is None and is_strong_etag(etag):
             state.etag = etag
+    check_encoding(header, label)  # a coded body's length is not the range's
+    length = header("Content-Length")
+    declared = int_or_none(length)
+    if length is not None and (declared is None or declared > cr.end - cr.start + 1):
+        # the bytes past the Content-Range's end would be written as file data (a shorter
+        # body is a short answer: its bytes are the range's first, the rest asked again)
+        raise ProtocolError(
+            f"{label}: Content-Length {length[:40]!r} is over the Content-Range's "
+            f"{cr.end - cr.start + 1} bytes"
+        )
+    return cr.end + 1
 
 
 def check_encoding(header: Header, label: str) -> None:

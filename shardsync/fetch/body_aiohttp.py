@@ -16,7 +16,7 @@ from typing import Protocol
 import aiohttp
 
 from shardsync.errors import ProtocolError, disk_error
-from shardsync.fetch.answers import ERROR_BODY, check_encoding, check_range_answer
+from shardsync.fetch.answers import ERROR_BODY, Restart, check_encoding, check_range_answer
 from shardsync.fetch.body import Landing, Watchdog
 from shardsync.fetch.disk import write_all
 from shardsync.fetch.request import Throttle
@@ -77,13 +77,18 @@ class AiohttpBody:
                         f"{label}: full body of {resp.content_length} bytes, expected {state.size}"
                     )
             elif resp.status in (200, 206, 416):
-                check_range_answer(resp.status, resp.headers.get, label, state, start, end)
+                # a chunked body has no length to hold it to the Content-Range's end
+                end = check_range_answer(resp.status, resp.headers.get, label, state, start, end)
             else:
                 await self._refuse(resp, label, relocatable=True)
             check_encoding(resp.headers.get, label)
-            return await self._stream_body(resp, start, end)
+            # a whole 200 without a length must end at the size: a longer one is another object
+            whole = whole and resp.status == 200
+            return await self._stream_body(resp, start, end, whole=whole)
 
-    async def _stream_body(self, resp: aiohttp.ClientResponse, start: int, end: int) -> int:
+    async def _stream_body(
+        self, resp: aiohttp.ClientResponse, start: int, end: int, *, whole: bool = False
+    ) -> int:
         """Read ``[start, end)`` from the body; returns the bytes written (may be short).
 
         Received pieces are written as they are (``pwritev``, no copies) while the next
@@ -95,6 +100,9 @@ class AiohttpBody:
         chunk's header as data before the parser notices. So its bytes count as done (for
         the hasher and the resume record) only up to a chunk's end or the body's clean end;
         the rest is written but asked for again.
+
+        A ``whole`` body that runs past ``end`` is not the object whose size was asked for
+        (it changed, or grew): ``Restart``, which drops what was written.
         """
         cfg = self._config
         landing = self._landing
@@ -149,6 +157,8 @@ class AiohttpBody:
                         chunk_ended = False
                     else:
                         piece, chunk_ended = await resp.content.readchunk()
+                        if whole and (len(piece) > want or queued + pending + len(piece) == end):
+                            await _whole_ends(resp, len(piece) - want, cfg.read_timeout)
                 piece = piece[:want]
                 if not piece:
                     trusted = queued + pending  # a chunk's end, or the body's clean end
@@ -175,6 +185,16 @@ class AiohttpBody:
             await flush()
             await settle()
         return written - start
+
+
+async def _whole_ends(resp: aiohttp.ClientResponse, over: int, read_timeout: float) -> None:
+    """Raise ``Restart`` unless a whole body ends with the piece just read (``over``: its
+    bytes past the size): the first ``size`` bytes of a longer body are another object's."""
+    if over == 0:
+        async with asyncio.timeout(read_timeout):
+            over = len(await resp.content.read(1))
+    if over > 0:
+        raise Restart("the whole body is longer than the file", etag=None, single_stream=True)
 
 
 async def _chunk_ends(resp: aiohttp.ClientResponse, limit: int, read_timeout: float) -> bool:

@@ -30,7 +30,7 @@ from shardsync.fetch.answers import (
 from shardsync.fetch.body import Body, FileWork, Landing, Traffic, Watchdog
 from shardsync.fetch.pump import Pump
 from shardsync.fetch.request import Throttle
-from shardsync.fetch.wire import RangeReader, Stream
+from shardsync.fetch.wire import Opening, RangeReader, Stream
 from shardsync.network import NetworkConfig
 from shardsync.records import FetchConfig
 
@@ -129,10 +129,12 @@ class WireBody:
             landing.recorded(first, stop)
             loop.call_soon_threadsafe(landed, first, stop)
 
-        watchdog = Watchdog(self._clock, self._config)
+        # the throttle's holds are no slowness of the server's: kept out of its window
+        watchdog = Watchdog(lambda: self._clock() - pump.held, self._config)
+        request = Opening()
 
         def begin() -> _Begun:
-            stream = self._reader.open(url, self._headers(url, headers))
+            stream = self._reader.open(url, self._headers(url, headers), request)
             head = stream.head
             if head.status not in (200, 206, 416) or not stream.framed:
                 return _Begun(stream, None)
@@ -150,6 +152,7 @@ class WireBody:
             try:
                 begun = await asyncio.shield(opening)
             except asyncio.CancelledError:
+                request.abort()  # a head still coming: drain need not wait for its timeout
                 opening.add_done_callback(partial(_abandon, work, pump))
                 raise
             stream = begun.stream

@@ -300,7 +300,7 @@ class Fetcher:
         """
         verify_failures = 0
         single_stream = request.direct
-        setbacks = Backoff(self.config.retry)  # restarts and relocations, bounded too
+        setbacks = Backoff(self.config.retry)  # restarts, and relocations without progress
         shown = 0
         tally = Tally()
 
@@ -314,6 +314,7 @@ class Fetcher:
             while True:
                 located = await (self._locate_first(request) if first else self.locate(request))
                 first = False
+                landed = tally.downloaded
                 try:
                     result = await FileDownload(self._services).run(
                         request, located, slot, progress, single_stream, tally, turn
@@ -326,6 +327,10 @@ class Fetcher:
                         tally.resumed = 0  # nothing of an earlier run is reused after all
                     # the next attempt reports what is on disk again, as resumed: count it once
                     progress(-shown)
+                    if cause == "relocate" and tally.downloaded - landed >= self.config.read_size:
+                        # a URL that expired after bytes landed (kept for the next attempt)
+                        # is no failure: a long file outlives many. A restart drops them.
+                        setbacks.reset()
                     delay = setbacks.next_delay()
                     if delay is None:
                         raise TransferError(

@@ -83,9 +83,11 @@ def _track_rate(t: _Transfer, n: int, previous: float, now: float) -> None:
 
 def _set_lowat(t: _Transfer, rate: float | None) -> None:
     """Wake for ``_WAKE_EVERY`` of data at ``rate``, never for more than the body has left
-    (else its last bytes would never count as readable). Otherwise changed only when off by
-    a fifth or a quarter: each change is a system call."""
-    left = t.end - t.pos - t.stream.buffered_bytes()
+    (else its last bytes would never count as readable): a short 206's body ends before the
+    asked ``end``. Otherwise changed only when off by a fifth or a quarter: each change is a
+    system call."""
+    body = t.stream.remaining
+    left = min(t.end - t.pos, t.end if body is None else body) - t.stream.buffered_bytes()
     want = max(1, min(_WAKE_AT_MOST, int((rate or 0.0) * _WAKE_EVERY), left))
     if left < t.lowat or not 0.8 * t.lowat <= want <= 1.25 * t.lowat:
         with contextlib.suppress(OSError):  # a platform without it: one wake-up per packet
@@ -132,6 +134,8 @@ class Pump:
         self._closing = False
         self.received = 0
         """Body bytes read so far, all transfers together (written by the pump's thread)."""
+        self.held = 0.0
+        """Seconds the throttle has held the reads (``_hold``): no connection's silence."""
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -245,8 +249,10 @@ class Pump:
         self.received += n
         _track_rate(t, n, previous, t.last)
         try:
-            if self._throttle is not None:
-                self._hold(n)
+            if self._throttle is not None and self._hold(n):
+                # no transfer was read while held: their silence starts now
+                for other in active.values():
+                    other.last = self._clock()
             if t.pos - t.reported >= self._report_size:
                 t.landed(t.reported, t.pos)
                 t.reported = t.pos
@@ -259,14 +265,20 @@ class Pump:
         else:
             _set_lowat(t, t.rate)
 
-    def _hold(self, n: int) -> None:
+    def _hold(self, n: int) -> bool:
         """Pause as long as the throttle says (this file's connections all wait), asking it
-        again after each pause; an abort or the pump's close ends the wait early."""
+        again after each pause; an abort or the pump's close ends the wait early. Returns
+        whether it paused; the time is added to ``held``."""
         assert self._throttle is not None
+        began = self._clock()
         pause = self._throttle(n)
+        paused = pause > 0
         while pause > 0 and not (self._aborted or self._closing):
             time.sleep(pause)
             pause = self._throttle(0)
+        if paused:
+            self.held += self._clock() - began
+        return paused
 
     def _finish(
         self,

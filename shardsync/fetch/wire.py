@@ -19,6 +19,7 @@ import re
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -28,6 +29,7 @@ from shardsync.errors import ConfigError, ProtocolError
 __all__ = [
     "BodyTruncated",
     "Head",
+    "Opening",
     "RangeReader",
     "Stream",
 ]
@@ -71,6 +73,32 @@ class Head:
 _Key = tuple[str, str, int]
 
 
+class Opening:
+    """A request being sent and its head read in a worker thread, which a cancel on the
+    loop stops (``abort``): the thread would otherwise block in ``recv`` until the head's
+    deadline, and the file's descriptor is held open until it returns."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._aborted = False
+
+    def hold(self, sock: socket.socket | None) -> None:
+        """The socket the thread now blocks on (None: it is done with sockets)."""
+        with self._lock:
+            if self._aborted and sock is not None:
+                raise BodyTruncated("the request was stopped")
+            self._sock = sock
+
+    def abort(self) -> None:
+        with self._lock:
+            self._aborted = True
+            sock = self._sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+
 class RangeReader:
     """Keep-alive HTTP/1.1 connections for body transfers, used from worker threads."""
 
@@ -83,8 +111,9 @@ class RangeReader:
         self._idle: dict[_Key, list[socket.socket]] = {}
         self._lock = threading.Lock()
 
-    def open(self, url: str, headers: Mapping[str, str]) -> Stream:
-        """Send a GET and read the response head (blocking; call it in a worker thread).
+    def open(self, url: str, headers: Mapping[str, str], opening: Opening | None = None) -> Stream:
+        """Send a GET and read the response head (blocking; call it in a worker thread;
+        ``opening.abort()`` stops it from another).
 
         A pooled connection the server has closed meanwhile fails before any answer byte;
         then the request goes once more on a fresh connection, as browsers do.
@@ -108,13 +137,14 @@ class RangeReader:
             request = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
         except UnicodeEncodeError as exc:
             raise ConfigError("a request header is not Latin-1 text") from exc
+        opening = opening or Opening()
         pooled = self._take(key)
         if pooled is not None:
             try:
-                return self._exchange(pooled, key, request)
+                return self._exchange(pooled, key, request, opening)
             except (BodyTruncated, ConnectionResetError, BrokenPipeError):
                 pass  # closed while idle: nothing was answered, so asking again is safe
-        return self._exchange(self._connect(key), key, request)
+        return self._exchange(self._connect(key), key, request, opening)
 
     def close(self) -> None:
         """Close the idle connections (transfers in flight close their own)."""
@@ -154,17 +184,24 @@ class RangeReader:
             raise
         return sock
 
-    def _exchange(self, sock: socket.socket, key: _Key, request: bytes) -> Stream:
+    def _exchange(self, sock: socket.socket, key: _Key, request: bytes, opening: Opening) -> Stream:
         try:
+            opening.hold(sock)
             sock.sendall(request)
-            head, rest = _read_head(sock)
+            head, rest = _read_head(sock, self._read_timeout)
+            sock.settimeout(self._read_timeout)
             return Stream(self, key, sock, head, rest)
         except BaseException:
             sock.close()
             raise
+        finally:
+            opening.hold(None)  # the stream's own ``abort`` stops it from now on
 
 
-def _read_head(sock: socket.socket) -> tuple[Head, bytes]:
+def _read_head(sock: socket.socket, timeout: float) -> tuple[Head, bytes]:
+    """The head and what came after it, in ``timeout`` seconds all told: a server that
+    drips it a byte at a time would get a full read timeout per byte."""
+    deadline = time.monotonic() + timeout
     data = b""
     while True:
         end = data.find(b"\r\n\r\n")
@@ -172,6 +209,10 @@ def _read_head(sock: socket.socket) -> tuple[Head, bytes]:
             raise ProtocolError(f"response head over {_MAX_HEAD} bytes")
         if end >= 0:
             break
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"no complete response head in {timeout:.0f} s")
+        sock.settimeout(left)
         more = sock.recv(65536)
         if not more:
             raise BodyTruncated("the connection closed before a response")
@@ -268,6 +309,11 @@ class Stream:
                         break
                     got += n
         return bytes(buffer[:got])
+
+    @property
+    def remaining(self) -> int | None:
+        """Body bytes not yet read (None: no length), however many were asked for."""
+        return self._left
 
     @property
     def exhausted(self) -> bool:

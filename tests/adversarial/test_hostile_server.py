@@ -116,6 +116,16 @@ def other_total(request: web.Request, data: bytes, start: int, end: int) -> web.
     )
 
 
+def short_range_long_body(request: web.Request, data: bytes, start: int, end: int) -> web.Response:
+    """Content-Range names 10 bytes; the body is the whole asked length, junk after them."""
+    body = data[start : start + 10] + b"\xee" * (end - start + 1 - 10)
+    return web.Response(
+        status=206,
+        body=body,
+        headers={"ETag": ETAG, "Content-Range": f"bytes {start}-{start + 9}/{len(data)}"},
+    )
+
+
 def other_length(request: web.Request, data: bytes, start: int, end: int) -> web.Response:
     return web.Response(status=416, headers={"Content-Range": f"bytes */{len(data) + 7}"})
 
@@ -140,7 +150,14 @@ def config(cache: Path, path: BodyPath) -> Config:
     return path.configure(fast_config(cache, chunk_size=256 * 1024))
 
 
-LIES = [gzip_body, html_error_page, short_body, other_total, other_length]
+LIES = [
+    gzip_body,
+    html_error_page,
+    short_body,
+    other_total,
+    other_length,
+    short_range_long_body,
+]
 
 
 @pytest.mark.parametrize("lie", LIES, ids=[lie.__name__ for lie in LIES])
@@ -173,6 +190,64 @@ async def test_a_persistent_lie_is_one_clear_error(
         await prefetch(base, config(tmp_path, body_path))
     assert_store_verified(tmp_path, FILES)
     assert _published_refs(tmp_path) == []
+
+
+async def test_bytes_past_the_content_range_are_never_data(
+    origin: tuple[Origin, str], tmp_path: Path, body_path: BodyPath
+) -> None:
+    """Every 206 sends junk past the end its Content-Range names (with a Content-Length
+    that covers it, or chunked without one): that junk is never written as file data."""
+    state, base = origin
+    state.lie, state.times = short_range_long_body, None
+    try:
+        result = await prefetch(base, config(tmp_path, body_path))
+    except ShardsyncError:
+        assert _published_refs(tmp_path) == []
+    else:
+        assert (result.snapshot_path / "model.safetensors").read_bytes() == SHARD
+    assert state.told > 0
+    assert_store_verified(tmp_path, FILES)
+
+
+async def test_a_whole_body_longer_than_the_file_is_never_cut_to_size(
+    tmp_path: Path, body_path: BodyPath
+) -> None:
+    """Range ignored, no ETag, and the first whole GET sends a larger object chunked (no
+    length to compare): its first ``size`` bytes are not the file, so they start over."""
+    larger = SHARD[:16] + os.urandom(len(SHARD) + 8000 - 16)
+    sent: list[int] = []
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        data = FILES.get(request.match_info["name"])
+        if data is None:
+            return web.Response(status=404)
+        if request.method == "HEAD":
+            return web.Response(headers={"Content-Length": str(len(data))})
+        body = data
+        if data is SHARD and "Range" not in request.headers:
+            body = larger if not sent else data
+            sent.append(len(body))
+        out = web.StreamResponse(status=200)
+        out.enable_chunked_encoding()
+        await out.prepare(request)
+        for i in range(0, len(body), 64 * 1024):
+            await out.write(body[i : i + 64 * 1024])
+        await out.write_eof()
+        return out
+
+    app = web.Application()
+    app.router.add_route("*", "/ckpt/{name}", handle)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        base = f"http://127.0.0.1:{runner.addresses[0][1]}/ckpt/"
+        result = await prefetch(base, config(tmp_path, body_path))
+    finally:
+        await runner.cleanup()
+    assert len(larger) in sent
+    assert (result.snapshot_path / "model.safetensors").read_bytes() == SHARD
+    assert_store_verified(tmp_path, FILES)
 
 
 def one_byte(request: web.Request, data: bytes, start: int, end: int) -> web.Response:
