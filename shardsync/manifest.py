@@ -8,6 +8,7 @@ that disagree with the index) is rejected before any path or URL is built.
 from __future__ import annotations
 
 import fnmatch
+import logging
 import posixpath
 import re
 import unicodedata
@@ -22,6 +23,7 @@ from shardsync.errors import ManifestError, UnsafeNameError
 __all__ = [
     "DEFAULT_INCLUDE",
     "MAX_JSON_BYTES",
+    "UNSAFE_NAMES",
     "FileRole",
     "IndexInfo",
     "Listing",
@@ -29,6 +31,8 @@ __all__ = [
     "ManifestEntry",
     "RemoteFile",
     "build_manifest",
+    "is_safe_name",
+    "leave_out",
     "likely_shards",
     "parse_hub_revision",
     "parse_hub_tree",
@@ -36,6 +40,8 @@ __all__ = [
     "select_weights",
     "validate_name",
 ]
+
+log = logging.getLogger("shardsync.manifest")
 
 FileRole = Literal["index", "shard", "extra"]
 
@@ -125,6 +131,29 @@ def validate_name(name: str) -> str:
         if len(component.encode("utf-8")) > MAX_COMPONENT_BYTES:
             raise _unsafe(name, f"component longer than {MAX_COMPONENT_BYTES} bytes")
     return name
+
+
+def leave_out(names: Sequence[str], where: str, why: str) -> None:
+    """Say which listed files were left out of a listing (never requested): one stray file
+    (an NFD name, a ``#`` in a log's name) must not refuse a whole checkpoint, yet its name
+    never becomes a path or URL. An index that names one still fails, where it is parsed.
+    Names are escaped (``ascii``) and cut short: they come from the network or a disk."""
+    if names:
+        shown = ", ".join(ascii(n[:200]) for n in names[:5])
+        more = f" and {len(names) - 5} more" if len(names) > 5 else ""
+        log.warning("%s: left out %d file(s) %s: %s%s", where, len(names), why, shown, more)
+
+
+UNSAFE_NAMES = "whose names are unsafe as paths or URLs"
+
+
+def is_safe_name(name: str) -> bool:
+    """Whether ``validate_name`` accepts ``name``."""
+    try:
+        validate_name(name)
+    except UnsafeNameError:
+        return False
+    return True
 
 
 def _check_size(value: object, where: str) -> int | None:
@@ -514,7 +543,6 @@ def _hub_file(
     name = item.get(name_key)
     if not isinstance(name, str):
         raise ManifestError(f"listing entry without a string {name_key!r}: {item!r}")
-    validate_name(name)
     where = f"listing entry {name!r}"
     size = _check_size(item.get("size"), where)
     sha256: object = None
@@ -542,16 +570,19 @@ def parse_hub_revision(payload: bytes) -> Listing:
     top = _object(_load_json(payload, what), what)
     commit = _check_commit(top.get("sha"), f"{what} 'sha'")
     siblings = _array(top.get("siblings"), f"{what}: 'siblings'")
-    files = tuple(
-        _hub_file(
-            _object(s, f"{what}: sibling"),
-            name_key="rfilename",
-            lfs_hash_keys=("sha256", "oid"),
-            blob_key="blobId",
+    files: list[RemoteFile] = []
+    unsafe: list[str] = []
+    for raw in siblings:
+        item = _object(raw, f"{what}: sibling")
+        if _unsafe_entry(item, "rfilename", unsafe):
+            continue
+        files.append(
+            _hub_file(
+                item, name_key="rfilename", lfs_hash_keys=("sha256", "oid"), blob_key="blobId"
+            )
         )
-        for s in siblings
-    )
-    return Listing(commit=commit, files=files, exhaustive=True)
+    leave_out(unsafe, what, UNSAFE_NAMES)
+    return Listing(commit=commit, files=tuple(files), exhaustive=True)
 
 
 def parse_hub_tree(payload: bytes) -> tuple[RemoteFile, ...]:
@@ -562,6 +593,7 @@ def parse_hub_tree(payload: bytes) -> tuple[RemoteFile, ...]:
     """
     what = "Hub tree listing"
     files: list[RemoteFile] = []
+    unsafe: list[str] = []
     for raw in _array(_load_json(payload, what), what):
         item = _object(raw, f"{what}: entry")
         kind = item.get("type")
@@ -569,5 +601,17 @@ def parse_hub_tree(payload: bytes) -> tuple[RemoteFile, ...]:
             continue
         if kind != "file":
             raise ManifestError(f"{what}: unknown entry type {kind!r} for {item.get('path')!r}")
-        files.append(_hub_file(item, name_key="path", lfs_hash_keys=("oid",), blob_key="oid"))
+        if not _unsafe_entry(item, "path", unsafe):
+            files.append(_hub_file(item, name_key="path", lfs_hash_keys=("oid",), blob_key="oid"))
+    leave_out(unsafe, what, UNSAFE_NAMES)
     return tuple(files)
+
+
+def _unsafe_entry(item: dict[str, object], name_key: str, unsafe: list[str]) -> bool:
+    """Whether the entry's name is a string ``validate_name`` refuses (noted in ``unsafe``);
+    a missing or non-string name is ``_hub_file``'s error to raise."""
+    name = item.get(name_key)
+    if isinstance(name, str) and not is_safe_name(name):
+        unsafe.append(name)
+        return True
+    return False

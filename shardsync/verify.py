@@ -181,13 +181,16 @@ def verify_cache(
                     _problem(record, dirname, f, found.kind, found.detail, moved[f.sha256])
                 )
                 broken.add((dirname, commit))
+    # one problem per file: a missing blob also breaks its link, and what the blob's check
+    # found (and did with it) says more than the link does; it keeps the link's place
+    one = {(p.dirname, p.commit, p.path): p for p in problems}
     names = {(d, c): r.repo.name for d, c, r in snapshots}
     return VerifyReport(
         full=full,
         snapshots=len(snapshots),
         blobs=len(expected),
         bytes_hashed=sum(o.hashed for o in outcomes),
-        problems=tuple(problems),
+        problems=tuple(one.values()),
         incomplete=tuple(sorted((names[k], k[1]) for k in broken)),
     )
 

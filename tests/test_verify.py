@@ -227,3 +227,25 @@ def test_missing_link_and_missing_blob(
     get(cache_dir, hub)
     assert hub.bytes_served("*.safetensors") == checkpoint.path(shard).stat().st_size
     assert verify_cache(CacheStore(cache_dir), full=True).ok
+
+
+def test_a_blob_gone_from_the_store_and_the_repo_view_is_one_problem(
+    hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    """Both names of the blob gone: the snapshot's link dangles and the store has no copy;
+    that is one missing file, reported once (on every run until a prefetch repairs it)."""
+    cache_dir = tmp_path / "cache"
+    snapshot = get(cache_dir, hub)
+    shard = checkpoint.shards[1]
+    view_blob = (snapshot / shard).resolve()
+    os.unlink(blob_of(snapshot, shard))
+    os.unlink(view_blob)
+    for _ in range(2):
+        report = verify_cache(CacheStore(cache_dir))
+        assert [(p.path, p.kind) for p in report.problems] == [(shard, "missing")]
+        assert report.incomplete == ((REPO, snapshot.name),)
+    hub.reset_log()
+    get(cache_dir, hub)
+    assert hub.bytes_served("*.safetensors") == checkpoint.path(shard).stat().st_size
+    assert_snapshot_matches(snapshot, checkpoint)
+    assert verify_cache(CacheStore(cache_dir), full=True).ok

@@ -7,19 +7,30 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from urllib.parse import quote, urlsplit
 
-from shardsync.errors import ConfigError, EntryNotFoundError, ManifestError, first_error
+from shardsync.errors import (
+    AuthError,
+    ConfigError,
+    EntryNotFoundError,
+    ManifestError,
+    first_error,
+)
 from shardsync.fetch.request import BlobRequest
 from shardsync.manifest import Listing, RemoteFile, validate_name
 from shardsync.origins.base import Entry, Http, RequestOrigin, bearer_headers
 from shardsync.ranges import is_strong_etag
 from shardsync.records import RepoRef
 
-__all__ = ["PROBED_FILES", "UrlOrigin"]
+__all__ = ["PROBED_FILES", "WEIGHT_FILES", "UrlOrigin"]
 
 # Such a server cannot list a directory, so we ask for the files a checkpoint usually has.
-PROBED_FILES = (
+WEIGHT_FILES = (
     "model.safetensors.index.json",
     "model.safetensors",
+    "pytorch_model.bin.index.json",  # pickle: listed, refused unless allow_pickle
+    "pytorch_model.bin",
+)
+PROBED_FILES = (
+    *WEIGHT_FILES,
     "config.json",
     "generation_config.json",
     "tokenizer.json",
@@ -64,12 +75,14 @@ class UrlOrigin(RequestOrigin):
         if revision != self.default_revision:
             raise ConfigError("a plain URL origin has no revisions")
 
-        async def probe(path: str) -> RemoteFile | None:
+        async def probe(path: str) -> RemoteFile | AuthError | None:
             request = BlobRequest(url=self.url_for(path), headers=self.auth_headers, label=path)
             try:
                 located = await fetcher.locate(request)
             except EntryNotFoundError:
                 return None
+            except AuthError as exc:
+                return exc  # absent, or truly refused: the weights' answers tell (below)
             return RemoteFile(path=path, size=located.size, sha256=None)
 
         try:
@@ -77,7 +90,14 @@ class UrlOrigin(RequestOrigin):
                 tasks = [tg.create_task(probe(p)) for p in PROBED_FILES]
         except BaseExceptionGroup as group:
             raise first_error(group) from None
-        files = tuple(f for t in tasks if (f := t.result()) is not None)
+        answers = [t.result() for t in tasks]
+        files = tuple(a for a in answers if isinstance(a, RemoteFile))
+        # An S3 website, or a bucket readable without ListBucket, answers 403 (some servers
+        # 401) for a name it does not hold: once the same requests read a weights file, a
+        # refused name is one the checkpoint lacks; with no weights read, it is refused.
+        refused = [a for a in answers if isinstance(a, AuthError)]
+        if refused and not any(f.path in WEIGHT_FILES for f in files):
+            raise refused[0]
         if not any(f.path.endswith(".safetensors") or f.path.endswith(".json") for f in files):
             raise ManifestError(f"no model.safetensors[.index.json] under {self.base}")
         return Listing(commit=None, files=files, exhaustive=False)

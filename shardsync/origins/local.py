@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from shardsync.errors import ConfigError, EntryNotFoundError, OriginError
-from shardsync.manifest import Listing, ManifestEntry, RemoteFile, validate_name
+from shardsync.manifest import (
+    UNSAFE_NAMES,
+    Listing,
+    ManifestEntry,
+    RemoteFile,
+    is_safe_name,
+    leave_out,
+    validate_name,
+)
 from shardsync.origins.base import Entry, Forget, Http, Into, Progress
 from shardsync.records import RepoRef, VerifiedFile
 
@@ -46,17 +57,43 @@ class LocalOrigin:
 
     def _walk(self, hidden: bool) -> Listing:
         files: list[RemoteFile] = []
+        unsafe: list[str] = []
+        outside: list[str] = []
         for dirpath, dirnames, filenames in os.walk(self.root):
             dirnames[:] = sorted(d for d in dirnames if hidden or not d.startswith("."))
             for name in sorted(filenames):
-                full = Path(dirpath, name)
-                if (name.startswith(".") and not hidden) or not full.is_file():
+                if name.startswith(".") and not hidden:
                     continue
+                full = Path(dirpath, name)
                 rel = full.relative_to(self.root).as_posix()
-                files.append(
-                    RemoteFile(path=validate_name(rel), size=full.stat().st_size, sha256=None)
-                )
+                if not is_safe_name(rel):
+                    unsafe.append(rel)
+                    continue
+                size = self._size(full)
+                if size == "outside":
+                    outside.append(rel)
+                elif size is not None:
+                    files.append(RemoteFile(path=rel, size=size, sha256=None))
+        leave_out(unsafe, str(self.root), UNSAFE_NAMES)
+        leave_out(outside, str(self.root), f"that are symlinks out of {self.root}")
         return Listing(commit=None, files=tuple(files), exhaustive=True)
+
+    def _size(self, full: Path) -> int | Literal["outside"] | None:
+        """A regular file's size; None for what is not one, or is gone since the directory
+        was read (a checkpoint being written); "outside" for a symlink out of the root,
+        which is not followed even to stat it. One stat, so a file cannot vanish between
+        the look at its kind and the one at its size."""
+        try:
+            st = full.lstat()
+            if stat.S_ISLNK(st.st_mode):
+                if not full.resolve().is_relative_to(self.root):
+                    return "outside"
+                st = full.stat()
+        except OSError as exc:
+            if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+                return None  # gone meanwhile, a dangling link, a link loop: not a file
+            raise OriginError(f"cannot look at {full}: {exc.strerror}") from exc
+        return st.st_size if stat.S_ISREG(st.st_mode) else None
 
     def source(self, path: str) -> Path:
         """The file behind a repo path, refusing names and symlinks that leave the root."""
@@ -68,8 +105,10 @@ class LocalOrigin:
         return full
 
     async def version(self, fetcher: Http, entry: Entry) -> str | None:
+        # ctime too: a rewrite in place that restores the mtime (``cp -p``, ``rsync
+        # --inplace -t``) keeps inode, size and mtime, but every write or utime moves ctime
         st = await asyncio.to_thread(self.source(entry.path).stat)
-        return f"{st.st_ino}-{st.st_size}-{st.st_mtime_ns}"
+        return f"{st.st_dev}-{st.st_ino}-{st.st_size}-{st.st_mtime_ns}-{st.st_ctime_ns}"
 
     def locate_ahead(self, fetcher: Http, commit: str | None, entry: Entry) -> Forget:
         return _nothing  # a path is where it is

@@ -17,7 +17,14 @@ from dataclasses import dataclass, field
 
 from shardsync.errors import ConfigError, ManifestError, raise_first
 from shardsync.fetch.request import BlobRequest, Located
-from shardsync.manifest import Listing, RemoteFile, validate_name
+from shardsync.manifest import (
+    UNSAFE_NAMES,
+    Listing,
+    RemoteFile,
+    is_safe_name,
+    leave_out,
+    validate_name,
+)
 from shardsync.names import S3Location, parse_s3_url
 from shardsync.network import S3Config
 from shardsync.origins.base import Entry, Http, RequestOrigin
@@ -68,13 +75,18 @@ class S3Origin(RequestOrigin):
             raise ConfigError("an S3 prefix has no revisions")
         objects = await self.client.list(self.location, max_keys=_MAX_KEYS)
         wanted: list[tuple[str, ObjectInfo]] = []
+        unsafe: list[str] = []
         for obj in objects:
             rel = obj.key[len(self.location.prefix) :]
             if not rel or rel.endswith("/"):
                 continue  # folder markers
-            if not hidden and any(p.startswith(".") for p in validate_name(rel).split("/")):
+            if not hidden and any(p.startswith(".") for p in rel.split("/")):
                 continue  # hidden files, as for a local directory
+            if not is_safe_name(rel):
+                unsafe.append(rel)  # never a path, nor a key we ask for
+                continue
             wanted.append((rel, obj))
+        leave_out(unsafe, self.location.url, UNSAFE_NAMES)
         if not wanted:
             raise ManifestError(f"no objects under {self.location.url}")
         limit = asyncio.Semaphore(_HEADS_AT_ONCE)
