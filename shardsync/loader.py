@@ -312,6 +312,8 @@ class TensorStream:
 
     def _wait_verified(self, path: str) -> Verified:
         while path not in self._verified:
+            if self._done:  # the job's files were not the planned ones (an S3 prefix resaved)
+                raise LoadError(f"{path}: the download ended without it; load again")
             self._pump()
         return self._verified[path]
 

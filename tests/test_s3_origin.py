@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -852,6 +853,53 @@ async def test_a_shard_replaced_between_the_daemons_plan_and_its_download_is_nev
             await asyncio.to_thread(
                 shardsync.load, f"s3://{s3bucket}/{PREFIX}/", config=mine, device_map="cpu"
             )
+
+
+async def test_a_prefix_resharded_between_the_daemons_plan_and_its_download_fails_the_load(
+    s3server: S3Server,
+    s3bucket: str,
+    s3_checkpoint: Checkpoint,
+    aws_env: None,
+    workdir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The prefix is saved again in two shards of other names after the load planned from
+    three: the daemon's job never verifies the planned shards. The load fails; it does not
+    wait for them for ever."""
+    import shardsync
+    from shardsync.errors import LoadError
+    from shardsync.prefetch import Engine
+
+    upload(s3server, s3bucket, s3_checkpoint, checksums=True)
+    resharded = build_checkpoint(workdir / "two", total_bytes=2 << 20, n_shards=2, seed=7)
+    original = Engine.prepare
+
+    async def prepare_then_reshard(self: Engine, *args: Any, **kwargs: Any) -> Any:
+        prepared = await original(self, *args, **kwargs)
+        for rel in s3_checkpoint.files:
+            await asyncio.to_thread(
+                s3(s3server).delete_object, Bucket=s3bucket, Key=f"{PREFIX}/{rel}"
+            )
+        await asyncio.to_thread(upload, s3server, s3bucket, resharded, checksums=True)
+        return prepared
+
+    monkeypatch.setattr(Engine, "prepare", prepare_then_reshard)
+    config = s3_config(workdir / "cache", s3server)
+    async with daemon_in_loop(config, workdir / "d" / "d.sock") as running:
+        mine = replace(s3_config(workdir / "mine", s3server), daemon=running.config.daemon)
+        failed: list[BaseException] = []
+
+        def load() -> None:
+            try:
+                shardsync.load(f"s3://{s3bucket}/{PREFIX}/", config=mine, device_map="cpu")
+            except BaseException as exc:
+                failed.append(exc)
+
+        loading = threading.Thread(target=load, daemon=True)  # one that hangs ends with us
+        loading.start()
+        await asyncio.to_thread(loading.join, 60)
+        assert not loading.is_alive(), "the load waits for shards the job never verifies"
+        assert [type(e) for e in failed] == [LoadError]
 
 
 def _same_size_other_bytes(data: bytes) -> bytes:
