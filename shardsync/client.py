@@ -27,12 +27,12 @@ import threading
 from collections.abc import AsyncIterator, Awaitable, Iterator, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 from shardsync.api import JobRequest
 from shardsync.checkpoint_selection import selection_for
 from shardsync.config import Config, Fallback
-from shardsync.errors import DaemonError
+from shardsync.errors import DaemonError, DaemonStoppingError
 from shardsync.events import JobEvent
 from shardsync.inventory import cache_summary
 from shardsync.jobs import JobClient, JobHandle, Mode, Shard, Transport, daemon_for
@@ -136,6 +136,37 @@ class Client(JobClient):
 # ---------------------------------------------------------------------------------- sync
 
 
+class _Call(Generic[_T]):
+    """An awaitable run on the client's loop for a blocking caller, who may give it up:
+    ``outcome`` is done only once the task ended, cancelled or not."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, awaitable: Awaitable[_T]) -> None:
+        self._loop = loop
+        self._task: asyncio.Task[_T] | None = None
+        self.outcome: concurrent.futures.Future[_T] = concurrent.futures.Future()
+        loop.call_soon_threadsafe(self._start, awaitable)
+
+    def _start(self, awaitable: Awaitable[_T]) -> None:
+        async def run() -> _T:
+            return await awaitable
+
+        self._task = self._loop.create_task(run())
+        self._task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task[_T]) -> None:
+        if task.cancelled():
+            self.outcome.cancel()
+            self.outcome.set_running_or_notify_cancel()  # wakes wait(), not only result()
+        elif (exc := task.exception()) is not None:
+            self.outcome.set_exception(exc)
+        else:
+            self.outcome.set_result(task.result())
+
+    def cancel(self) -> None:
+        """Cancel the task, from any thread (after ``_start``: the loop keeps their order)."""
+        self._loop.call_soon_threadsafe(lambda: self._task is not None and self._task.cancel())
+
+
 class SyncClient:
     """``Client`` for code without an event loop: one runs in a background thread.
 
@@ -166,6 +197,9 @@ class SyncClient:
         )
         self._thread.start()
         self._closing = asyncio.Event()
+        self._lock = threading.Lock()
+        self._calls: set[_Call[Any]] = set()
+        self._closed = False
         ready: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._host = asyncio.run_coroutine_threadsafe(self._serve(ready), self._loop)
         try:
@@ -187,10 +221,29 @@ class SyncClient:
             raise
 
     def _call(self, awaitable: Awaitable[_T]) -> _T:
-        async def run() -> _T:
-            return await awaitable
-
-        return asyncio.run_coroutine_threadsafe(run(), self._loop).result()
+        """Run ``awaitable`` on the client's loop and wait for it. A wait given up (Ctrl-C)
+        cancels it and waits for its end (its socket closed, a generator it ran free to
+        close); ``close()`` in another thread ends it with ``DaemonStoppingError``."""
+        with self._lock:
+            if self._closed:
+                getattr(awaitable, "close", lambda: None)()  # never to be awaited
+                raise DaemonStoppingError("the client is closed")
+            call = _Call(self._loop, awaitable)
+            self._calls.add(call)
+        try:
+            return call.outcome.result()
+        except concurrent.futures.CancelledError:
+            if not self._closed:
+                raise
+            raise DaemonStoppingError("the client was closed while this call waited") from None
+        except BaseException:
+            if not call.outcome.done():  # interrupted while it runs
+                call.cancel()
+                concurrent.futures.wait([call.outcome])
+            raise
+        finally:
+            with self._lock:
+                self._calls.discard(call)
 
     def _iterate(self, iterator: AsyncIterator[_T]) -> Iterator[_T]:
         try:
@@ -201,8 +254,9 @@ class SyncClient:
                     return
         finally:
             aclose = getattr(iterator, "aclose", None)
-            if aclose is not None:
-                self._call(aclose())
+            if aclose is not None and not self._closed:
+                with contextlib.suppress(DaemonStoppingError):  # closed meanwhile
+                    self._call(aclose())
 
     @property
     def mode(self) -> Mode:
@@ -215,14 +269,22 @@ class SyncClient:
         self.close()
 
     def close(self) -> None:
-        if self._loop.is_closed():
-            return
+        """Disconnect; calls other threads wait in end with ``DaemonStoppingError``."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            calls = list(self._calls)
+        for call in calls:
+            call.cancel()
+        concurrent.futures.wait([call.outcome for call in calls])
         self._loop.call_soon_threadsafe(self._closing.set)
         with contextlib.suppress(Exception):
             self._host.result()
         self._shutdown()
 
     def _shutdown(self) -> None:
+        self._closed = True
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         self._loop.close()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import json
+import os
 import socket
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -40,8 +41,16 @@ _PREPARE_TIMEOUT_S = 600.0
 """A prepare waits on the origin (listing, index, headers) under the daemon's own retries,
 whose backoff alone may add up to more than a minute; this bound is for a daemon that stops
 answering, not for a slow origin."""
+_STREAM_IDLE_S = 45.0
+"""An event stream silent this long (three of the daemon's 15 s heartbeats) is a daemon
+that froze (SIGSTOP, a stuck loop): lost, like one whose connection dropped."""
 _READ = 1 << 16
-_NOT_THERE = frozenset({errno.ENOENT, errno.ECONNREFUSED, errno.ENOTDIR, errno.EACCES})
+_NOT_THERE = frozenset(
+    {errno.ENOENT, errno.ECONNREFUSED, errno.ENOTDIR, errno.EACCES, errno.ENAMETOOLONG}
+)
+_SUN_PATH = 108
+"""The most bytes an AF_UNIX path has (Linux): no daemon listens at a longer one, and
+Python says so with an ``OSError`` that has no errno."""
 
 
 def error_from(error: ErrorInfo) -> ShardsyncError:
@@ -60,6 +69,8 @@ class _Exchange:
         self._reader, self._writer = reader, writer
         self._h11 = h11.Connection(h11.CLIENT, max_incomplete_event_size=_MAX_HEAD)
         self.status = 0
+        self.idle_s: float | None = None
+        """A deadline for each read (``TimeoutError``); None: the caller's alone."""
 
     async def send(self, method: str, target: str, body: bytes | None) -> None:
         headers = [("Host", "shardsync"), ("Connection", "close")]
@@ -89,7 +100,9 @@ class _Exchange:
 
     async def _next(self) -> Any:
         while (event := self._h11.next_event()) is h11.NEED_DATA:
-            self._h11.receive_data(await self._reader.read(_READ))
+            async with asyncio.timeout(self.idle_s):
+                data = await self._reader.read(_READ)
+            self._h11.receive_data(data)
         return event
 
     def close(self) -> None:
@@ -115,8 +128,10 @@ class DaemonTransport:
             async with asyncio.timeout(_CONNECT_TIMEOUT_S):
                 reader, writer = await asyncio.open_unix_connection(str(self.socket))
         except OSError as exc:
-            if exc.errno in _NOT_THERE:
-                raise DaemonUnavailableError(f"no daemon at {self.socket}: {exc.strerror}") from exc
+            too_long = exc.errno is None and len(os.fsencode(self.socket)) > _SUN_PATH
+            if exc.errno in _NOT_THERE or too_long:
+                reason = exc.strerror or str(exc)
+                raise DaemonUnavailableError(f"no daemon at {self.socket}: {reason}") from exc
             raise DaemonError(f"cannot reach the daemon at {self.socket}: {exc}") from exc
         except TimeoutError as exc:
             raise DaemonError(f"cannot reach the daemon at {self.socket}: timed out") from exc
@@ -147,13 +162,13 @@ class DaemonTransport:
         status = exchange.status
         try:
             obj = json.loads(data)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested past reading
             raise DaemonError(f"the daemon answered {status} with a body that is not JSON") from exc
         return status, obj
 
     async def submit(self, request: JobRequest) -> tuple[Mapping[str, Any], bool]:
         status, info = await self.request("POST", "/v1/jobs", request.to_json())
-        return info, status == 201
+        return _job(info), status == 201
 
     async def prepare(self, request: JobRequest) -> Prepared | None:
         status, answer = await self._request(
@@ -167,21 +182,22 @@ class DaemonTransport:
         return Prepared.from_json(answer)
 
     async def info(self, job_id: str) -> Mapping[str, Any]:
-        _, info = await self.request("GET", f"/v1/jobs/{job_id}")
-        return dict(info)
+        return _job((await self.request("GET", f"/v1/jobs/{job_id}"))[1])
 
     async def cancel(self, job_id: str) -> Mapping[str, Any]:
-        _, info = await self.request("DELETE", f"/v1/jobs/{job_id}")
-        return dict(info)
+        return _job((await self.request("DELETE", f"/v1/jobs/{job_id}"))[1])
 
     async def jobs(self) -> list[Mapping[str, Any]]:
-        return list((await self.request("GET", "/v1/jobs"))[1]["jobs"])
+        jobs = _object((await self.request("GET", "/v1/jobs"))[1], "job list").get("jobs")
+        if not isinstance(jobs, list):
+            raise DaemonError("the daemon answered a job list without its 'jobs'")
+        return [_job(job) for job in jobs]
 
     async def status(self) -> dict[str, Any]:
-        return dict((await self.request("GET", "/v1/status"))[1])
+        return _object((await self.request("GET", "/v1/status"))[1], "status")
 
     async def cache(self) -> dict[str, Any]:
-        return dict((await self.request("GET", "/v1/cache"))[1])
+        return _object((await self.request("GET", "/v1/cache"))[1], "cache summary")
 
     async def events(self, job_id: str, since: int) -> AsyncIterator[JobEvent]:
         target = f"/v1/jobs/{job_id}/events?{urlencode({'since': str(since)})}"
@@ -192,10 +208,11 @@ class DaemonTransport:
                 if exchange.status >= 400:
                     try:
                         body = json.loads(await exchange.body())
-                    except ValueError:
+                    except (ValueError, RecursionError):
                         body = None
                     message = f"the daemon answered {exchange.status} for job {job_id}"
                     raise _answer_error(body, message)
+                exchange.idle_s = _STREAM_IDLE_S  # the stream has no end to wait for
                 async for line in _ndjson(exchange.chunks()):
                     event = parse_event(line)
                     if event is None:
@@ -211,6 +228,21 @@ class DaemonTransport:
                     "is back"
                 ) from exc
         raise DaemonError(f"the daemon closed the event stream of job {job_id} before it ended")
+
+
+def _object(answer: object, what: str) -> dict[str, Any]:
+    """An answer that must be a JSON object: anything else is a daemon breaking its API."""
+    if not isinstance(answer, dict):
+        raise DaemonError(f"the daemon answered a {what} that is not a JSON object")
+    return answer
+
+
+def _job(answer: object) -> dict[str, Any]:
+    """A job's record: an object with a string ``id`` (what a handle on it needs)."""
+    job = _object(answer, "job")
+    if not isinstance(job.get("id"), str):
+        raise DaemonError("the daemon answered a job without a string 'id'")
+    return job
 
 
 def _error_info(body: object) -> ErrorInfo | None:
@@ -238,7 +270,7 @@ async def _ndjson(chunks: AsyncIterator[bytes]) -> AsyncIterator[object]:
             if line.strip():
                 try:
                     value = json.loads(line)
-                except ValueError as exc:
+                except (ValueError, RecursionError) as exc:
                     raise DaemonError("the daemon sent a malformed event") from exc
                 yield value
         if len(buffer) > _MAX_LINE:

@@ -65,8 +65,9 @@ TRANSITIONS: Final[Mapping[JobState, frozenset[JobState]]] = MappingProxyType(
         "resolving": frozenset({"downloading", "failed", "cancelled", "interrupted"}),
         # fetching files, or following the job already downloading the same commit
         "downloading": frozenset({"done", "failed", "cancelled", "interrupted"}),
-        # the daemon stopped; its journal resumes the job as a new pending one, same id
-        "interrupted": frozenset(),
+        # the daemon stopped; its journal resumes the job as a new pending one, same id,
+        # unless a client cancels it before the daemon is gone
+        "interrupted": frozenset({"cancelled"}),
         "done": frozenset(),
         "failed": frozenset(),
         "cancelled": frozenset(),
@@ -352,7 +353,10 @@ class _Reader:
         value = self._get("time")
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise self._wrong("time", "a number")
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an integer of hundreds of digits
+            raise self._wrong("time", "a time") from None
 
     def string(self, key: str) -> str:
         value = self._get(key)

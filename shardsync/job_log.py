@@ -10,7 +10,15 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
-from shardsync.events import TERMINAL_EVENTS, JobEvent, Progress, Resolved, Verified
+from shardsync.events import (
+    TERMINAL_EVENTS,
+    FileFailed,
+    FileStarted,
+    JobEvent,
+    Progress,
+    Resolved,
+    Verified,
+)
 
 __all__ = ["EventLog", "JobCounters"]
 
@@ -81,6 +89,18 @@ class JobCounters:
     files_verified: int = 0
     bytes_downloaded: int = 0
     done_by_path: dict[str, int] = field(default_factory=dict)
+    verified_paths: set[str] = field(default_factory=set)
+
+    def repeats(self, event: JobEvent) -> bool:
+        """Whether ``event`` is about a file this job verified already (not to be logged): a
+        follower mirrors what it verified itself, and verifies again, on its own, what it
+        mirrored when the job it followed is cancelled. A file is verified once per job."""
+        match event:
+            case Verified(outcome=outcome):
+                return outcome.path in self.verified_paths
+            case FileStarted() | Progress() | FileFailed():
+                return event.path in self.verified_paths
+        return False
 
     @property
     def bytes_done(self) -> int:
@@ -94,6 +114,7 @@ class JobCounters:
             case Progress():
                 self.done_by_path[event.path] = event.done
             case Verified(outcome=outcome):
+                self.verified_paths.add(outcome.path)
                 self.done_by_path[outcome.path] = outcome.size
                 self.files_verified += 1
                 self.bytes_downloaded += outcome.downloaded

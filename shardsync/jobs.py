@@ -106,7 +106,7 @@ def _serves(
     if cache_dir is not None and status.get("cache_dir") != os.path.abspath(cache_dir):
         return False
     wanted = (endpoint or "").rstrip("/")
-    return not wanted or wanted == (status.get("endpoint") or "").rstrip("/")
+    return not wanted or wanted == str(status.get("endpoint") or "").rstrip("/")
 
 
 class Transport(Protocol):
@@ -211,19 +211,27 @@ class JobHandle:
         raise DaemonError(f"the event stream of job {self.id} ended without an outcome")
 
     async def shards(self) -> AsyncIterator[Shard]:
-        """Each shard once verified, strictly in index order; raises the job's error."""
+        """Each shard once verified, strictly in index order; raises the job's error. A
+        stream that skips a shard, repeats one or names one the job does not have is a
+        ``DaemonError``: a caller never ends its loop short of a shard without knowing."""
         ready: dict[int, Shard] = {}
         count = 0
         following = 0
         async for event in self.events():
             if isinstance(event, Resolved):
                 count = event.shard_count
-            elif isinstance(event, Verified) and event.shard_index is not None:
-                ready[event.shard_index] = Shard.from_event(event, event.shard_index, count)
+            elif isinstance(event, Verified) and (index := event.shard_index) is not None:
+                if not 0 <= index < count or index < following or index in ready:
+                    raise DaemonError(
+                        f"job {self.id} sent shard {index} again, or one of {count} it lacks"
+                    )
+                ready[index] = Shard.from_event(event, index, count)
             while following in ready:
                 yield ready.pop(following)
                 following += 1
             if isinstance(event, JobDone):
+                if following != count:
+                    raise DaemonError(f"job {self.id} ended with {following} of its {count} shards")
                 return
             raise_failure(event)
 
@@ -330,7 +338,7 @@ class JobClient:
             for path in client_sockets(self.config.daemon, self._environ):
                 transport = DaemonTransport(path)
                 try:
-                    self.daemon_status = (await transport.request("GET", "/v1/status"))[1]
+                    self.daemon_status = await transport.status()
                 except DaemonUnavailableError as exc:
                     await transport.close()
                     tried.append(str(exc))

@@ -68,7 +68,7 @@ class Journal:
             jobs = obj["jobs"]
             if not isinstance(jobs, list) or not all(isinstance(j, dict) for j in jobs):
                 raise ValueError("'jobs' is not a list of objects")
-        except (ValueError, KeyError, UnicodeDecodeError) as exc:
+        except (ValueError, KeyError, UnicodeDecodeError, RecursionError) as exc:  # deep nesting
             aside = self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}")
             log.warning("job journal %s is unreadable (%s); moved to %s", self.path, exc, aside)
             with contextlib.suppress(OSError):

@@ -144,7 +144,8 @@ class SharedJob:
 
     def emit(self, event: JobEvent) -> None:
         """Log an event; the counters follow from what is logged, nowhere else."""
-        self.counters.observe(self.events.append(event))
+        if not self.counters.repeats(event):
+            self.counters.observe(self.events.append(event))
 
     def info(self) -> dict[str, Any]:
         """The job as ``GET /v1/jobs/{id}`` shows it: its own tier counters too, not the
@@ -377,7 +378,7 @@ class Scheduler:
                     priority=int(record["priority"]),
                     submitted_at=float(record["submitted_at"]),
                 )
-            except (ShardsyncError, KeyError, TypeError, ValueError) as exc:
+            except (ShardsyncError, KeyError, TypeError, ValueError, OverflowError) as exc:
                 log.warning("dropping journaled job %r: %s", record.get("id"), exc)
                 continue
             log.info("resuming job %s (%s@%s)", job.id, job.repo.name, job.revision)
@@ -390,7 +391,11 @@ class Scheduler:
         job = self._jobs.get(job_id)
         if job is None or job.finished:
             return job
-        self._interrupt(job, JobCancelledError(f"job {job.id} was cancelled"))
+        error = JobCancelledError(f"job {job.id} was cancelled")
+        if job.state == "interrupted":  # by a stop: cancelled, the journal must not resume it
+            job.move_to("cancelled")
+            job.error = error_info(error)
+        self._interrupt(job, error)
         if job.task is not None:
             await asyncio.wait({job.task})
         await self._save_journal()
@@ -455,8 +460,8 @@ class Scheduler:
         return changed
 
     def _interrupt(self, job: SharedJob, error: ShardsyncError) -> None:
-        if job.stop_error is None:
-            job.stop_error = error
+        if job.stop_error is None or isinstance(error, JobCancelledError):
+            job.stop_error = error  # a cancel overrules a stop: the job must not resume
         self._release(job)  # a request from now on starts a job, not one ending
         if job.state == "pending":  # its task has not run yet, so it cannot answer itself
             self._finish_failed(job, _stopped_state(error), error_info(error))
@@ -548,25 +553,28 @@ class Scheduler:
         log.info("job %s follows job %s (same commit %s)", job.id, other.id, job.commit)
         job.merged_into = other.id
         job.move_to("downloading")
-        other.clients += job.clients
+        lent = job.clients  # the follower's clients wait on the other's download meanwhile
+        other.clients += lent
         self._raise_priority(other, job.priority)
-        async for event in other.events.follow():
-            match event:
-                case JobDone():
-                    job.result, job.selection = other.result, other.selection
-                    self._finish_done(job)
-                    return True
-                case JobFailed(error=error):
-                    if error.code != error_code(JobCancelledError()):
-                        self._finish_failed(job, "failed", error)
+        try:
+            async for event in other.events.follow():
+                match event:
+                    case JobDone():
+                        job.result, job.selection = other.result, other.selection
+                        self._finish_done(job)
                         return True
-                    break
-                case Resolved():
-                    pass  # the follower logged its own
-                case _:
-                    job.emit(event)  # stamped anew by the follower's log
+                    case JobFailed(error=error):
+                        if error.code != error_code(JobCancelledError()):
+                            self._finish_failed(job, "failed", error)
+                            return True
+                        break
+                    case Resolved():
+                        pass  # the follower logged its own
+                    case _:
+                        job.emit(event)  # stamped anew by the follower's log
+        finally:
+            other.clients -= lent
         log.info("job %s was cancelled; job %s goes on alone", other.id, job.id)
-        other.clients -= job.clients
         job.merged_into = None
         return False
 

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+import contextlib
+import json
+import os
+import signal
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from pathlib import Path
 
 import pytest
@@ -11,7 +16,7 @@ from daemons import daemon_in_loop, short_tmp
 from helpers import assert_snapshot_matches, fast_config
 
 import shardsync
-from shardsync import errors
+from shardsync import daemon_transport, errors
 from shardsync.client import Client, SyncClient
 from shardsync.daemon import Daemon
 from shardsync.events import JobDone, Verified
@@ -246,3 +251,261 @@ def test_client_is_exported_lazily() -> None:
 
 def _read(path: Path) -> bytes:
     return path.read_bytes()
+
+
+# ------------------------------------------------------------------ daemons that misbehave
+
+Stream = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+async def _chunk(writer: asyncio.StreamWriter, data: bytes) -> None:
+    writer.write(b"%x\r\n%s\r\n" % (len(data), data))
+    await writer.drain()
+
+
+def _event(kind: str, seq: int, **fields: object) -> bytes:
+    return json.dumps({"event": kind, "job": "j1", "time": 1.0, **fields, "seq": seq}).encode()
+
+
+@contextlib.asynccontextmanager
+async def _fake_daemon(
+    workdir: Path, answers: Mapping[str, object] = {}, stream: Stream | None = None
+) -> AsyncIterator[Path]:
+    """A socket speaking the daemon's HTTP with the answers given ("METHOD /path": JSON
+    body, 200) and ``stream`` writing a job's event lines: what a daemon that froze, or
+    a hostile one, does."""
+    defaults = {"GET /v1/status": {"cache_dir": "x"}, "POST /v1/jobs": {"id": "j1"}}
+    answers = {**defaults, **answers}
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        method, target, _ = head.split(b"\r\n")[0].decode().split(" ")
+        for line in head.lower().split(b"\r\n"):
+            if line.startswith(b"content-length:"):
+                await reader.readexactly(int(line.split(b":")[1]))
+        try:
+            if "/events" in target and stream is not None:
+                writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+                await stream(reader, writer)
+                await _chunk(writer, b"")
+            else:
+                answer = answers.get(f"{method} {target.split('?')[0]}", {})
+                body = answer if isinstance(answer, bytes) else json.dumps(answer).encode()
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body))
+                writer.write(body)
+            await writer.drain()
+        except ConnectionError:
+            pass  # the client went away
+        finally:
+            writer.close()
+
+    path = workdir / "fake.sock"
+    server = await asyncio.start_unix_server(handle, str(path))
+    try:
+        yield path
+    finally:
+        server.close()
+
+
+async def test_a_daemon_that_freezes_mid_stream_is_lost_not_waited_for(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The daemon sends a heartbeat line on a silent stream: a stream silent for several
+    of them is a daemon gone (SIGSTOP, a stuck loop), and the wait says so."""
+    monkeypatch.setattr(daemon_transport, "_STREAM_IDLE_S", 0.5)
+
+    async def frozen(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _chunk(writer, b"\n")
+        await asyncio.sleep(3600)
+
+    async with (
+        _fake_daemon(workdir, stream=frozen) as path,
+        Client(socket=path, fallback="error") as client,
+    ):
+        job = await client.prefetch(REPO)
+        with pytest.raises(errors.DaemonError):
+            await asyncio.wait_for(job.wait(), 10)
+
+
+async def test_heartbeats_keep_a_slow_stream_alive(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The deadline is for each read, not for the whole stream."""
+    monkeypatch.setattr(daemon_transport, "_STREAM_IDLE_S", 0.5)
+
+    async def slow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for _ in range(8):
+            await asyncio.sleep(0.2)
+            await _chunk(writer, b"\n")
+        await _chunk(writer, _event("job_done", 0, result={}) + b"\n")
+
+    async with (
+        _fake_daemon(workdir, stream=slow) as path,
+        Client(socket=path, fallback="error") as client,
+    ):
+        job = await client.prefetch(REPO)
+        events = [event async for event in job.events()]
+    assert [type(e) for e in events] == [JobDone]
+
+
+async def test_a_socket_path_too_long_for_af_unix_is_no_daemon(workdir: Path) -> None:
+    """A long $XDG_RUNTIME_DIR names a socket no daemon can listen on: not there, so the
+    client falls back (or says no daemon answers), as for a missing one."""
+    socket = workdir / ("r" * 120) / "d.sock"
+    async with Client(fast_config(workdir / "cache"), socket=socket) as client:
+        assert client.mode == "in-process"
+    with pytest.raises(errors.DaemonUnavailableError):
+        await Client(fast_config(workdir / "cache"), socket=socket, fallback="error").connect()
+
+
+@contextlib.contextmanager
+def _fake_daemon_in_thread(workdir: Path, stream: Stream) -> Iterator[Path]:
+    """``_fake_daemon`` on a loop of its own, for a test whose main thread blocks."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    serving = _fake_daemon(workdir, stream=stream)
+
+    async def stop() -> None:
+        await serving.__aexit__(None, None, None)
+        handlers = asyncio.all_tasks() - {asyncio.current_task()}
+        for task in handlers:
+            task.cancel()
+        await asyncio.gather(*handlers, return_exceptions=True)
+
+    try:
+        yield asyncio.run_coroutine_threadsafe(serving.__aenter__(), loop).result()
+        asyncio.run_coroutine_threadsafe(stop(), loop).result()
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        loop.close()
+
+
+class _Endless:
+    """An event stream that sends nothing until its client goes away."""
+
+    def __init__(self) -> None:
+        self.opened, self.ended = threading.Event(), threading.Event()
+
+    async def __call__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.opened.set()
+        try:
+            await reader.read()
+        finally:
+            self.ended.set()
+
+
+def test_ctrl_c_while_a_sync_client_iterates_is_a_keyboard_interrupt(workdir: Path) -> None:
+    """Ctrl-C stops the iteration as Ctrl-C, and the stream it waited on is closed."""
+    stream = _Endless()
+
+    def interrupt() -> None:
+        if stream.opened.wait(10):
+            os.kill(os.getpid(), signal.SIGINT)
+
+    with _fake_daemon_in_thread(workdir, stream) as path:
+        client = SyncClient(socket=path, fallback="error")
+        job = client.prefetch(REPO)
+        threading.Thread(target=interrupt, daemon=True).start()
+        raised: BaseException | None = None
+        try:
+            for _ in job.events():
+                pass
+        except BaseException as exc:  # whatever it is, reported below, not by a crash
+            raised = exc
+        assert type(raised) is KeyboardInterrupt, repr(raised)
+        assert stream.ended.wait(5)
+        client.close()
+
+
+def test_closing_a_sync_client_ends_the_calls_other_threads_wait_in(workdir: Path) -> None:
+    stream = _Endless()
+    raised: list[BaseException] = []
+
+    def follow(job: shardsync.SyncJobHandle) -> None:
+        try:
+            list(job.events())
+        except BaseException as exc:
+            raised.append(exc)
+
+    with _fake_daemon_in_thread(workdir, stream) as path:
+        client = SyncClient(socket=path, fallback="error")
+        follower = threading.Thread(target=follow, args=(client.prefetch(REPO),), daemon=True)
+        follower.start()
+        assert stream.opened.wait(10)
+        client.close()
+        follower.join(10)
+        assert not follower.is_alive()
+        assert stream.ended.wait(5)
+    assert [type(exc) for exc in raised] == [errors.DaemonStoppingError]
+
+
+_WRONG_SHAPES = {
+    "status is a list": ({"GET /v1/status": [1]}, lambda c: c.status()),
+    "jobs without a list": ({"GET /v1/jobs": {"x": 1}}, lambda c: c.jobs()),
+    "jobs of strings": ({"GET /v1/jobs": {"jobs": ["a"]}}, lambda c: c.jobs()),
+    "a job that is a list": ({"POST /v1/jobs": [1, 2]}, lambda c: c.prefetch(REPO)),
+    "a job without an id": ({"POST /v1/jobs": {}}, lambda c: c.prefetch(REPO)),
+    "a job whose id is a number": ({"POST /v1/jobs": {"id": 7}}, lambda c: c.prefetch(REPO)),
+    "a job that is a string": ({"GET /v1/jobs/abc": "hello"}, lambda c: c.job("abc")),
+    "a cancel answering null": (
+        {"GET /v1/jobs/j1": {"id": "j1"}, "DELETE /v1/jobs/j1": None},
+        lambda c: _cancel(c, "j1"),
+    ),
+    "a cache that is a number": ({"GET /v1/cache": 5}, lambda c: c.cache()),
+    "JSON nested too deep to read": ({"GET /v1/cache": b"[" * 200_000}, lambda c: c.cache()),
+}
+
+
+async def _cancel(client: Client, job_id: str) -> None:
+    await (await client.job(job_id)).cancel()
+
+
+@pytest.mark.parametrize(("answers", "call"), _WRONG_SHAPES.values(), ids=_WRONG_SHAPES)
+async def test_well_formed_answers_of_the_wrong_shape_are_daemon_errors(
+    workdir: Path,
+    answers: Mapping[str, object],
+    call: Callable[[Client], Awaitable[object]],
+) -> None:
+    async with _fake_daemon(workdir, answers) as path:
+        with pytest.raises(errors.DaemonError):
+            async with Client(socket=path, fallback="error") as client:
+                await call(client)
+
+
+def _verified(seq: int, index: int) -> bytes:
+    name = f"s{index}.safetensors"
+    fields = {"path": name, "size": 1, "sha256": "0" * 64, "verified": "sha256"}
+    fields |= {"source": "network", "downloaded": 1, "resumed": 0, "shard_index": index}
+    return _event("verified", seq, **fields, file=f"/x/{name}", blob=f"/x/b{index}")
+
+
+@pytest.mark.parametrize("indices", [[0, 2], [0, 1, 2, 3], [0, 0, 1, 2], [0, 1, -1, 2]], ids=str)
+async def test_shards_of_a_stream_that_skips_repeats_or_invents_one_are_a_daemon_error(
+    workdir: Path, indices: list[int]
+) -> None:
+    """Three shards resolved: ``shards()`` hands out each once or raises, never ends quietly
+    with one missing."""
+    files = [
+        {"path": f"s{i}.safetensors", "size": 1, "role": "shard", "shard_index": i}
+        for i in range(3)
+    ]
+    resolved = {"commit": "a" * 40, "revision": "main", "total_size": 3, "files": files}
+
+    async def stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        lines = [_event("resolved", 0, **resolved)]
+        lines += [_verified(seq, i) for seq, i in enumerate(indices, 1)]
+        lines.append(_event("job_done", len(lines), result={}))
+        await _chunk(writer, b"".join(line + b"\n" for line in lines))
+
+    async with (
+        _fake_daemon(workdir, stream=stream) as path,
+        Client(socket=path, fallback="error") as client,
+    ):
+        job = await client.prefetch(REPO)
+        handed: list[int] = []
+        with pytest.raises(errors.DaemonError):
+            async for shard in job.shards():
+                handed.append(shard.index)
+    assert handed == sorted(set(handed)) and set(handed) <= {0, 1, 2}

@@ -207,6 +207,13 @@ def test_a_malformed_resolved_file_is_a_daemon_error(broken: dict[str, Any]) -> 
         parse_event({**line, **broken})
 
 
+@pytest.mark.parametrize("time", [10**400, -(10**400)], ids=["huge", "hugely negative"])
+def test_a_time_too_large_for_a_float_is_a_daemon_error(time: int) -> None:
+    line = Pruning(job="j", seq=1, time=2.0, needed=3, free=4).to_json()
+    with pytest.raises(DaemonError):
+        parse_event({**line, "time": time})
+
+
 def test_a_malformed_error_object_is_a_daemon_error() -> None:
     line = JobFailed(error=ErrorInfo("transfer", "x")).to_json()
     with pytest.raises(DaemonError, match="'message'"):

@@ -429,6 +429,34 @@ async def test_a_follower_goes_on_alone_when_the_job_it_follows_is_cancelled(
     assert_snapshot_matches(Path(done.result["snapshot_path"]), checkpoint)
 
 
+@pytest.mark.parametrize("followed_cancelled", [False, True])
+async def test_a_follower_logs_each_file_once_and_gives_its_clients_back(
+    scheduler: Scheduler, fake_hub: FakeHub, checkpoint: Checkpoint, followed_cancelled: bool
+) -> None:
+    """What the follower verified itself, mirrored, or verified again on its own after the
+    job it followed was cancelled, is one ``Verified`` per file: its counters and a
+    client's ``shards()`` count each file once."""
+    fake_hub.faults.add(Bandwidth(300_000, times=None))
+    commit = fake_hub.add_checkpoint(REPO, checkpoint)
+    followed, _ = await scheduler.submit(JobRequest(REPO))
+    await until(lambda: followed.commit is not None)
+    follower, _ = await scheduler.submit(JobRequest(REPO, revision=commit))
+    await until(lambda: follower.merged_into == followed.id)
+    if followed_cancelled:
+        shard = checkpoint.shards[0]
+        await until(lambda: shard in _verified_paths(follower))  # mirrored
+        await scheduler.cancel(followed.id)
+    await _done(follower)
+    paths = _verified_paths(follower)
+    assert len(paths) == len(set(paths)) == follower.info()["files"]["total"]
+    assert follower.info()["files"]["verified"] == len(paths)
+    assert followed.info()["clients"] == 1
+
+
+def _verified_paths(job: SharedJob) -> list[str]:
+    return [e.outcome.path for e in job.events.past() if isinstance(e, Verified)]
+
+
 async def test_a_request_while_a_job_is_being_cancelled_starts_a_new_job(
     scheduler: Scheduler, fake_hub: FakeHub, checkpoint: Checkpoint
 ) -> None:
@@ -511,6 +539,31 @@ async def test_stopping_refuses_jobs_and_interrupts_running_ones(
         await scheduler.submit(JobRequest(REPO))
 
 
+@pytest.mark.parametrize("interrupted_first", [False, True])
+async def test_a_cancel_while_the_daemon_stops_is_not_undone_by_the_restart(
+    fake_hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path, interrupted_first: bool
+) -> None:
+    """A DELETE cancels the job for every client, also one that comes while the daemon
+    stops: the job it was stopping (or has stopped) does not come back with the journal."""
+    fake_hub.add_checkpoint(REPO, checkpoint)
+    fake_hub.faults.add(Bandwidth(200_000, times=None))
+    config = fast_config(tmp_path / "cache", fake_hub.endpoint)
+    journal = Journal(AsyncStore(CacheStore(config.cache_dir)))
+    async with Engine(config) as engine, scheduled(engine, journal=journal) as scheduler:
+        job, _ = await scheduler.submit(JobRequest(REPO))
+        await until(lambda: job.state == "downloading")
+        scheduler.stop(errors.DaemonStoppingError("daemon stopping"))
+        if interrupted_first:
+            await _failed(job)
+            assert job.state == "interrupted"
+        await scheduler.cancel(job.id)
+        assert job.state == "cancelled" and job.finished
+        assert job.info()["error"]["code"] == "job_cancelled"
+    assert await journal.load() == []
+    async with Engine(config) as engine, scheduled(engine, journal=journal) as scheduler:
+        assert await scheduler.restore() == 0 and scheduler.get(job.id) is None
+
+
 async def test_journaled_jobs_resume_from_their_partial_files(
     fake_hub: FakeHub, tmp_path: Path
 ) -> None:
@@ -555,6 +608,38 @@ async def test_a_corrupt_journal_is_set_aside(tmp_path: Path) -> None:
     assert await journal.load() == []
     listing = _listing(journal.path.parent)
     assert sorted(p.name.split("-")[0] for p in listing) == ["jobs.json.corrupt"]
+
+
+async def test_a_journal_nested_too_deep_to_read_is_set_aside(tmp_path: Path) -> None:
+    journal = Journal(AsyncStore(CacheStore(tmp_path)))
+    journal.path.parent.mkdir(parents=True)
+    journal.path.write_bytes(b'{"format": 1, "jobs": ' + b"[" * 200_000)
+    assert await journal.load() == []
+    listing = _listing(journal.path.parent)
+    assert sorted(p.name.split("-")[0] for p in listing) == ["jobs.json.corrupt"]
+
+
+async def test_a_journaled_job_with_an_impossible_number_is_dropped_alone(
+    fake_hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    """A record the daemon cannot resume is skipped: the others resume, the daemon starts."""
+    fake_hub.add_checkpoint(REPO, checkpoint)
+    journal = Journal(AsyncStore(CacheStore(tmp_path / "cache")))
+    good = {"id": "a" * 16, "seq": 1, "submitted_at": 1.0, "priority": 0}
+    records = [
+        {**good, "request": JobRequest(REPO).to_json()},
+        {**good, "id": "b" * 16, "priority": 1e400, "request": {"source": "acme/other"}},
+        {**good, "id": "c" * 16, "submitted_at": 10**400, "request": {"source": "acme/x"}},
+    ]
+    await journal.save(records)
+    async with (
+        Engine(fast_config(tmp_path / "cache", fake_hub.endpoint)) as engine,
+        scheduled(engine, journal=journal) as scheduler,
+    ):
+        assert await scheduler.restore() == 1
+        resumed = scheduler.get("a" * 16)
+        assert resumed is not None
+        await _done(resumed)
 
 
 async def test_finished_jobs_beyond_the_history_are_forgotten(
