@@ -30,13 +30,14 @@ from shardsync.cache import CacheStore
 from shardsync.checkpoint_cache import KeptFile, RangeCache, pread_exact
 from shardsync.checkpoint_selection import resolve
 from shardsync.config import Config, load_config
+from shardsync.dcp_metadata import DCP_METADATA
 from shardsync.errors import LoadError, raise_first
 from shardsync.fetch.fetcher import Fetcher
 from shardsync.manifest import Listing, RemoteFile
 from shardsync.origins import Origin
 from shardsync.prefetch import Engine
 from shardsync.tasks import opened, to_the_end
-from shardsync.training import DCP_METADATA, Choice, Need
+from shardsync.training import Choice, Need
 
 __all__ = ["DCPReader", "ReaderStatistics"]
 

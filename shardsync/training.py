@@ -14,7 +14,8 @@ Formats, as the frameworks write them:
 * **dcp** (``torch.distributed.checkpoint``): a directory of ``__<rank>_<n>.distcp`` files
   and a pickled ``Metadata`` in ``.metadata``, written last by the coordinator. Complete:
   ``.metadata`` present, and every file its ``storage_data`` names present and at least as
-  large as the last byte range it names there.
+  large as the last byte range it names there. DCP folders side by side (accelerate's
+  ``save_state``: the model's and the optimizer's) are one checkpoint, their parent.
 * **deepspeed**: ``latest`` names a tag; ``<tag>/mp_rank_XX_model_states.pt`` and
   ``<tag>/[bf16_]zero_pp_rank_<dp>_mp_rank_XX_{optim,model}_states.pt``. Complete: model
   states for every model-parallel rank 0..M-1 and, if ZeRO files exist, ZeRO files for the
@@ -34,42 +35,40 @@ every candidate passed over is reported in ``Choice.skipped`` with the reason.
 
 from __future__ import annotations
 
-import io
 import itertools
-import pickle
 import posixpath
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
+from shardsync.dcp_metadata import (
+    DCP_METADATA,
+    MAX_METADATA_BYTES,
+    DCPMetadata,
+    parse_dcp_metadata,
+)
 from shardsync.errors import ManifestError, UnsafeNameError
 from shardsync.manifest import validate_name
 
 __all__ = [
-    "DCP_METADATA",
     "DEEPSPEED_LATEST",
     "MEGATRON_TRACKER",
     "Choice",
-    "DCPMetadata",
     "Format",
     "Need",
     "RankSelection",
     "Skipped",
     "choose",
-    "parse_dcp_metadata",
     "select_rank",
 ]
 
 Format = Literal["dcp", "deepspeed", "trainer", "megatron"]
 
-DCP_METADATA = ".metadata"
 DEEPSPEED_LATEST = "latest"
 MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
 TRAINER_STATE = "trainer_state.json"
 
-MAX_METADATA_BYTES = 512 << 20
-"""Largest ``.metadata`` we unpickle (a very large model's is tens of MiB)."""
 MAX_POINTER_BYTES = 4096
 
 _DISTCP = re.compile(r"__(\d+)_(\d+)\.distcp")
@@ -107,16 +106,6 @@ class Skipped:
 
 
 @dataclass(frozen=True, slots=True)
-class DCPMetadata:
-    """What a DCP ``.metadata`` says: the torch ``Metadata`` (for a reader) and, per file of
-    the checkpoint folder, the end of the last byte range stored in it."""
-
-    metadata: Any = field(repr=False, compare=False)
-    needed: Mapping[str, int]
-    folder: str = ""  # where the ``.metadata`` and the files it names are
-
-
-@dataclass(frozen=True, slots=True)
 class Choice:
     """The checkpoint to resume from.
 
@@ -149,78 +138,6 @@ class RankSelection:
     @property
     def total_size(self) -> int:
         return sum(size or 0 for _, size in self.files)
-
-
-# ------------------------------------------------------------------------------ DCP metadata
-
-_DCP_CLASSES = frozenset(
-    {
-        ("torch.distributed.checkpoint.metadata", "Metadata"),
-        ("torch.distributed.checkpoint.metadata", "TensorStorageMetadata"),
-        ("torch.distributed.checkpoint.metadata", "TensorProperties"),
-        ("torch.distributed.checkpoint.metadata", "ChunkStorageMetadata"),
-        ("torch.distributed.checkpoint.metadata", "BytesStorageMetadata"),
-        ("torch.distributed.checkpoint.metadata", "MetadataIndex"),
-        ("torch.distributed.checkpoint.metadata", "StorageMeta"),
-        ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-        ("torch", "Size"),
-        ("torch.serialization", "_get_layout"),
-        ("collections", "OrderedDict"),
-        ("pathlib", "PosixPath"),
-        ("pathlib", "PurePosixPath"),
-    }
-)
-
-
-class _DCPUnpickler(pickle.Unpickler):
-    """Only the classes a DCP ``Metadata`` is made of (and torch dtypes); anything else, in
-    particular any callable that could run code, is refused."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        import torch
-
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        if (module, name) in _DCP_CLASSES:
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not part of a DCP checkpoint's metadata")
-
-
-def parse_dcp_metadata(data: bytes, *, path: str = DCP_METADATA) -> DCPMetadata:
-    """Unpickle a ``.metadata`` with the allow-list above and check what it names."""
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import Metadata
-
-    if len(data) > MAX_METADATA_BYTES:
-        raise ManifestError(f"{path}: larger than {MAX_METADATA_BYTES} bytes")
-    try:
-        metadata = _DCPUnpickler(io.BytesIO(data)).load()
-    except Exception as exc:  # any malformed pickle: UnpicklingError, EOFError, KeyError, ...
-        raise ManifestError(
-            f"{path} is not a torch.distributed.checkpoint metadata file: {exc}"
-        ) from None
-    if not isinstance(metadata, Metadata):
-        raise ManifestError(f"{path} holds a {type(metadata).__name__}, not a DCP Metadata")
-    storage = metadata.storage_data
-    if not isinstance(storage, dict) or not isinstance(metadata.state_dict_metadata, dict):
-        raise ManifestError(f"{path}: no storage_data / state_dict_metadata mapping")
-    needed: dict[str, int] = {}
-    for info in storage.values():
-        if not isinstance(info, _StorageInfo):
-            raise ManifestError(f"{path}: a storage entry is a {type(info).__name__}")
-        rel, offset, length = info.relative_path, info.offset, info.length
-        if not isinstance(rel, str):
-            raise ManifestError(f"{path}: a storage entry's file name is not a string")
-        try:
-            validate_name(rel)
-        except UnsafeNameError as exc:
-            raise UnsafeNameError(f"{path} names a data file outside its folder: {exc}") from None
-        for value in (offset, length):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ManifestError(f"{path}: bad byte range {offset!r}+{length!r} in {rel}")
-        needed[rel] = max(needed.get(rel, 0), offset + length)
-    return DCPMetadata(metadata=metadata, needed=needed)
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -263,10 +180,10 @@ class _Tree:
     def top_dirs(self) -> set[str]:
         return {p.split("/", 1)[0] for p in self.sizes if "/" in p}
 
-    def dcp_dirs(self) -> set[str]:
-        return {
-            posixpath.dirname(p) for p in self.sizes if _DISTCP.fullmatch(posixpath.basename(p))
-        }
+    def dcp_dirs(self) -> list[str]:
+        return sorted(
+            {posixpath.dirname(p) for p in self.sizes if _DISTCP.fullmatch(posixpath.basename(p))}
+        )
 
 
 class _Incomplete(Exception):
@@ -359,6 +276,11 @@ class _Resolver:
     def trainer(self, folder: str) -> tuple[list[tuple[str, int | None]], DCPMetadata | None]:
         if _join(folder, TRAINER_STATE) not in self.tree.sizes:
             raise _Incomplete(f"no {TRAINER_STATE} (the Trainer writes it last)")
+        return self.with_parts(folder)
+
+    def with_parts(self, folder: str) -> tuple[list[tuple[str, int | None]], DCPMetadata | None]:
+        """A folder whose subfolders are DCP or DeepSpeed checkpoints, each checked as such
+        (a Trainer's; accelerate's ``save_state``); every file of it is the checkpoint's."""
         files = self.tree.under(folder)
         metas: list[DCPMetadata] = []
         for sub in sorted({posixpath.dirname(p) for p, _ in files} - {folder}):
@@ -428,9 +350,17 @@ def _choose(tree: _Tree, r: _Resolver, wanted: str) -> Choice:
     trainer = sorted(d for d in tree.top_dirs() if _TRAINER_DIR.fullmatch(d))
     if trainer:
         return _highest(r, wanted, "trainer", trainer, r.trainer)
-    dcp = sorted(tree.dcp_dirs())
+    dcp = tree.dcp_dirs()
     if dcp:
-        return _highest(r, wanted, "dcp", dcp, r.dcp)
+        # DCP folders side by side of one step (accelerate's pytorch_model_fsdp_0/ and
+        # optimizer_0/) are parts of one checkpoint, their parent, with its rng and scheduler
+        parents = [posixpath.dirname(d) for d in dcp]
+        steps = {p: {_step(d) for d in dcp if posixpath.dirname(d) == p} for p in parents}
+        groups = {p for p in parents if parents.count(p) > 1 and len(steps[p]) == 1} - set(dcp)
+        named = sorted({p if p in groups else d for d, p in zip(dcp, parents, strict=True)})
+        return _highest(
+            r, wanted, "dcp", named, lambda d: (r.with_parts if d in groups else r.dcp)(d)
+        )
     ds = sorted(
         d
         for d in tree.top_dirs()

@@ -29,12 +29,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 from shardsync.cache import CacheStore, RepoRef
 from shardsync.checkpoint import prefetch_checkpoint
 from shardsync.checkpoint_cache import KeptFile, RangeCache
+from shardsync.dcp_metadata import parse_dcp_metadata
 from shardsync.dcp_reader import DCPReader
 from shardsync.errors import LoadError, OriginError
 from shardsync.fetch.fetcher import Fetcher
 from shardsync.origins import LocalOrigin
 from shardsync.origins.base import Entry
-from shardsync.training import parse_dcp_metadata
 
 
 @dataclass

@@ -16,6 +16,7 @@ PURE = [
     "shardsync.checksums",
     "shardsync.config",
     "shardsync.config_access",
+    "shardsync.dcp_metadata",
     "shardsync.devicemap",
     "shardsync.errors",
     "shardsync.events",
@@ -134,6 +135,7 @@ LAYERS: dict[str, set[str]] = {
     "core": {  # values and decisions, no I/O (see PURE for those that import without it)
         "errors", "strict_json", "names", "manifest", "records", "retry", "ranges", "ramp",
         "checksums", "devicemap", "safetensors_header", "prepared", "training", "prune_plan",
+        "dcp_metadata",
         "events", "layout", "version", "limits", "api", "network", "config", "config_access",
         "tasks",
     },

@@ -27,8 +27,9 @@ from helpers import fast_config
 
 from shardsync.checkpoint import latest, prefetch_checkpoint
 from shardsync.cli import main
+from shardsync.dcp_metadata import parse_dcp_metadata
 from shardsync.errors import ManifestError, UnsafeNameError
-from shardsync.training import Choice, Need, choose, parse_dcp_metadata, select_rank
+from shardsync.training import Choice, Need, choose, select_rank
 
 # ------------------------------------------------------------------------------ builders
 
@@ -469,6 +470,31 @@ def test_a_deepspeed_pipeline_rank_gets_every_zero_file() -> None:
     choice = _choose_listing(listing, latest=b"global_step5")
     selection = select_rank(choice, 1, 4)
     assert names(selection.files) == names(choice.files) and selection.notes
+
+
+def test_accelerates_save_state_folders_are_one_checkpoint_each(tmp_path: Path) -> None:
+    """``accelerator.save_state`` with FSDP writes ``checkpoints/checkpoint_<i>/`` holding two
+    DCP checkpoints (the model's, the optimizer's) and its rng and scheduler states: one
+    checkpoint to resume from, whole, chosen by ``i``, its model's folder for a reader."""
+    import torch.distributed.checkpoint as dcp
+
+    for step in (8, 9):
+        folder = tmp_path / "checkpoints" / f"checkpoint_{step}"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for part in ("pytorch_model_fsdp_0", "optimizer_0"):
+                dcp.save({"w": torch.zeros(4)}, checkpoint_id=str(folder / part), no_dist=True)
+        _save(folder / "random_states_0.pkl", {"step": step})
+    (tmp_path / "checkpoints" / "checkpoint_9" / "optimizer_0" / ".metadata").unlink()  # torn
+    choice = choose_from(tmp_path)
+    assert (choice.format, choice.name, choice.step) == ("dcp", "checkpoints/checkpoint_8", 8)
+    assert choice.dcp_dir == "checkpoints/checkpoint_8/pytorch_model_fsdp_0"
+    assert names(choice.files) == {
+        p.relative_to(tmp_path).as_posix()
+        for p in (tmp_path / "checkpoints" / "checkpoint_8").rglob("*")
+        if p.is_file()
+    }
+    assert [s.name for s in choice.skipped] == ["checkpoints/checkpoint_9"]
 
 
 def test_the_step_is_read_where_the_checkpoints_differ_and_an_unreadable_one_is_no_torn_one(

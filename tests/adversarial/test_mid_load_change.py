@@ -51,13 +51,13 @@ from yarl import URL
 
 from shardsync.checkpoint_cache import KeptFile
 from shardsync.config import Config, S3Config
+from shardsync.dcp_metadata import parse_dcp_metadata
 from shardsync.dcp_reader import DCPReader
 from shardsync.errors import OriginError, ShardsyncError
 from shardsync.fetch.fetcher import Fetcher
 from shardsync.origins import LocalOrigin
 from shardsync.origins.base import Entry
 from shardsync.testing.seaweedfs import S3Server
-from shardsync.training import parse_dcp_metadata
 
 STEP = "step-1"
 DATA = f"{STEP}/__0_0.distcp"  # one process saved it: every tensor in this one file
