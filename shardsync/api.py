@@ -129,7 +129,7 @@ def result_from_json(obj: Mapping[str, Any]) -> PrefetchResult:
             elapsed=float(obj["elapsed_s"]),
             fetch=None,
         )
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:  # int(1e400): inf
         raise errors.DaemonError(f"malformed job result from the daemon: {exc!r}") from exc
 
 
@@ -180,7 +180,7 @@ def checkpoint_result_from_json(obj: Mapping[str, Any]) -> CheckpointResult:
             skipped=tuple(Skipped(str(s["name"]), str(s["reason"])) for s in obj["skipped"]),
             notes=tuple(str(n) for n in obj["notes"]),
         )
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:
         raise DaemonError(f"malformed checkpoint result from the daemon: {exc!r}") from exc
 
 

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from shardsync.api import checkpoint_result_from_json, result_from_json
 from shardsync.errors import DaemonError
 from shardsync.events import (
     EVENT_TYPES,
@@ -212,6 +213,23 @@ def test_a_time_too_large_for_a_float_is_a_daemon_error(time: int) -> None:
     line = Pruning(job="j", seq=1, time=2.0, needed=3, free=4).to_json()
     with pytest.raises(DaemonError):
         parse_event({**line, "time": time})
+
+
+@pytest.mark.parametrize("field", ["size", "downloaded"])
+def test_a_result_number_too_large_for_an_int_is_a_daemon_error(field: str) -> None:
+    """JSON's ``1e400`` is a float infinity, which ``int()`` refuses with OverflowError."""
+    good = {"path": "a", "size": 1, "sha256": "0" * 64, "verified": "sha256"}
+    files = [{**good, "source": "origin", "downloaded": 1, "resumed": 0}]
+    result = {"origin": "hub", "repo": "o/r", "revision": "main", "commit": "c" * 40}
+    result |= {"snapshot_path": "/s", "files": files, "bytes_downloaded": 1, "elapsed_s": 0.1}
+    checkpoint = {**result, "snapshot_root": "/s", "checkpoint": "step-1", "format": "dcp"}
+    checkpoint |= {"step": 1, "skipped": [], "notes": []}
+    checkpoint["files"] = [{**files[0], field: float("inf")}]
+    checkpoint_result_from_json(checkpoint | {"step": 1, "files": files})  # the good one
+    with pytest.raises(DaemonError):
+        checkpoint_result_from_json(checkpoint)
+    with pytest.raises(DaemonError):
+        result_from_json(checkpoint)  # a plain job's result: the files alone (no step)
 
 
 def test_a_malformed_error_object_is_a_daemon_error() -> None:
