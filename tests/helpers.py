@@ -216,11 +216,12 @@ SendBody = Callable[["web.StreamResponse", int, int], Awaitable[None]]
 
 @contextlib.asynccontextmanager
 async def range_server(
-    data: bytes, send_body: SendBody, *, chunked: bool = False
+    data: bytes, send_body: SendBody, *, chunked: bool = False, most: int | None = None
 ) -> AsyncIterator[str]:
     """A real aiohttp server of one file, ``model.safetensors``: HEAD, and GET with a Range
-    answered by a 206 (with Content-Length, or chunked) whose body ``send_body`` writes.
-    Yields the base URL to prefetch (a plain-URL origin)."""
+    answered by a 206 (with Content-Length, or chunked) whose body ``send_body`` writes;
+    ``most``: of at most that many bytes (an honest short answer). Yields the base URL to
+    prefetch (a plain-URL origin)."""
     from aiohttp import web
 
     async def handle(request: web.Request) -> web.StreamResponse:
@@ -230,6 +231,7 @@ async def range_server(
         if request.method == "HEAD":
             return web.Response(headers={**headers, "Content-Length": str(len(data))})
         first, last = (int(x) for x in request.headers["Range"][6:].split("-"))
+        last = last if most is None else min(last, first + most - 1)
         headers["Content-Range"] = f"bytes {first}-{last}/{len(data)}"
         if not chunked:
             headers["Content-Length"] = str(last + 1 - first)
@@ -241,9 +243,21 @@ async def range_server(
         await response.write_eof()
         return response
 
+    async with handler_at(handle) as base:
+        yield base
+
+
+@contextlib.asynccontextmanager
+async def handler_at(
+    handle: Callable[[web.Request], Awaitable[web.StreamResponse]],
+) -> AsyncIterator[str]:
+    """A real aiohttp server on loopback answering ``/ckpt/{name}`` with ``handle``; yields
+    the base URL to prefetch (a plain-URL origin)."""
+    from aiohttp import web
+
     app = web.Application()
     app.router.add_route("*", "/ckpt/{name}", handle)
-    runner = web.AppRunner(app)
+    runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     try:

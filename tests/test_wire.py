@@ -38,16 +38,20 @@ Answer = Callable[[bytes], bytes]
 """Given a request's bytes, the raw bytes a connection answers (then it waits for the next)."""
 
 
+Converse = Callable[[socket.socket, bytes, threading.Event], bool]
+"""Answers one request (its bytes) on a connection; False ends the connection."""
+
+
 @contextmanager
-def raw_server(answer: Answer, *, close_after: bool = False) -> Iterator[tuple[str, list[int]]]:
-    """A loopback server writing ``answer(request)`` per request; yields its URL and a list
-    that gets one entry per accepted connection."""
+def loopback(converse: Converse, path: str) -> Iterator[tuple[str, list[int]]]:
+    """A loopback server that reads each request's head and lets ``converse`` answer it;
+    yields the URL of ``path`` and a list that gets one entry per accepted connection."""
     listener = socket.create_server(("127.0.0.1", 0))
     connections: list[int] = []
     stop = threading.Event()
 
     def serve(conn: socket.socket) -> None:
-        with conn:
+        with conn, contextlib.suppress(OSError):
             while not stop.is_set():
                 data = b""
                 while b"\r\n\r\n" not in data:
@@ -55,8 +59,7 @@ def raw_server(answer: Answer, *, close_after: bool = False) -> Iterator[tuple[s
                     if not more:
                         return
                     data += more
-                conn.sendall(answer(data))
-                if close_after:
+                if not converse(conn, data, stop):
                     return
 
     def accept() -> None:
@@ -70,10 +73,22 @@ def raw_server(answer: Answer, *, close_after: bool = False) -> Iterator[tuple[s
 
     threading.Thread(target=accept, daemon=True).start()
     try:
-        yield f"http://127.0.0.1:{listener.getsockname()[1]}/blob", connections
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}{path}", connections
     finally:
         stop.set()
         listener.close()
+
+
+@contextmanager
+def raw_server(answer: Answer, *, close_after: bool = False) -> Iterator[tuple[str, list[int]]]:
+    """A loopback server writing ``answer(request)`` per request."""
+
+    def converse(conn: socket.socket, request: bytes, stop: threading.Event) -> bool:
+        conn.sendall(answer(request))
+        return not close_after
+
+    with loopback(converse, "/blob") as served:
+        yield served
 
 
 def reader() -> RangeReader:
@@ -157,41 +172,18 @@ def test_a_body_cut_short_is_a_retryable_connection_error() -> None:
 def dripping_server(size: int) -> Iterator[str]:
     """Answers a HEAD at once (``size`` bytes, for a plain-URL origin), but a GET's head a
     byte every 50 ms, never ending it: each byte well within any read timeout."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    stop = threading.Event()
 
-    def serve(conn: socket.socket) -> None:
-        with conn, contextlib.suppress(OSError):
-            while not stop.is_set():
-                data = b""
-                while b"\r\n\r\n" not in data:
-                    more = conn.recv(65536)
-                    if not more:
-                        return
-                    data += more
-                if data.startswith(b"HEAD"):
-                    conn.sendall(
-                        b'HTTP/1.1 200 OK\r\nETag: "v1"\r\nContent-Length: %d\r\n\r\n' % size
-                    )
-                    continue
-                conn.sendall(b"HTTP/1.1 206 Partial Content\r\n")
-                while not stop.wait(0.05):
-                    conn.sendall(b"X")
+    def converse(conn: socket.socket, request: bytes, stop: threading.Event) -> bool:
+        if request.startswith(b"HEAD"):
+            conn.sendall(b'HTTP/1.1 200 OK\r\nETag: "v1"\r\nContent-Length: %d\r\n\r\n' % size)
+            return True
+        conn.sendall(b"HTTP/1.1 206 Partial Content\r\n")
+        while not stop.wait(0.05):
+            conn.sendall(b"X")
+        return False
 
-    def accept() -> None:
-        while True:
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=serve, args=(conn,), daemon=True).start()
-
-    threading.Thread(target=accept, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{listener.getsockname()[1]}/ckpt/"
-    finally:
-        stop.set()
-        listener.close()
+    with loopback(converse, "/ckpt/") as (url, _):
+        yield url
 
 
 def test_a_head_that_drips_in_times_out_as_a_whole() -> None:
@@ -403,36 +395,17 @@ async def test_an_honest_short_206_is_read_to_its_end_without_a_wait(tmp_path: P
     data = os.urandom(4 << 20)
     cap = 700 << 10
 
-    async def handle(request: web.Request) -> web.StreamResponse:
-        if request.match_info["name"] != "model.safetensors":
-            raise web.HTTPNotFound()
-        headers = {"ETag": '"v1"', "Accept-Ranges": "bytes"}
-        if request.method == "HEAD":
-            return web.Response(headers={**headers, "Content-Length": str(len(data))})
-        first, last = (int(x) for x in request.headers["Range"][6:].split("-"))
-        last = min(last, first + cap - 1)
-        headers["Content-Range"] = f"bytes {first}-{last}/{len(data)}"
-        headers["Content-Length"] = str(last + 1 - first)
-        out = web.StreamResponse(status=206, headers=headers)
-        await out.prepare(request)
+    async def send(out: web.StreamResponse, first: int, last: int) -> None:
         tail = last + 1 - 1024
         for pos in range(first, tail, 64 << 10):
             await out.write(data[pos : min(pos + (64 << 10), tail)])
             await asyncio.sleep(0.003)  # about 20 MB/s: the pump sizes its wake-ups to it
         await asyncio.sleep(0.05)
         await out.write(data[tail : last + 1])  # far less than a wake-up's worth
-        return out
 
-    app = web.Application()
-    app.router.add_route("*", "/ckpt/{name}", handle)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
     config = fast_config(tmp_path, chunk_size=1 << 20, read_size=1 << 20, read_timeout=3.0)
-    try:
-        result = await prefetch(f"http://127.0.0.1:{runner.addresses[0][1]}/ckpt/", config)
-    finally:
-        await runner.cleanup()
+    async with range_server(data, send, most=cap) as base:
+        result = await prefetch(base, config)
     assert (result.snapshot_path / "model.safetensors").read_bytes() == data
     assert result.fetch is not None and "timeout" not in result.fetch.retries
 

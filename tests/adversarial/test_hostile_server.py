@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 from bodypaths import BodyPath
-from helpers import assert_store_verified, fast_config
+from helpers import assert_store_verified, fast_config, handler_at
 
 from shardsync.config import Config
 from shardsync.errors import ProtocolError, ShardsyncError
@@ -28,6 +28,19 @@ FILES = {"model.safetensors": SHARD, "config.json": b'{"model_type": "test"}'}
 ETAG = '"v1"'
 
 Lie = Callable[[web.Request, bytes, int, int], web.StreamResponse | None]
+
+
+async def _chunked(
+    request: web.Request, status: int, headers: dict[str, str], body: bytes
+) -> web.StreamResponse:
+    """``body`` sent chunked (no length to hold it to), in 64 KiB writes."""
+    out = web.StreamResponse(status=status, headers=headers)
+    out.enable_chunked_encoding()
+    await out.prepare(request)
+    for i in range(0, len(body), 64 * 1024):
+        await out.write(body[i : i + 64 * 1024])
+    await out.write_eof()
+    return out
 
 
 @dataclass
@@ -47,13 +60,7 @@ class Origin:
         body = answer.body
         assert isinstance(body, bytes)
         headers = {k: v for k, v in answer.headers.items() if k.lower() != "content-length"}
-        out = web.StreamResponse(status=answer.status, headers=headers)
-        out.enable_chunked_encoding()
-        await out.prepare(request)
-        for i in range(0, len(body), 64 * 1024):
-            await out.write(body[i : i + 64 * 1024])
-        await out.write_eof()
-        return out
+        return await _chunked(request, answer.status, headers, body)
 
     def answer(self, request: web.Request) -> web.StreamResponse:
         name = request.match_info["name"]
@@ -227,24 +234,10 @@ async def test_a_whole_body_longer_than_the_file_is_never_cut_to_size(
         if data is SHARD and "Range" not in request.headers:
             body = larger if not sent else data
             sent.append(len(body))
-        out = web.StreamResponse(status=200)
-        out.enable_chunked_encoding()
-        await out.prepare(request)
-        for i in range(0, len(body), 64 * 1024):
-            await out.write(body[i : i + 64 * 1024])
-        await out.write_eof()
-        return out
+        return await _chunked(request, 200, {}, body)
 
-    app = web.Application()
-    app.router.add_route("*", "/ckpt/{name}", handle)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    try:
-        base = f"http://127.0.0.1:{runner.addresses[0][1]}/ckpt/"
+    async with handler_at(handle) as base:
         result = await prefetch(base, config(tmp_path, body_path))
-    finally:
-        await runner.cleanup()
     assert len(larger) in sent
     assert (result.snapshot_path / "model.safetensors").read_bytes() == SHARD
     assert_store_verified(tmp_path, FILES)
