@@ -1256,6 +1256,370 @@ MUTANTS: tuple[Mutant, ...] = (
         (f"{TRAINING}::test_a_deepspeed_pipeline_rank_gets_every_zero_file",),
         "a DeepSpeed pipeline's rank fetches another stage's ZeRO files",
     ),
+    Mutant(
+        "save-state-split",
+        "shardsync/training.py",
+        (
+            (
+                "parents.count(p) > 1 and len(steps[p]) == 1}",
+                "parents.count(p) > 1 and len(steps[p]) == 0}",
+            ),
+        ),
+        (f"{TRAINING}::test_accelerates_save_state_folders_are_one_checkpoint_each",),
+        "accelerate's save_state checkpoint is fetched as its model's folder alone",
+    ),
+    Mutant(
+        "bytes-past-the-content-range",
+        "shardsync/fetch/answers.py",
+        (
+            (
+                "    if length is not None and "
+                "(declared is None or declared > cr.end - cr.start + 1):",
+                "    if False:",
+            ),
+        ),
+        (
+            "tests/adversarial/test_hostile_server.py::test_bytes_past_the_content_range_are_never_data",
+        ),
+        "a 206 body longer than its Content-Range is written as file data",
+    ),
+    Mutant(
+        "chunked-past-the-content-range",
+        "shardsync/fetch/body_aiohttp.py",
+        (("end = check_range_answer(", "check_range_answer("),),
+        (
+            "tests/adversarial/test_hostile_server.py::test_bytes_past_the_content_range_are_never_data",
+        ),
+        "a chunked 206 body past its Content-Range is written as file data",
+    ),
+    Mutant(
+        "whole-body-cut-to-size",
+        "shardsync/fetch/body_aiohttp.py",
+        (("    if over > 0:", "    if over < 0:"),),
+        (
+            "tests/adversarial/test_hostile_server.py::test_a_whole_body_longer_than_the_file_is_never_cut_to_size",
+        ),
+        "a whole chunked 200 longer than the file is cut to size and published",
+    ),
+    Mutant(
+        "head-drips-for-ever",
+        "shardsync/fetch/wire.py",
+        (("    deadline = time.monotonic() + timeout", "    deadline = time.monotonic() + 1e9"),),
+        ("tests/test_wire.py::test_a_head_that_drips_in_times_out_as_a_whole",),
+        "a response head dripped a byte at a time gets a read timeout per byte",
+    ),
+    Mutant(
+        "cancel-waits-for-the-head",
+        "shardsync/fetch/body_wire.py",
+        (("request.abort()  # a head still coming", "pass  # a head still coming"),),
+        ("tests/test_wire.py::test_a_cancel_stops_a_request_whose_head_drips_in",),
+        "a cancel waits for a request whose head is still coming",
+    ),
+    Mutant(
+        "short-206-waits-its-tail",
+        "shardsync/fetch/pump.py",
+        (
+            (
+                "    left = min(t.end - t.pos, t.end if body is None else body)"
+                " - t.stream.buffered_bytes()",
+                "    left = t.end - t.pos - t.stream.buffered_bytes()",
+            ),
+        ),
+        ("tests/test_wire.py::test_an_honest_short_206_is_read_to_its_end_without_a_wait",),
+        "an honest short 206 waits a read timeout for its last bytes",
+    ),
+    Mutant(
+        "relocations-spend-the-budget",
+        "shardsync/fetch/fetcher.py",
+        (
+            (
+                'if cause == "relocate" and tally.downloaded - landed >= self.config.read_size:',
+                "if False:",
+            ),
+        ),
+        (
+            "tests/test_expiring_urls.py::test_relocations_that_each_make_progress_never_run_out_of_attempts",
+        ),
+        "a long file whose URL expires again and again runs out of attempts, each landing bytes",
+    ),
+    Mutant(
+        "hold-counts-as-silence",
+        "shardsync/fetch/pump.py",
+        (("                    other.last = self._clock()", "                    pass"),),
+        ("tests/test_fetch.py::test_a_throttle_hold_longer_than_the_timeouts_times_nothing_out",),
+        "a throttle's hold times out the file's connections",
+    ),
+    Mutant(
+        "hold-counts-as-slowness",
+        "shardsync/fetch/body_wire.py",
+        (
+            (
+                "watchdog = Watchdog(lambda: self._clock() - pump.held, self._config)",
+                "watchdog = Watchdog(self._clock, self._config)",
+            ),
+        ),
+        ("tests/test_fetch.py::test_a_throttle_hold_longer_than_the_timeouts_times_nothing_out",),
+        "a throttle's hold counts against the connections' minimum throughput",
+    ),
+    Mutant(
+        "ctime-ignored",
+        "shardsync/origins/local.py",
+        (('{st.st_mtime_ns}-{st.st_ctime_ns}"', '{st.st_mtime_ns}"'),),
+        (
+            "tests/test_origin_listings.py::test_local_file_rewritten_in_place_with_its_mtime_kept_is_fetched_again",
+        ),
+        "a local file rewritten in place with its mtime restored: its old bytes from the cache",
+    ),
+    Mutant(
+        "odd-hub-name-refuses-all",
+        "shardsync/manifest.py",
+        (("    if isinstance(name, str) and not is_safe_name(name):", "    if False:"),),
+        (
+            "tests/test_origin_listings.py::test_hub_files_with_unsafe_names_are_left_out_and_never_requested",
+            "tests/test_manifest.py::test_hub_listing_entries_with_unsafe_names_are_left_out",
+        ),
+        "one oddly named file in a Hub repo refuses the whole repo",
+    ),
+    Mutant(
+        "odd-local-name-refuses-all",
+        "shardsync/origins/local.py",
+        (
+            (
+                "                if not is_safe_name(rel):",
+                "                if not validate_name(rel):",
+            ),
+        ),
+        ("tests/test_origin_listings.py::test_local_files_with_unsafe_names_are_left_out",),
+        "one oddly named file in a folder refuses the whole folder",
+    ),
+    Mutant(
+        "odd-s3-key-refuses-all",
+        "shardsync/origins/s3.py",
+        (("unsafe.append(rel)  # never a path, nor a key we ask for", "validate_name(rel)"),),
+        (
+            "tests/test_origin_listings.py::test_s3_keys_with_unsafe_names_are_left_out_and_never_requested",
+        ),
+        "one oddly named key under an S3 prefix refuses the whole prefix",
+    ),
+    Mutant(
+        "link-out-followed",
+        "shardsync/origins/local.py",
+        (
+            (
+                "                if not full.resolve().is_relative_to(self.root):",
+                "                if False:",
+            ),
+        ),
+        ("tests/test_origin_listings.py::test_a_link_out_of_the_directory_is_left_out",),
+        "a symlink out of a local folder is listed and fails the job",
+    ),
+    Mutant(
+        "vanished-file-escapes",
+        "shardsync/origins/local.py",
+        (
+            (
+                "if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):",
+                "if exc.errno in (errno.ENOTDIR, errno.ELOOP):",
+            ),
+        ),
+        (
+            "tests/test_origin_listings.py::test_a_local_listing_while_files_come_and_go_lists_what_stays",
+        ),
+        "a file gone while a folder is listed ends the job in a bare FileNotFoundError",
+    ),
+    Mutant(
+        "refused-probe-refuses-all",
+        "shardsync/origins/http.py",
+        (
+            (
+                "        if refused and not any(f.path in WEIGHT_FILES for f in files):",
+                "        if refused:",
+            ),
+        ),
+        (
+            "tests/test_origin_listings.py::test_a_server_that_refuses_absent_files_still_serves_the_checkpoint",
+        ),
+        "a plain URL server answering 403 for absent files refuses the checkpoint",
+    ),
+    Mutant(
+        "missing-blob-twice",
+        "shardsync/verify.py",
+        (("problems=tuple(one.values()),", "problems=tuple(problems),"),),
+        ("tests/test_verify.py::test_a_blob_gone_from_the_store_and_the_repo_view_is_one_problem",),
+        "verify reports one missing blob twice",
+    ),
+    Mutant(
+        "pickle-not-probed",
+        "shardsync/origins/http.py",
+        (
+            (
+                '    "pytorch_model.bin.index.json",'
+                "  # pickle: listed, refused unless allow_pickle\n",
+                "",
+            ),
+        ),
+        ("tests/test_origin_listings.py::test_a_pickle_checkpoint_from_a_plain_url",),
+        "a pickle checkpoint at a plain URL is never found",
+    ),
+    Mutant(
+        "planned-shard-never-verified",
+        "shardsync/loader.py",
+        (
+            (
+                "            if self._done:  # the job's files",
+                "            if False:  # the job's files",
+            ),
+        ),
+        (
+            "tests/test_s3_origin.py::test_a_prefix_resharded_between_the_daemons_plan_and_its_download_fails_the_load",
+        ),
+        "a load through a daemon waits for ever for shards the job never verifies",
+    ),
+    Mutant(
+        "frozen-daemon-waited-for",
+        "shardsync/daemon_transport.py",
+        (
+            (
+                "exchange.idle_s = _STREAM_IDLE_S  # the stream has no end to wait for",
+                "exchange.idle_s = None",
+            ),
+        ),
+        ("tests/test_client.py::test_a_daemon_that_freezes_mid_stream_is_lost_not_waited_for",),
+        "a client follows a frozen daemon's event stream for ever",
+    ),
+    Mutant(
+        "long-socket-path-is-an-error",
+        "shardsync/daemon_transport.py",
+        (("if exc.errno in _NOT_THERE or too_long:", "if exc.errno in _NOT_THERE:"),),
+        ("tests/test_client.py::test_a_socket_path_too_long_for_af_unix_is_no_daemon",),
+        "a socket path too long for AF_UNIX fails the client instead of falling back",
+    ),
+    Mutant(
+        "ctrl-c-leaves-the-call-running",
+        "shardsync/client.py",
+        (
+            (
+                "if not call.outcome.done():  # interrupted while it runs",
+                "if False:  # interrupted while it runs",
+            ),
+        ),
+        (
+            "tests/test_client.py::test_ctrl_c_while_a_sync_client_iterates_is_a_keyboard_interrupt",
+            "--tb=native",
+        ),
+        "Ctrl-C in a SyncClient iteration is a RuntimeError and leaves the stream open",
+    ),
+    Mutant(
+        "close-leaves-waiters",
+        "shardsync/client.py",
+        (("calls = list(self._calls)", "calls = []"),),
+        (
+            "tests/test_client.py::test_closing_a_sync_client_ends_the_calls_other_threads_wait_in",
+            "--tb=native",
+        ),
+        "SyncClient.close() leaves another thread's call waiting for ever",
+    ),
+    Mutant(
+        "stop-outranks-cancel",
+        "shardsync/scheduler.py",
+        (
+            (
+                "if job.stop_error is None or isinstance(error, JobCancelledError):",
+                "if job.stop_error is None:",
+            ),
+        ),
+        (
+            "tests/test_scheduler.py::test_a_cancel_while_the_daemon_stops_is_not_undone_by_the_restart",
+        ),
+        "a DELETE while the daemon stops is undone: the job resumes after the restart",
+    ),
+    Mutant(
+        "interrupted-job-not-cancelled",
+        "shardsync/scheduler.py",
+        (('if job.state == "interrupted":  # by a stop', "if False:  # by a stop"),),
+        (
+            "tests/test_scheduler.py::test_a_cancel_while_the_daemon_stops_is_not_undone_by_the_restart",
+        ),
+        "a DELETE of an interrupted job answers 200 and the job resumes",
+    ),
+    Mutant(
+        "stream-ends-short",
+        "shardsync/jobs.py",
+        (("if following != count:", "if False:"),),
+        (
+            "tests/test_client.py::test_shards_of_a_stream_that_skips_repeats_or_invents_one_are_a_daemon_error",
+        ),
+        "shards() ends quietly with shards never handed out",
+    ),
+    Mutant(
+        "shard-index-trusted",
+        "shardsync/jobs.py",
+        (("if not 0 <= index < count or index < following or index in ready:", "if False:"),),
+        (
+            "tests/test_client.py::test_shards_of_a_stream_that_skips_repeats_or_invents_one_are_a_daemon_error",
+        ),
+        "shards() takes a repeated or invented shard index",
+    ),
+    Mutant(
+        "job-without-id",
+        "shardsync/daemon_transport.py",
+        (('if not isinstance(job.get("id"), str):', "if False:"),),
+        ("tests/test_client.py::test_well_formed_answers_of_the_wrong_shape_are_daemon_errors",),
+        "a daemon's job without an id is a KeyError",
+    ),
+    Mutant(
+        "huge-event-time",
+        "shardsync/events.py",
+        (
+            (
+                "except OverflowError:  # an integer of hundreds of digits",
+                "except ZeroDivisionError:",
+            ),
+        ),
+        ("tests/test_events.py::test_a_time_too_large_for_a_float_is_a_daemon_error",),
+        "an event time too large for a float is an OverflowError",
+    ),
+    Mutant(
+        "deep-journal-stops-the-daemon",
+        "shardsync/journal.py",
+        (("UnicodeDecodeError, RecursionError) as exc:", "UnicodeDecodeError) as exc:"),),
+        ("tests/test_scheduler.py::test_a_journal_nested_too_deep_to_read_is_set_aside",),
+        "a journal nested too deep to read keeps the daemon from starting",
+    ),
+    Mutant(
+        "impossible-priority-stops-the-daemon",
+        "shardsync/scheduler.py",
+        (("ValueError, OverflowError) as exc:", "ValueError) as exc:"),),
+        (
+            "tests/test_scheduler.py::test_a_journaled_job_with_an_impossible_number_is_dropped_alone",
+        ),
+        "a journaled job of priority 1e400 keeps the daemon from starting",
+    ),
+    Mutant(
+        "follower-logs-twice",
+        "shardsync/scheduler.py",
+        (("if not self.counters.repeats(event):", "if True:"),),
+        (
+            "tests/test_scheduler.py::test_a_follower_logs_each_file_once_and_gives_its_clients_back",
+        ),
+        "a job that followed another counts and reports its files twice",
+    ),
+    Mutant(
+        "follower-keeps-clients",
+        "shardsync/scheduler.py",
+        (("other.clients -= lent", "pass"),),
+        (
+            "tests/test_scheduler.py::test_a_follower_logs_each_file_once_and_gives_its_clients_back",
+        ),
+        "a followed job keeps the follower's clients after it ends",
+    ),
+    Mutant(
+        "result-overflow-escapes",
+        "shardsync/api.py",
+        (("ValueError, OverflowError) as exc:  # int(1e400): inf", "ValueError) as exc:"),),
+        ("tests/test_events.py::test_a_result_number_too_large_for_an_int_is_a_daemon_error",),
+        "a job result with a size of 1e400 from a daemon is an OverflowError",
+    ),
 )
 
 
