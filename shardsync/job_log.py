@@ -30,33 +30,36 @@ class EventLog:
 
     The log stamps what it takes with the job's id, the event's number and the time, so an
     event mirrored from another job (``Scheduler._follow``) becomes this job's own.
-    Progress events are compacted: a new one for a file replaces the previous one in place,
-    so a subscriber joining a long download replays the files' current progress, not every
-    step of it, and the log stays small.
+    Progress events are compacted: a new one for a file replaces the previous one, so a
+    subscriber joining a long download replays the files' current progress, not every step
+    of it, and the log holds what is live, however many steps a day-long download took.
     """
 
     def __init__(self, job_id: str, *, clock: Callable[[], float] = time.time) -> None:
         self.job_id = job_id
         self._clock = clock
-        self._events: list[JobEvent | None] = []
+        self._events: dict[int, JobEvent] = {}  # by seq, in seq order; replaced ones gone
+        self._next = 0
         self._progress_at: dict[str, int] = {}
         self._changed = asyncio.Event()
         self.closed = False
 
     def __len__(self) -> int:
-        return len(self._events)
+        """How many events were logged (the next one's ``seq``), replaced ones included."""
+        return self._next
 
     def append(self, event: _Event) -> _Event:
         """Stamp ``event`` and log it; returns it as logged."""
         if self.closed:
             raise RuntimeError("the job's event log is closed")
-        event = replace(event, job=self.job_id, seq=len(self._events), time=self._clock())
+        event = replace(event, job=self.job_id, seq=self._next, time=self._clock())
+        self._next += 1
         if isinstance(event, Progress):
             old = self._progress_at.get(event.path)
             if old is not None:
-                self._events[old] = None
+                del self._events[old]
             self._progress_at[event.path] = event.seq
-        self._events.append(event)
+        self._events[event.seq] = event
         if isinstance(event, TERMINAL_EVENTS):
             self.closed = True
         self._changed.set()
@@ -64,16 +67,20 @@ class EventLog:
         return event
 
     def past(self) -> list[JobEvent]:
-        return [e for e in self._events if e is not None]
+        return list(self._events.values())
 
     async def follow(self, since: int = 0) -> AsyncIterator[JobEvent]:
         """Events with ``seq >= since``, then new ones until the job's terminal event."""
         pos = max(since, 0)
         while True:
-            while pos < len(self._events):
-                event = self._events[pos]
-                pos += 1
-                if event is not None:
+            while pos < self._next:
+                if self._next - pos > len(self._events):  # far behind: what is live is less
+                    batch = [e for seq, e in self._events.items() if seq >= pos]
+                else:
+                    found = (self._events.get(seq) for seq in range(pos, self._next))
+                    batch = [e for e in found if e is not None]
+                pos = self._next
+                for event in batch:
                     yield event
             if self.closed:
                 return

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import tracemalloc
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
@@ -30,6 +31,7 @@ from shardsync.events import (
     FileFailed,
     FileStarted,
     JobDone,
+    JobEvent,
     JobFailed,
     Progress,
     Pruning,
@@ -132,6 +134,37 @@ def test_event_log_stamps_replays_then_follows_and_compacts_progress() -> None:
             log.append(Progress(path="a", done=1, size=30))
 
     asyncio.run(scenario())
+
+
+def test_the_event_log_of_a_long_download_holds_what_is_live() -> None:
+    """A day-long download logs a progress event per step of each file: the log keeps the
+    last one per file, not a slot per step, and a late subscriber gets what is live."""
+    log = EventLog("j1")
+    log.append(FileStarted(path="a", size=1 << 40, shard_index=0))
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for done in range(300_000):
+            log.append(Progress(path="a", done=done, size=1 << 40))
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 256 << 10, f"{grown} bytes for one file's progress"
+    assert len(log) == 300_001
+    late = asyncio.run(_first(log.follow(), 2))
+    assert [(e.kind, getattr(e, "done", None)) for e in late] == [
+        ("file_started", None),
+        ("progress", 299_999),
+    ]
+
+
+async def _first(events: AsyncIterator[JobEvent], n: int) -> list[JobEvent]:
+    got: list[JobEvent] = []
+    async for event in events:
+        got.append(event)
+        if len(got) == n:
+            break
+    return got
 
 
 async def test_priority_gate_hands_slots_to_the_best_waiter() -> None:

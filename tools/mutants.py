@@ -1620,6 +1620,13 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_events.py::test_a_result_number_too_large_for_an_int_is_a_daemon_error",),
         "a job result with a size of 1e400 from a daemon is an OverflowError",
     ),
+    Mutant(
+        "event-log-keeps-every-step",
+        "shardsync/job_log.py",
+        (("                del self._events[old]", "                pass"),),
+        ("tests/test_scheduler.py::test_the_event_log_of_a_long_download_holds_what_is_live",),
+        "a job's event log keeps every progress step of a day-long download",
+    ),
 )
 
 
