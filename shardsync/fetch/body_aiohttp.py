@@ -76,12 +76,12 @@ class AiohttpBody:
                     raise ProtocolError(
                         f"{label}: full body of {resp.content_length} bytes, expected {state.size}"
                     )
+                check_encoding(resp.headers.get, label)  # a 206's is checked with its range
             elif resp.status in (200, 206, 416):
                 # a chunked body has no length to hold it to the Content-Range's end
                 end = check_range_answer(resp.status, resp.headers.get, label, state, start, end)
             else:
                 await self._refuse(resp, label, relocatable=True)
-            check_encoding(resp.headers.get, label)
             # a whole 200 without a length must end at the size: a longer one is another object
             whole = whole and resp.status == 200
             return await self._stream_body(resp, start, end, whole=whole)

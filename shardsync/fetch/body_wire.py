@@ -23,7 +23,6 @@ from urllib.parse import urlsplit
 from shardsync.fetch.answers import (
     ERROR_BODY,
     REDIRECTS,
-    check_encoding,
     check_range_answer,
     status_error,
 )
@@ -140,7 +139,6 @@ class WireBody:
                 return _Begun(stream, None)
             try:
                 check_range_answer(head.status, head.get, label, state, start, end)
-                check_encoding(head.get, label)
             except BaseException:
                 stream.close()
                 raise
