@@ -28,6 +28,9 @@ buffered file object, not ``os.write``: its step is the ``rename sidecar`` that 
 ``EIO <step>``). ``SHARDSYNC_CRASHHOOK`` is one action, ``<sel>`` being ``<kind>`` or
 ``<kind>/<category>`` and ``<n>`` counting matching steps from 1:
 
+- ``<sel>@<name>`` counts only the steps whose path (a link's or rename's destination) is
+  named ``<name>``: ``kill:link/store@<sha256>:1`` dies right before one chosen blob is
+  linked into the store, whichever order the files finish in;
 - ``kill:<sel>:<n>``: SIGKILL the process right before the n-th matching step;
 - ``killafter:<sel>:<n>``: right after it returned;
 - ``eio:<sel>:<n>``: fail it with ``OSError(EIO)`` instead of doing it (a failing disk);
@@ -94,6 +97,7 @@ class Action:
     mode: Mode
     selector: str
     n: int
+    name: str | None = None
 
     @classmethod
     def parse(cls, text: str) -> Action:
@@ -103,12 +107,17 @@ class Action:
                 raise ValueError(f"killbytes needs a positive byte count: {text!r}")
             return cls("killbytes", "write/partial", int(rest))
         selector, _, nth = rest.rpartition(":")
+        selector, at, name = selector.partition("@")
         mode = _MODES.get(head)
-        if mode is None or not selector or not nth.isdigit() or int(nth) < 1:
-            raise ValueError(f"expected kill|killafter|eio:<kind>[/<category>]:<n>, got {text!r}")
-        return cls(mode, selector, int(nth))
+        if mode is None or not selector or (at and not name) or not nth.isdigit() or int(nth) < 1:
+            raise ValueError(
+                f"expected kill|killafter|eio:<kind>[/<category>][@<name>]:<n>, got {text!r}"
+            )
+        return cls(mode, selector, int(nth), name or None)
 
-    def matches(self, kind: str, category: str) -> bool:
+    def matches(self, kind: str, category: str, name: str | None) -> bool:
+        if self.name is not None and name != self.name:
+            return False
         return self.selector in (kind, f"{kind}/{category}")
 
 
@@ -170,8 +179,11 @@ class Hook:
 
     # -- acting ------------------------------------------------------------------------------
 
-    def run(self, kind: str, category: str | None, call: Callable[[], _T]) -> _T:
-        """Do one call: traced and counted when it is a step, killed or failed when chosen.
+    def run(
+        self, kind: str, category: str | None, call: Callable[[], _T], name: str | None = None
+    ) -> _T:
+        """Do one call: traced and counted when it is a step, killed or failed when chosen;
+        ``name``: the last part of the path the step writes, when it has one.
 
         Steps run one at a time under the lock, so the trace lists them in the order they
         happened and a kill never lands while another step is half done.
@@ -183,7 +195,11 @@ class Hook:
             self._note(step)
             action = self.action
             hit = False
-            if action is not None and action.mode != "killbytes" and action.matches(kind, category):
+            if (
+                action is not None
+                and action.mode != "killbytes"
+                and action.matches(kind, category, name)
+            ):
                 self._matched += 1
                 hit = self._matched == action.n
             if hit and action is not None and action.mode == "kill":
@@ -247,6 +263,10 @@ class Hook:
         raise SystemExit(128 + signal.SIGKILL)  # not reached: SIGKILL ends the process first
 
 
+def _name(path: StrOrBytesPath) -> str:
+    return os.path.basename(os.path.normpath(os.fsdecode(path)))
+
+
 def install(hook: Hook) -> None:
     """Replace the ``os`` functions shardsync publishes with by traced ones."""
 
@@ -282,6 +302,7 @@ def install(hook: Hook) -> None:
                 dst_dir_fd=dst_dir_fd,
                 follow_symlinks=follow_symlinks,
             ),
+            _name(dst),
         )
 
     def symlink(
@@ -295,6 +316,7 @@ def install(hook: Hook) -> None:
             "symlink",
             hook.path_category(dst, dir_fd),
             lambda: _real_symlink(src, dst, target_is_directory, dir_fd=dir_fd),
+            _name(dst),
         )
 
     def renamer(real: Callable[..., None]) -> Callable[..., None]:
@@ -309,13 +331,17 @@ def install(hook: Hook) -> None:
                 "rename",
                 hook.path_category(dst, dst_dir_fd),
                 lambda: real(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd),
+                _name(dst),
             )
 
         return rename
 
     def unlink(path: StrOrBytesPath, *, dir_fd: int | None = None) -> None:
         hook.run(
-            "unlink", hook.path_category(path, dir_fd), lambda: _real_unlink(path, dir_fd=dir_fd)
+            "unlink",
+            hook.path_category(path, dir_fd),
+            lambda: _real_unlink(path, dir_fd=dir_fd),
+            _name(path),
         )
 
     replacements: dict[str, object] = {
