@@ -1302,6 +1302,15 @@ MUTANTS: tuple[Mutant, ...] = (
         "a whole chunked 200 longer than the file is cut to size and published",
     ),
     Mutant(
+        "whole-get-of-another-etag",
+        "shardsync/fetch/answers.py",
+        (('    _same_object(state, header("ETag"), single_stream=True)', "    pass"),),
+        (
+            "tests/adversarial/test_hostile_server.py::test_a_whole_get_of_another_etag_than_located_is_asked_again",
+        ),
+        "a whole-file 200 of another ETag than the located one is published under the first",
+    ),
+    Mutant(
         "head-drips-for-ever",
         "shardsync/fetch/wire.py",
         (("    deadline = time.monotonic() + timeout", "    deadline = time.monotonic() + 1e9"),),

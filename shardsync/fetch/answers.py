@@ -56,6 +56,7 @@ __all__ = [
     "RetryLater",
     "check_encoding",
     "check_range_answer",
+    "check_whole_answer",
     "describe",
     "error_message",
     "follow",
@@ -177,12 +178,7 @@ def check_range_answer(
             f"{label}: asked for bytes {start}-{end - 1}/{state.size}, "
             f"got Content-Range {header('Content-Range')!r}"
         )
-    etag = header("ETag")
-    with state.etag_lock:  # heads are checked on the loop and in wire threads
-        if state.etag is not None and etag is not None and etag != state.etag:
-            raise Restart("ETag changed", etag=etag, single_stream=False)
-        if state.etag is None and is_strong_etag(etag):
-            state.etag = etag
+    _same_object(state, header("ETag"), single_stream=False)
     check_encoding(header, label)  # a coded body's length is not the range's
     length = header("Content-Length")
     declared = int_or_none(length)
@@ -194,6 +190,25 @@ def check_range_answer(
             f"{cr.end - cr.start + 1} bytes"
         )
     return cr.end + 1
+
+
+def check_whole_answer(header: Header, label: str, state: Bound, length: int | None) -> None:
+    """Accept a 200 to a whole-file GET only for the object first seen: its size, no coding,
+    and its ETag. Without a hash to check (a plain URL), another object's bytes of the same
+    size would be published under the first one's record."""
+    if length is not None and length != state.size:
+        raise ProtocolError(f"{label}: full body of {length} bytes, expected {state.size}")
+    check_encoding(header, label)
+    _same_object(state, header("ETag"), single_stream=True)
+
+
+def _same_object(state: Bound, etag: str | None, *, single_stream: bool) -> None:
+    """Hold every answer to the ETag first seen (a strong one is kept for the rest)."""
+    with state.etag_lock:  # heads are checked on the loop and in wire threads
+        if state.etag is not None and etag is not None and etag != state.etag:
+            raise Restart("ETag changed", etag=etag, single_stream=single_stream)
+        if state.etag is None and is_strong_etag(etag):
+            state.etag = etag
 
 
 def check_encoding(header: Header, label: str) -> None:

@@ -15,8 +15,13 @@ from typing import Protocol
 
 import aiohttp
 
-from shardsync.errors import ProtocolError, disk_error
-from shardsync.fetch.answers import ERROR_BODY, Restart, check_encoding, check_range_answer
+from shardsync.errors import disk_error
+from shardsync.fetch.answers import (
+    ERROR_BODY,
+    Restart,
+    check_range_answer,
+    check_whole_answer,
+)
 from shardsync.fetch.body import Landing, Watchdog
 from shardsync.fetch.disk import write_all
 from shardsync.fetch.request import Throttle
@@ -72,11 +77,7 @@ class AiohttpBody:
         state, label = landing.bound, landing.label
         async with self._send("GET", url, headers) as resp:
             if resp.status == 200 and whole:
-                if resp.content_length is not None and resp.content_length != state.size:
-                    raise ProtocolError(
-                        f"{label}: full body of {resp.content_length} bytes, expected {state.size}"
-                    )
-                check_encoding(resp.headers.get, label)  # a 206's is checked with its range
+                check_whole_answer(resp.headers.get, label, state, resp.content_length)
             elif resp.status in (200, 206, 416):
                 # a chunked body has no length to hold it to the Content-Range's end
                 end = check_range_answer(resp.status, resp.headers.get, label, state, start, end)
