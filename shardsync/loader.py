@@ -98,6 +98,7 @@ class _Request:
     token: str | None
     no_split: Sequence[str] | None
     allow_pickle: bool
+    priority: int  # the daemon's job priority
     gated: bool  # download only once iteration starts (load(model=...) checks keys first)
     named_cache: Path | None = None  # a cache the caller named: a daemon must serve that one
     named_endpoint: str | None = None  # likewise a Hub endpoint
@@ -177,37 +178,10 @@ class TensorStream:
     already mapped stay readable after that too: prune only unlinks.
     """
 
-    def __init__(
-        self,
-        source: str,
-        *,
-        config: Config,
-        revision: str | None,
-        device_map: DeviceMap,
-        max_memory: Mapping[str | int, int | str] | None,
-        dtype: torch.dtype | None,
-        token: str | None,
-        no_split: Sequence[str] | None,
-        allow_pickle: bool,
-        gated: bool = False,
-        named_cache: Path | None = None,
-        named_endpoint: str | None = None,
-    ) -> None:
+    def __init__(self, request: _Request, dtype: torch.dtype | None) -> None:
         self._started = time.monotonic()
         self._handoff = _Handoff()
-        self._request = _Request(
-            source=source,
-            config=config,
-            revision=revision,
-            device_map=device_map,
-            max_memory=max_memory,
-            token=token,
-            no_split=no_split,
-            allow_pickle=allow_pickle,
-            gated=gated,
-            named_cache=named_cache,
-            named_endpoint=named_endpoint,
-        )
+        self._request = request
         self._thread = threading.Thread(
             target=self._produce_in_thread, name="shardsync-loader", daemon=True
         )
@@ -221,7 +195,7 @@ class TensorStream:
         self._finished: float | None = None
         self._tensors: int = 0
         self._bytes: int = 0
-        self._placer = ShardPlacer(dtype, device_map)
+        self._placer = ShardPlacer(dtype, request.device_map)
         self._iterator: Iterator[tuple[str, torch.Tensor]] = self._iterate()
         self._leases = _Leases()  # taken by the producer: this process's, or the daemon's
         self._release_lease = weakref.finalize(self, self._leases.release)
@@ -433,6 +407,7 @@ class TensorStream:
                 request.source,
                 revision=manifest.commit or request.revision,
                 include=(),
+                priority=request.priority,
                 allow_pickle=request.allow_pickle,
                 in_order=True,
             )
@@ -546,9 +521,11 @@ def stream(
     token: str | None = None,
     no_split: Sequence[str] | None = None,
     allow_pickle: bool = False,
+    priority: int = 0,
     config: Config | None = None,
 ) -> TensorStream:
     """Stream ``(name, tensor)`` pairs in shard order, each shard as soon as it is verified.
+    ``priority`` is the daemon's job's (its files go before lower jobs'), as for a prefetch.
 
     >>> with shardsync.stream("org/model", device_map="cuda:0") as tensors:
     ...     for name, tensor in tensors:
@@ -565,6 +542,7 @@ def stream(
         token=token,
         no_split=no_split,
         allow_pickle=allow_pickle,
+        priority=priority,
         config=config,
         gated=False,
     )
@@ -578,6 +556,7 @@ def weights(
     cache_dir: str | Path | None = None,
     token: str | None = None,
     allow_pickle: bool = False,
+    priority: int = 0,
     config: Config | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` for every tensor of ``source``, in index order, each shard as soon as
@@ -596,6 +575,7 @@ def weights(
         cache_dir=cache_dir,
         token=token,
         allow_pickle=allow_pickle,
+        priority=priority,
         config=config,
     ) as tensors:
         yield from tensors
@@ -613,6 +593,7 @@ def _open(
     token: str | None,
     no_split: Sequence[str] | None,
     allow_pickle: bool,
+    priority: int,
     config: Config | None,
     gated: bool,
 ) -> TensorStream:
@@ -627,20 +608,21 @@ def _open(
         cfg = replace(cfg, endpoint=check_endpoint("endpoint=", endpoint))
     if max_memory is not None:
         max_memory = {k: parse_memory(v) for k, v in max_memory.items()}
-    return TensorStream(
-        source,
+    request = _Request(
+        source=source,
         config=cfg,
         revision=revision,
         device_map=device_map,
         max_memory=max_memory,
-        dtype=dtype,
         token=token,
         no_split=no_split,
         allow_pickle=allow_pickle,
+        priority=priority,
         gated=gated,
         named_cache=named_cache,
         named_endpoint=endpoint or None,
     )
+    return TensorStream(request, dtype)
 
 
 def load(
@@ -657,6 +639,7 @@ def load(
     token: str | None = None,
     no_split: Sequence[str] | None = None,
     allow_pickle: bool = False,
+    priority: int = 0,
     config: Config | None = None,
 ) -> dict[str, torch.Tensor] | LoadResult:
     """Load a checkpoint onto devices while it downloads.
@@ -677,6 +660,7 @@ def load(
         token=token,
         no_split=no_split,
         allow_pickle=allow_pickle,
+        priority=priority,
         config=config,
         gated=model is not None,  # the keys are checked against the model before downloading
     )

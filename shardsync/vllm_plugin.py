@@ -180,6 +180,7 @@ def _open_stream(model_config: Any, options: _Options) -> Any:
         endpoint=options.endpoint,
         cache_dir=options.cache_dir,  # named: a daemon serving another cache is not used
         allow_pickle=options.allow_pickle,
+        priority=options.priority,  # the daemon's job for the stream
         config=_config(options) if options.config else None,
     )
 

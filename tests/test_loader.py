@@ -380,10 +380,11 @@ def test_a_stream_gets_the_first_shard_before_the_last_one_downloads(tmp_path: P
 
 async def _load_through_a_daemon(
     hub: FakeHub, tmp_path: Path, *, own_endpoint: str | None = None
-) -> tuple[Any, DaemonStatistics, list[bool]]:
+) -> tuple[Any, DaemonStatistics, list[tuple[bool, int]]]:
     """``shardsync.load(REPO)`` by a caller whose config names a daemon in this loop that
-    serves ``hub``; the caller's own endpoint is ``own_endpoint`` (else the hub). What the
-    load gave, the daemon's statistics, and each of its jobs' ``in_order``."""
+    serves ``hub``, at priority 7; the caller's own endpoint is ``own_endpoint`` (else the
+    hub). What the load gave, the daemon's statistics, and each of its jobs' ``in_order`` and
+    priority."""
     from daemons import daemon_in_loop, short_tmp
 
     from shardsync.config import DaemonConfig
@@ -398,12 +399,14 @@ async def _load_through_a_daemon(
                 fast_config(tmp_path / "mine", own_endpoint or hub.endpoint),
                 daemon=DaemonConfig(socket=socket_path),
             )
-            got = await asyncio.to_thread(shardsync.load, REPO, device_map="cpu", config=mine)
+            got = await asyncio.to_thread(
+                shardsync.load, REPO, device_map="cpu", priority=7, config=mine
+            )
             statistics = daemon.statistics()
             client = await daemon_for(mine, cache_dir=None, endpoint=None)
             assert client is not None
             try:
-                in_order = [job["in_order"] for job in await client.jobs()]
+                in_order = [(job["in_order"], job["priority"]) for job in await client.jobs()]
             finally:
                 await client.close()
     return got, statistics, in_order
@@ -430,7 +433,8 @@ async def test_load_goes_through_a_running_daemon(
     assert isinstance(got, dict)
     _assert_bit_exact(got, _originals(checkpoint))
     assert jobs.jobs_submitted == 1
-    assert asked == [True]  # the shards in their turn: the stream reads them in order
+    # the shards in their turn (the stream reads them in order), at the caller's priority
+    assert asked == [(True, 7)]
     assert not _own_blobs(tmp_path)  # the daemon downloaded everything into its cache
     shard_bytes = sum(checkpoint.path(s).stat().st_size for s in checkpoint.shards)
     header_probes = len(checkpoint.shards) * 65536

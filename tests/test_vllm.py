@@ -172,7 +172,8 @@ def test_vllm_through_the_daemon_downloads_once_per_host(
             daemon.start()
             env = vllm_env(work, hub, SHARDSYNC_SOCKET=str(socket_path))
             hub.reset_log()
-            assert generate(REPO, "shardsync", env) == reference
+            urgent = json.dumps({"shardsync": {"priority": 5}})  # the daemon's job's
+            assert generate(REPO, "shardsync", env, urgent) == reference
             first = hub.bytes_served("*.safetensors")
             assert generate(REPO, "shardsync", env) == reference  # a second instance
             again = hub.bytes_served("*.safetensors")
@@ -188,7 +189,8 @@ def test_vllm_through_the_daemon_downloads_once_per_host(
     shards = sum(tiny.path(s).stat().st_size for s in tiny.shards)
     assert first >= shards
     assert again == first  # the second instance read the daemon's cache: no byte again
-    assert status.returncode == 0 and REPO in status.stdout
+    assert status.returncode == 0
+    assert sorted(job["priority"] for job in json.loads(status.stdout)["jobs"]) == [0, 5]
     assert third - again >= shards
 
 

@@ -1311,6 +1311,20 @@ MUTANTS: tuple[Mutant, ...] = (
         "a whole-file 200 of another ETag than the located one is published under the first",
     ),
     Mutant(
+        "stream-priority-dropped",
+        "shardsync/loader.py",
+        (("                priority=request.priority,\n", ""),),
+        ("tests/test_loader.py::test_load_goes_through_a_running_daemon",),
+        "a load or stream through the daemon runs its job at priority 0, whatever it asked",
+    ),
+    Mutant(
+        "vllm-priority-dropped",
+        "shardsync/vllm_plugin.py",
+        (("        priority=options.priority,  # the daemon's job for the stream\n", ""),),
+        ("tests/test_vllm.py::test_vllm_through_the_daemon_downloads_once_per_host",),
+        "vLLM's load through the daemon runs at priority 0 whatever the priority option says",
+    ),
+    Mutant(
         "head-drips-for-ever",
         "shardsync/fetch/wire.py",
         (("    deadline = time.monotonic() + timeout", "    deadline = time.monotonic() + 1e9"),),
