@@ -1,9 +1,8 @@
 """The in-process engine: origin -> manifest -> fetcher -> cache, for one snapshot.
 
-This is what ``shardsync prefetch`` runs (and what the daemon will schedule):
-list the origin, fetch the index, plan the files, download them with bounded
-concurrency under per-blob cross-process locks, publish each verified blob,
-and mark the snapshot complete last.
+What ``shardsync prefetch`` and the daemon's jobs run: list the origin, fetch the index,
+plan the files, download them under per-blob cross-process locks, publish each verified
+blob, and mark the snapshot complete last.
 """
 
 from __future__ import annotations
@@ -460,12 +459,23 @@ class Job:
 
     async def _download_all(self) -> tuple[FileOutcome, ...]:
         manifest = self.manifest
+        await self._recheck_prepared()
         pending = [e for e in manifest.entries if e.path not in self._records]
         for entry in pending:
             self.sink.add_file(entry.path, entry.size)
         await self._obtain_all(pending)
         await self._complete(manifest, self._records)
         return tuple(self._outcomes[e.path] for e in manifest.entries)
+
+    async def _recheck_prepared(self) -> None:
+        """``prepare``'s files (the index) had a lease of their own: a prune since (while the
+        daemon waited for room, or for a job it follows) may have evicted them. Under
+        ``download``'s lease each is linked again, or fetched again if its blob went too."""
+        for path, record in list(self._records.items()):
+            if await self.store.has_blob(record.sha256, record.size):
+                await self._link(record)
+            else:
+                del self._records[path], self._outcomes[path]
 
     async def _list(self, *, hidden: bool = False) -> Listing:
         return await self.origin.list_files(self.fetcher, self.revision, hidden=hidden)

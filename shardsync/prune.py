@@ -15,6 +15,7 @@ Safe while downloads and loads run, and against itself:
 from __future__ import annotations
 
 import asyncio
+import glob
 import logging
 import os
 import shutil
@@ -158,8 +159,9 @@ class CacheRoom:
         cache, config = self.store.sync, self.config
         if not await asyncio.to_thread(needs_prune, cache, config):
             return
+        kept = _by_name(keep)
         report = await asyncio.to_thread(
-            prune_cache, cache, limits_from_config(config), pin=config.pin, keep=(keep,), wait=False
+            prune_cache, cache, limits_from_config(config), pin=config.pin, keep=kept, wait=False
         )
         if report.freed_bytes:
             log.info("auto-prune freed %d bytes (high-water mark)", report.freed_bytes)
@@ -179,8 +181,13 @@ class CacheRoom:
                 missing,
                 limits_from_config(config),
                 pin=config.pin,
-                keep=(keep,),
+                keep=_by_name(keep),
             )
+
+
+def _by_name(repo: str) -> tuple[str, ...]:
+    """The job's repo, kept as a name: ``run[1]`` read as a pattern does not match itself."""
+    return (glob.escape(repo),)
 
 
 def limits_from_config(

@@ -732,3 +732,48 @@ async def test_a_blob_a_content_named_job_reuses_outlives_its_other_snapshot(
     assert [e.repo for e in report.evicted] == [str(first.directory)]
     for f in result.files:
         assert (result.snapshot_path / f.path).read_bytes() == (second / f.path).read_bytes()
+
+
+async def test_a_prune_between_a_jobs_prepare_and_download_breaks_no_snapshot(
+    hub: FakeHub, models: dict[str, Checkpoint], tmp_path: Path
+) -> None:
+    """The daemon prepares a job, then waits (for room, for a job it follows) before the
+    download; a prune meanwhile (the timer's, another job's tidy) may evict the repo's last
+    snapshot, the index that ``prepare`` obtained with it. The download still ends with a
+    complete snapshot holding every file the origin serves."""
+    from shardsync.prefetch import Engine
+
+    cache_dir = tmp_path / "cache"
+    await asyncio.to_thread(fill, cache_dir, hub, ("a",))
+    cache = CacheStore(cache_dir)
+    async with Engine(fast_config(cache_dir, hub.endpoint)) as engine:
+        job = engine.job(engine.origin("acme/a"))
+        await job.prepare()
+        report = await asyncio.to_thread(prune_cache, cache, Limits(max_size=0))
+        assert [e.repo for e in report.evicted] == ["acme/a"]
+        result = job.result(await job.download(), 0.0)
+    assert cache.find_complete(result.repo, result.commit) is not None
+    assert_snapshot_matches(result.snapshot_path, models["a"])
+    assert_store_verified(cache_dir, models["a"])
+
+
+async def test_the_daemons_own_prune_keeps_a_jobs_repo_by_its_name_not_as_a_pattern(
+    tmp_path: Path,
+) -> None:
+    """The daemon's prunes keep the repo of the job that asked for them: by its name. A
+    folder or S3 prefix named ``run[1]`` read as a pattern matches nothing of its own (the
+    brackets are a character class), and its snapshot would be evicted from under the job."""
+    from shardsync.config import PruneConfig
+    from shardsync.prune import CacheRoom
+    from shardsync.store import AsyncStore
+
+    odd = build_checkpoint(tmp_path / "run[1]", total_bytes=40_000, n_shards=1, extras=False)
+    config = fast_config(tmp_path / "cache")
+    result = await prefetch(str(odd.directory), config)
+    cache = CacheStore(config.cache_dir)
+    room = CacheRoom(AsyncStore(cache), PruneConfig(max_size=0))
+    await room.tidy(keep=str(odd.directory))
+    await room.make([], keep=str(odd.directory), on_short=lambda missing, free: None)
+    assert remaining(cache) == [str(odd.directory)]
+    for f in result.files:
+        assert (result.snapshot_path / f.path).read_bytes() == odd.path(f.path).read_bytes()

@@ -1325,6 +1325,24 @@ MUTANTS: tuple[Mutant, ...] = (
         "vLLM's load through the daemon runs at priority 0 whatever the priority option says",
     ),
     Mutant(
+        "prepared-files-not-rechecked",
+        "shardsync/prefetch.py",
+        (("        await self._recheck_prepared()\n", ""),),
+        (
+            "tests/test_prune.py::test_a_prune_between_a_jobs_prepare_and_download_breaks_no_snapshot",
+        ),
+        "a prune between a job's prepare and download leaves a 'complete' snapshot with no index",
+    ),
+    Mutant(
+        "own-repo-kept-as-a-pattern",
+        "shardsync/prune.py",
+        (("    return (glob.escape(repo),)", "    return (repo,)"),),
+        (
+            "tests/test_prune.py::test_the_daemons_own_prune_keeps_a_jobs_repo_by_its_name_not_as_a_pattern",
+        ),
+        "the daemon's prune evicts the snapshot of a job whose repo is named like a pattern",
+    ),
+    Mutant(
         "head-drips-for-ever",
         "shardsync/fetch/wire.py",
         (("    deadline = time.monotonic() + timeout", "    deadline = time.monotonic() + 1e9"),),
