@@ -20,7 +20,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-__all__ = ["STRONGEST_FIRST", "ChecksumAlgorithm", "StoreChecksum", "from_s3_answer"]
+__all__ = [
+    "STRONGEST_FIRST",
+    "ChecksumAlgorithm",
+    "StoreChecksum",
+    "from_s3_answer",
+    "parts_fit",
+]
 
 ChecksumAlgorithm = Literal["sha256", "sha1", "crc64nvme", "crc32c", "crc32"]
 STRONGEST_FIRST: tuple[ChecksumAlgorithm, ...] = get_args(ChecksumAlgorithm)
@@ -72,12 +78,17 @@ class StoreChecksum:
         """This checksum with its parts' sizes, or None when they do not add up to ``total``
         (or are not as many as the checksum says): then nothing can be checked by it."""
         sizes = tuple(sizes)
-        if len(sizes) != self.parts or sum(sizes) != total or any(s <= 0 for s in sizes):
+        if not parts_fit(sizes, self.parts, total):
             return None
         return StoreChecksum(self.algorithm, self.digest, self.parts, sizes)
 
     def describe(self) -> str:
         return f"{self.algorithm} of {self.parts} parts" if self.composite else self.algorithm
+
+
+def parts_fit(sizes: Sequence[int], parts: int, total: int) -> bool:
+    """Whether ``sizes`` can be the ``parts`` parts of an object of ``total`` bytes."""
+    return len(sizes) == parts and sum(sizes) == total and all(s > 0 for s in sizes)
 
 
 def from_s3_answer(answer: Mapping[str, object]) -> StoreChecksum | None:

@@ -26,16 +26,18 @@ from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 from urllib.parse import quote
 
-from shardsync.checksums import StoreChecksum, from_s3_answer
+from shardsync.checksums import StoreChecksum, from_s3_answer, parts_fit
 from shardsync.errors import (
     AuthError,
     ConfigError,
     EntryNotFoundError,
     OriginError,
+    ProtocolError,
     RepoNotFoundError,
     ShardsyncError,
     TransferError,
     disk_error,
+    raise_first,
 )
 from shardsync.names import S3Location
 from shardsync.network import NetworkConfig, Proxy, S3Config
@@ -54,6 +56,7 @@ log = logging.getLogger(__name__)
 MAX_SINGLE_PUT = 5 << 30  # S3's limit for one PutObject; larger objects go multipart
 _PART_SIZE = 512 << 20
 _DELETE_BATCH = 1000  # S3's most keys per DeleteObjects
+_PART_HEADS = 8  # a multipart object's part HEADs side by side, where attributes are refused
 _PRESIGN_SECONDS = 3600  # a 403 after expiry makes the fetcher ask for a fresh one
 _AUTH_CODES = frozenset(
     {
@@ -295,12 +298,15 @@ class S3Client:
             checksum=from_s3_answer(answer) if checksum else None,
         )
 
-    async def part_sizes(self, bucket: str, key: str, *, parts: int, etag: str) -> tuple[int, ...]:
+    async def part_sizes(
+        self, bucket: str, key: str, *, parts: int, etag: str, size: int
+    ) -> tuple[int, ...]:
         """The sizes of a multipart object's parts, in order, for checking a composite
-        checksum. ``GetObjectAttributes`` where the store (and the policy) allows it; else a
-        ``HEAD`` of the first and the last part, which tells uniform parts (what every
-        uploader writes) apart from anything else. ``etag`` pins the object: a replaced one
-        answers 412. Raises ``ShardsyncError`` when the sizes cannot be learned."""
+        checksum: ``GetObjectAttributes`` where the store (and the policy) allows it and its
+        sizes add up to ``size``; else a ``HEAD`` of each part, a few at a time (parts need
+        not be equal: 6, 5, 7 and 6 MiB add up as four of 6 MiB do). ``etag`` pins the
+        object: a replaced one answers 412 (``PreconditionFailed``). Raises ``ShardsyncError``
+        when the sizes cannot be learned or the parts do not add up to the object."""
         where = f"s3://{bucket}/{key}"
 
         async def attributes(client: _Client) -> tuple[int, ...]:
@@ -329,18 +335,32 @@ class S3Client:
             raise
         except ShardsyncError:  # not implemented, not allowed, or failing: ask the parts
             sizes = ()
-        if len(sizes) == parts:
+        if parts_fit(sizes, parts, size):
             return sizes
+        limit = asyncio.Semaphore(_PART_HEADS)
 
         async def part(client: _Client, number: int) -> int:
-            answer = await client.head_object(
-                Bucket=bucket, Key=key, PartNumber=number, IfMatch=etag
-            )
+            async with limit:
+                answer = await client.head_object(
+                    Bucket=bucket, Key=key, PartNumber=number, IfMatch=etag
+                )
             return int(answer["ContentLength"])
 
-        first = await self._call("head part", where, partial(part, number=1))
-        last = await self._call("head part", where, partial(part, number=parts))
-        return (first,) * (parts - 1) + (last,)
+        try:
+            async with asyncio.TaskGroup() as tg:
+                heads = [
+                    tg.create_task(self._call("head part", where, partial(part, number=n)))
+                    for n in range(1, parts + 1)
+                ]
+        except BaseExceptionGroup as group:
+            raise_first(group)
+        sizes = tuple(t.result() for t in heads)
+        if not parts_fit(sizes, parts, size):
+            raise ProtocolError(
+                f"{where}: its {parts} parts hold {sum(sizes)} bytes, the object {size}: "
+                "its composite checksum cannot be checked"
+            )
+        return sizes
 
     async def presign_get(self, bucket: str, key: str) -> tuple[str, dict[str, str]]:
         """A GET URL that carries its own signature (valid for an hour), signed for the

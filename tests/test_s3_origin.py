@@ -219,7 +219,7 @@ async def test_composite_parts_are_learned_without_get_object_attributes(
     tmp_path: Path,
 ) -> None:
     """A store (or a policy) that refuses ``GetObjectAttributes``: the parts' sizes come from
-    a ``HEAD`` of the first and the last part, and the composite still checks every byte."""
+    a ``HEAD`` of each part, and the composite still checks every byte."""
     checkpoint = s3_multipart_checkpoint
     upload_with(s3server, s3bucket, checkpoint, "CRC32C", multipart=True)
     async with FaultGate(s3server.endpoint, refuse=frozenset({"attributes"})) as gate:

@@ -1343,6 +1343,55 @@ MUTANTS: tuple[Mutant, ...] = (
         "the daemon's prune evicts the snapshot of a job whose repo is named like a pattern",
     ),
     Mutant(
+        "parts-taken-for-equal",
+        "shardsync/s3.py",
+        (
+            (
+                "        sizes = tuple(t.result() for t in heads)",
+                "        sizes = (heads[0].result(),) * (parts - 1) + (heads[-1].result(),)",
+            ),
+        ),
+        (
+            "tests/test_s3_parts.py::test_parts_of_unequal_sizes_are_checked_where_attributes_are_refused",
+        ),
+        "parts of 6, 5, 7 and 6 MiB are taken for four of 6: a good object fails as corrupt",
+    ),
+    Mutant(
+        "attribute-sizes-trusted",
+        "shardsync/s3.py",
+        (("        if parts_fit(sizes, parts, size):", "        if len(sizes) == parts:"),),
+        ("tests/test_s3_parts.py::test_attribute_sizes_that_do_not_add_up_are_asked_of_the_parts",),
+        "part sizes that do not add up drop the store's composite checksum: the file is tofu",
+    ),
+    Mutant(
+        "replaced-before-parts-fails-the-job",
+        "shardsync/origins/s3.py",
+        (
+            (
+                "                head = None  # replaced since its HEAD\n                continue",
+                "                raise",
+            ),
+        ),
+        (
+            "tests/test_s3_parts.py::test_an_object_replaced_before_its_parts_are_asked_is_located_again",
+        ),
+        "an object replaced between its HEAD and its parts' sizes fails the whole prefetch",
+    ),
+    Mutant(
+        "listed-sha256-replaced-downloaded",
+        "shardsync/origins/s3.py",
+        (
+            (
+                "if entry.sha256 is not None and entry.version not in (None, head.etag):",
+                "if False:",
+            ),
+        ),
+        (
+            "tests/test_s3_parts.py::test_an_object_replaced_since_its_sha256_was_listed_fails_before_its_body",
+        ),
+        "an object replaced since its SHA-256 was listed is downloaded thrice, blamed on the store",
+    ),
+    Mutant(
         "head-drips-for-ever",
         "shardsync/fetch/wire.py",
         (("    deadline = time.monotonic() + timeout", "    deadline = time.monotonic() + 1e9"),),

@@ -15,7 +15,8 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from shardsync.errors import ConfigError, ManifestError, raise_first
+from shardsync.checksums import StoreChecksum
+from shardsync.errors import ConfigError, ManifestError, OriginError, raise_first
 from shardsync.fetch.request import BlobRequest, Located
 from shardsync.manifest import (
     UNSAFE_NAMES,
@@ -29,7 +30,7 @@ from shardsync.names import S3Location, parse_s3_url
 from shardsync.network import S3Config
 from shardsync.origins.base import Entry, Http, RequestOrigin
 from shardsync.records import RepoRef
-from shardsync.s3 import ObjectInfo, S3Client
+from shardsync.s3 import ObjectInfo, PreconditionFailed, S3Client
 
 __all__ = ["S3Origin"]
 
@@ -38,6 +39,7 @@ _HEAD_ALL_UP_TO = 256  # objects under a prefix whose checksums are asked one by
 _HEAD_LARGE_FROM = 1 << 20  # ... beyond that, only for objects this large
 _HEADS_AT_ONCE = 16
 _HEAD_FRESH_S = 60.0  # a listing's HEAD answer stands in for a locate's this long
+_REPLACED_TRIES = 3  # HEADs of an object replaced again and again before giving up
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -116,18 +118,12 @@ class S3Origin(RequestOrigin):
         key = self.location.key_for(validate_name(entry.path))
 
         async def locate() -> Located:
-            bucket = self.location.bucket
             listed, head = self._heads.pop(key, (0.0, None))
             fresh = time.monotonic() - listed < _HEAD_FRESH_S
-            if head is None or not fresh or head.size != entry.size:
-                head = await self.client.head(bucket, key, checksum=entry.sha256 is None)
-            checksum = head.checksum
-            if checksum is not None and checksum.composite:
-                sizes = await self.client.part_sizes(
-                    bucket, key, parts=checksum.parts, etag=head.etag
-                )
-                checksum = checksum.with_part_sizes(sizes, head.size)
-            url, headers = await self.client.presign_get(bucket, key)
+            if not fresh or (head is not None and head.size != entry.size):
+                head = None
+            head, checksum = await self._described(key, entry, head)
+            url, headers = await self.client.presign_get(self.location.bucket, key)
             return Located(
                 url=url,
                 headers=headers,
@@ -149,6 +145,35 @@ class S3Origin(RequestOrigin):
             connections=self.client.config.connections_per_file,
             chunk_size=self.client.config.chunk_size,
         )
+
+    async def _described(
+        self, key: str, entry: Entry, head: ObjectInfo | None
+    ) -> tuple[ObjectInfo, StoreChecksum | None]:
+        """The object's HEAD (``head``, a fresh listing's, else asked now) and the checksum
+        it is checked by, a composite one with its parts' sizes. One replaced between its
+        HEAD and its parts is asked again; one whose SHA-256 the listing named, replaced
+        since, is an error at once: no byte of the new one can match it."""
+        bucket = self.location.bucket
+        for _ in range(_REPLACED_TRIES):
+            if head is None:
+                head = await self.client.head(bucket, key, checksum=entry.sha256 is None)
+            if entry.sha256 is not None and entry.version not in (None, head.etag):
+                raise OriginError(
+                    f"s3://{bucket}/{key}: replaced since it was listed, with the SHA-256 "
+                    "named then: run again to list the new one"
+                )
+            checksum = head.checksum
+            if checksum is None or not checksum.composite:
+                return head, checksum
+            try:
+                sizes = await self.client.part_sizes(
+                    bucket, key, parts=checksum.parts, etag=head.etag, size=head.size
+                )
+            except PreconditionFailed:
+                head = None  # replaced since its HEAD
+                continue
+            return head, checksum.with_part_sizes(sizes, head.size)
+        raise OriginError(f"s3://{bucket}/{key}: replaced {_REPLACED_TRIES} times as it was read")
 
     async def version(self, fetcher: Http, entry: Entry) -> str | None:
         key = self.location.key_for(validate_name(entry.path))

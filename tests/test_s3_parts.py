@@ -1,0 +1,184 @@
+"""Composite checksums over parts of any size, and objects replaced while they are located,
+against a real SeaweedFS on loopback. Every check compares the cache with the bytes put."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+from faultgate import FaultGate
+from helpers import assert_store_verified, fast_config, s3
+
+from shardsync.config import Config, S3Config
+from shardsync.errors import IntegrityError, OriginError
+from shardsync.origins.s3 import S3Origin
+from shardsync.prefetch import prefetch
+from shardsync.s3 import S3Client
+from shardsync.testing.seaweedfs import S3Server
+
+MiB = 1 << 20
+KEY = "parts/model.safetensors"
+SOURCE = "parts/"
+
+
+def safetensors_bytes(fill: bytes, size: int) -> bytes:
+    """A file of ``size`` bytes shaped as one empty-header safetensors shard."""
+    head = b"{}"
+    return len(head).to_bytes(8, "little") + head + fill * (size - 8 - len(head))
+
+
+def config_via(cache: Path, server: S3Server, gate: FaultGate | None = None) -> Config:
+    config = fast_config(cache)
+    endpoint = server.endpoint if gate is None else gate.endpoint
+    s3_config = S3Config(endpoint, server.region, "path", chunk_size=config.fetch.chunk_size)
+    return replace(config, s3=s3_config)
+
+
+def put_in_parts(server: S3Server, bucket: str, data: bytes, sizes: Sequence[int]) -> None:
+    """A multipart upload of ``data`` in parts of ``sizes``, each with its CRC32: the store
+    keeps a composite CRC32 (``BASE64-N``)."""
+    client = s3(server)
+    upload = client.create_multipart_upload(Bucket=bucket, Key=KEY, ChecksumAlgorithm="CRC32")
+    parts, at = [], 0
+    for number, size in enumerate(sizes, start=1):
+        answer = client.upload_part(
+            Bucket=bucket,
+            Key=KEY,
+            UploadId=upload["UploadId"],
+            PartNumber=number,
+            Body=data[at : at + size],
+            ChecksumAlgorithm="CRC32",
+        )
+        parts.append(
+            {"PartNumber": number, "ETag": answer["ETag"], "ChecksumCRC32": answer["ChecksumCRC32"]}
+        )
+        at += size
+    assert at == len(data)
+    client.complete_multipart_upload(
+        Bucket=bucket, Key=KEY, UploadId=upload["UploadId"], MultipartUpload={"Parts": parts}
+    )
+
+
+def published(result: Any) -> bytes:
+    return (result.snapshot_path / "model.safetensors").read_bytes()
+
+
+async def test_parts_of_unequal_sizes_are_checked_where_attributes_are_refused(
+    s3server: S3Server, s3bucket: str, aws_env: None, tmp_path: Path
+) -> None:
+    """Parts of 6, 5, 7 and 6 MiB add up as four of 6 MiB would (S3 asks only that each but
+    the last be 5 MiB or more). With ``GetObjectAttributes`` refused, first and last part
+    took them for equal: the composite was checked at the wrong boundaries and a good object
+    failed as corrupt after three downloads. Each part's HEAD tells its size."""
+    sizes = (6 * MiB, 5 * MiB, 7 * MiB, 6 * MiB)
+    data = safetensors_bytes(b"\x5a", sum(sizes))
+    put_in_parts(s3server, s3bucket, data, sizes)
+    async with FaultGate(s3server.endpoint, refuse=frozenset({"attributes"})) as gate:
+        config = config_via(tmp_path / "cache", s3server, gate)
+        result = await prefetch(f"s3://{s3bucket}/{SOURCE}", config)
+    assert gate.fired
+    assert published(result) == data
+    assert {f.verified for f in result.files} == {"crc32"}
+    assert_store_verified(config.cache_dir, {"model.safetensors": data})
+
+
+async def test_attribute_sizes_that_do_not_add_up_are_asked_of_the_parts(
+    s3server: S3Server,
+    s3bucket: str,
+    aws_env: None,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A store whose ``GetObjectAttributes`` answers part sizes that do not add up to the
+    object: the composite it keeps still checks the bytes (the parts' HEADs), where it was
+    dropped and the file reported ``tofu``, unchecked."""
+    sizes = (5 * MiB, 5 * MiB, MiB)
+    data = safetensors_bytes(b"\xa5", sum(sizes))
+    put_in_parts(s3server, s3bucket, data, sizes)
+
+    def one_byte_more(parsed: dict[str, Any], **_: Any) -> None:
+        for part in (parsed.get("ObjectParts") or {}).get("Parts") or ():
+            part["Size"] = int(part["Size"]) + 1
+
+    opened = S3Client._open
+
+    async def lying(self: S3Client, region: str | None) -> Any:
+        client = await opened(self, region)
+        client.meta.events.register("after-call.s3.GetObjectAttributes", one_byte_more)
+        return client
+
+    monkeypatch.setattr(S3Client, "_open", lying)
+    result = await prefetch(f"s3://{s3bucket}/{SOURCE}", config_via(tmp_path / "cache", s3server))
+    assert published(result) == data
+    assert {f.verified for f in result.files} == {"crc32"}
+
+
+async def test_an_object_replaced_before_its_parts_are_asked_is_located_again(
+    s3server: S3Server,
+    s3bucket: str,
+    aws_env: None,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Replaced between its HEAD and its ``GetObjectAttributes`` (which answers another
+    ETag): the file is located again and the new object read, where the whole prefetch
+    failed on the 412."""
+    sizes = (5 * MiB, 5 * MiB, MiB)
+    first = safetensors_bytes(b"\x01", sum(sizes))
+    second = safetensors_bytes(b"\x02", sum(sizes))
+    put_in_parts(s3server, s3bucket, first, sizes)
+    asked = S3Client.part_sizes
+    replaced: list[str] = []
+
+    async def replace_first(self: S3Client, bucket: str, key: str, **kw: Any) -> Any:
+        if not replaced:
+            replaced.append(key)
+            put_in_parts(s3server, s3bucket, second, sizes)
+        return await asked(self, bucket, key, **kw)
+
+    monkeypatch.setattr(S3Client, "part_sizes", replace_first)
+    result = await prefetch(f"s3://{s3bucket}/{SOURCE}", config_via(tmp_path / "cache", s3server))
+    assert replaced == [KEY]
+    assert published(result) == second
+    assert {f.verified for f in result.files} == {"crc32"}
+
+
+async def test_an_object_replaced_since_its_sha256_was_listed_fails_before_its_body(
+    s3server: S3Server,
+    s3bucket: str,
+    aws_env: None,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The listing named the object's SHA-256; replaced (same size) before its download, no
+    byte of the new one can match. The HEAD already says so: one clear error naming the
+    change, not three full downloads and an ``IntegrityError`` blaming the store."""
+    old = safetensors_bytes(b"A", 2 * MiB)
+    new = safetensors_bytes(b"B", 2 * MiB)
+
+    def put(data: bytes) -> None:
+        digest = base64.b64encode(hashlib.sha256(data).digest()).decode()
+        s3(s3server).put_object(Bucket=s3bucket, Key=KEY, Body=data, ChecksumSHA256=digest)
+
+    put(old)
+    listed = S3Origin.list_files
+
+    async def list_then_replace(self: S3Origin, *args: Any, **kw: Any) -> Any:
+        listing = await listed(self, *args, **kw)
+        put(new)
+        return listing
+
+    monkeypatch.setattr(S3Origin, "list_files", list_then_replace)
+    async with FaultGate(s3server.endpoint) as gate:
+        config = config_via(tmp_path / "cache", s3server, gate)
+        with pytest.raises(OriginError) as raised:
+            await prefetch(f"s3://{s3bucket}/{SOURCE}", config)
+        bodies = [seen for seen in gate.seen if seen.method == "GET" and "Signature" in seen.target]
+    assert not isinstance(raised.value, IntegrityError)
+    assert {seen.status for seen in bodies} <= {412}  # bound to the listed ETag: no byte read
+    assert not list(config.cache_dir.glob("hub/*/snapshots/*/model.safetensors"))
