@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from types import MappingProxyType
-from typing import Final
+from typing import Final, Protocol
 
 from shardsync.errors import ConfigError
 
@@ -29,8 +29,10 @@ __all__ = [
     "MODES",
     "Device",
     "DevicePlan",
+    "DeviceSpec",
     "DeviceUsage",
     "TensorSize",
+    "TorchDevice",
     "detect_blocks",
     "is_module_path",
     "normalize_device",
@@ -65,12 +67,29 @@ _UNITS: Final = {
 _SHOWN_UNMATCHED: Final = 5
 
 
-def normalize_device(value: str | int) -> Device:
-    """Canonical device name, so ``0``, ``"0"``, ``"cuda"`` and ``"cuda:0"`` compare equal.
+class TorchDevice(Protocol):
+    """A ``torch.device``, as accelerate's maps may hold (this module imports no torch)."""
+
+    @property
+    def type(self) -> str: ...
+
+    @property
+    def index(self) -> int | None: ...
+
+
+DeviceSpec = str | int | TorchDevice
+"""A device as callers name it: ``"cuda:1"``, ``1``, ``"cpu"``, ``torch.device("cuda", 1)``."""
+
+
+def normalize_device(value: DeviceSpec) -> Device:
+    """Canonical device name, so ``0``, ``"0"``, ``"cuda"``, ``"cuda:0"`` and
+    ``torch.device("cuda", 0)`` compare equal.
 
     Plain integers (and digit strings, as JSON keys and CLI values arrive) mean
     CUDA devices, as in accelerate; an accelerator without an index is index 0.
     """
+    if type(value).__module__ == "torch" and type(value).__name__ == "device":
+        value = str(value)  # "cpu", "cuda", "cuda:1": this module imports no torch
     if isinstance(value, bool) or not isinstance(value, int | str):
         raise ConfigError(f"not a device: {value!r}")
     if isinstance(value, int):
@@ -344,7 +363,7 @@ def _check_target(device: Device, accelerators: tuple[Device, ...], allow_disk: 
 
 def _explicit(
     names: Sequence[str],
-    device_map: Mapping[str, str | int],
+    device_map: Mapping[str, DeviceSpec],
     accelerators: tuple[Device, ...],
     allow_disk: bool,
 ) -> list[Device]:
@@ -483,7 +502,7 @@ def _usage(
 
 def plan_device_map(
     tensors: Sequence[TensorSize],
-    device_map: str | int | Mapping[str, str | int],
+    device_map: DeviceSpec | Mapping[str, DeviceSpec],
     *,
     devices: Sequence[str] = (),
     max_memory: Mapping[str | int, int | str] | None = None,

@@ -23,7 +23,13 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shardsync.devicemap import DevicePlan, TensorSize, is_module_path, plan_device_map
+from shardsync.devicemap import (
+    DevicePlan,
+    DeviceSpec,
+    TensorSize,
+    is_module_path,
+    plan_device_map,
+)
 from shardsync.errors import HeaderError, LoadError
 from shardsync.manifest import Manifest, ManifestEntry
 from shardsync.safetensors_header import Header, TensorInfo
@@ -40,7 +46,7 @@ __all__ = [
     "plan_from_headers",
 ]
 
-DeviceMap = str | int | Mapping[str, str | int]
+DeviceMap = DeviceSpec | Mapping[str, DeviceSpec]
 
 _TORCH_DTYPES = {
     "F64": "float64",

@@ -1,7 +1,9 @@
 """The one JSON reader for bytes we did not write ourselves, or that a crash may have torn (pure).
 
 Strict where ``json.loads`` is lenient: UTF-8 only, no duplicate keys at any depth (two
-readers could pick different values), no ``NaN``/``Infinity``, bounded size and nesting.
+readers could pick different values), no ``NaN``/``Infinity``, no ``-0`` (an integer to
+Python, a float to serde: safetensors refuses a header Python would read), bounded size and
+nesting.
 Callers turn ``StrictJSONError`` into their own error with context.
 """
 
@@ -29,6 +31,12 @@ def _constant(name: str) -> object:
     raise StrictJSONError(f"{name} is not valid JSON")
 
 
+def _integer(text: str) -> int:
+    if text == "-0":
+        raise StrictJSONError("-0 is an integer to some readers and a float to others")
+    return int(text)
+
+
 def loads(data: bytes | bytearray | memoryview | str, *, limit: int | None = None) -> object:
     """Parse ``data``; anything but a strict JSON document raises ``StrictJSONError``."""
     if limit is not None and len(data) > limit:
@@ -41,7 +49,9 @@ def loads(data: bytes | bytearray | memoryview | str, *, limit: int | None = Non
         except UnicodeDecodeError as exc:
             raise StrictJSONError(f"not valid UTF-8 ({exc.reason} at byte {exc.start})") from exc
     try:
-        return json.loads(text, object_pairs_hook=_pairs, parse_constant=_constant)
+        return json.loads(
+            text, object_pairs_hook=_pairs, parse_constant=_constant, parse_int=_integer
+        )
     except StrictJSONError:
         raise
     except json.JSONDecodeError as exc:

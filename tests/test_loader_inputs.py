@@ -98,6 +98,22 @@ def test_tensors_load_to_the_cpu_whatever_the_callers_default_device(tmp_path: P
     _bit_exact(got, load_file(run / SHARD))
 
 
+@pytest.mark.parametrize(
+    "device_map",
+    [torch.device("cpu"), {"": torch.device("cpu")}, {"x": torch.device("cpu"), "y": "cpu"}],
+    ids=["device", "map-of-device", "mixed-map"],
+)
+def test_a_torch_device_is_a_device_as_in_accelerate(tmp_path: Path, device_map: Any) -> None:
+    """accelerate and transformers take ``torch.device`` values in a device map; a map the
+    caller already has works here too."""
+    run = tmp_path / "run"
+    run.mkdir()
+    save_file({"x.w": torch.randn(4, 4), "y.w": torch.randn(3)}, run / SHARD)
+    got = shardsync.load(str(run), device_map=device_map, config=fast_config(tmp_path / "cache"))
+    assert isinstance(got, dict)
+    _bit_exact(got, load_file(run / SHARD))
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_shard_split_between_a_gpu_and_the_cpu_keeps_its_order_and_empty_tensors(

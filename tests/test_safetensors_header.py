@@ -231,6 +231,12 @@ INVALID: list[tuple[str, Mapping[str, object] | bytes, int | None, str]] = [
     ),
     ("infinity", b'{"__metadata__": {"k": Infinity}}', 0, "Infinity is not valid JSON"),
     (
+        "negative-zero",  # safetensors reads -0 as a float and refuses the file
+        b'{"a": {"dtype": "U8", "shape": [-0], "data_offsets": [-0, 0]}}',
+        0,
+        "-0",
+    ),
+    (
         "int-too-many-digits",
         b'{"a": {"dtype": "U8", "shape": [' + b"9" * 5000 + b"]}}",
         None,
@@ -655,3 +661,15 @@ def test_check_index_rejects(
     with pytest.raises(HeaderError) as info:
         check_index(weight_map, headers)
     assert str(info.value) == message
+
+
+def test_negative_zero_is_what_safetensors_refuses_too(tmp_path: Path) -> None:
+    """``-0`` is refused because the reference reader refuses it (a float to serde), while
+    Python's json reads the int 0: a file one reader loads and the other does not."""
+    raw = b'{"a": {"dtype": "U8", "shape": [-0], "data_offsets": [-0, 0]}}'
+    path = tmp_path / "zero.safetensors"
+    path.write_bytes(file_bytes(raw, 0))
+    with pytest.raises(Exception, match="-0"):
+        safetensors.torch.load_file(path)
+    with pytest.raises(HeaderError):
+        parse(raw, 0)

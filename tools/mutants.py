@@ -1392,6 +1392,20 @@ MUTANTS: tuple[Mutant, ...] = (
         "an object replaced since its SHA-256 was listed is downloaded thrice, blamed on the store",
     ),
     Mutant(
+        "torch-device-refused",
+        "shardsync/devicemap.py",
+        (("        value = str(value)  #", "        pass  #"),),
+        ("tests/test_loader_inputs.py::test_a_torch_device_is_a_device_as_in_accelerate",),
+        "a torch.device in a device map (as accelerate takes it) is refused",
+    ),
+    Mutant(
+        "negative-zero-read-as-zero",
+        "shardsync/strict_json.py",
+        (("parse_int=_integer", "parse_int=int"),),
+        ("tests/test_safetensors_header.py::test_negative_zero_is_what_safetensors_refuses_too",),
+        "a header with -0 (a float to safetensors, which refuses the file) is loaded",
+    ),
+    Mutant(
         "head-drips-for-ever",
         "shardsync/fetch/wire.py",
         (("    deadline = time.monotonic() + timeout", "    deadline = time.monotonic() + 1e9"),),
