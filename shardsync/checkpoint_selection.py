@@ -8,8 +8,10 @@ one per request from ``selection_for`` (its ``selections`` hook) and never asks 
 
 from __future__ import annotations
 
+import hashlib
 import posixpath
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -34,18 +36,29 @@ async def resolve(
     checkpoint: str = "latest",
     *,
     read: ReadSmall | None = None,
+    contents: dict[str, bytes | None] | None = None,
 ) -> Choice:
     """``training.choose`` over an origin: the small files it asks for are read by range
     (pass a listing made with ``hidden=True``: a DCP ``.metadata`` is a hidden file), by
-    ``read`` when given (``DCPReader`` reads them through the cache)."""
+    ``read`` when given (``DCPReader`` reads them through the cache), into ``contents``
+    when given (what the choice was made from)."""
     pairs = [(f.path, f.size) for f in listing.files]
-    contents: dict[str, bytes | None] = {}
+    contents = {} if contents is None else contents
     while isinstance(step := choose(pairs, checkpoint, contents), Need):
         if read is None:
             contents[step.path] = await _read_small(origin, fetcher, listing.commit, step)
         else:
             contents[step.path] = await read(step)
     return step
+
+
+def _pinned(entry: ManifestEntry, read: bytes | None) -> ManifestEntry:
+    """A file the choice was made from, read whole (a pointer, a ``.metadata``), is fetched
+    as those bytes: one saved again since (``latest`` moved on by a training job still
+    running) would name a checkpoint that was not fetched."""
+    if read is None or entry.sha256 is not None or len(read) != entry.size:
+        return entry
+    return replace(entry, sha256=hashlib.sha256(read).hexdigest())
 
 
 async def _read_small(
@@ -80,11 +93,14 @@ class CheckpointSelection:
         self._selection: RankSelection | None = None
 
     async def select(self, listing: Listing) -> Manifest:
-        choice = await resolve(self._origin, self._fetcher, listing, self._checkpoint)
+        read: dict[str, bytes | None] = {}
+        choice = await resolve(
+            self._origin, self._fetcher, listing, self._checkpoint, contents=read
+        )
         selection = select_rank(choice, self._rank, self._world_size)
         listed = {f.path: f for f in listing.files}
         entries = tuple(
-            ManifestEntry.from_remote(listed[path], "shard")
+            _pinned(ManifestEntry.from_remote(listed[path], "shard"), read.get(path))
             if path in listed
             else ManifestEntry(path, size, None, None, "shard")
             for path, size in selection.files

@@ -348,15 +348,18 @@ def _choose(tree: _Tree, r: _Resolver, wanted: str) -> Choice:
     if DEEPSPEED_LATEST in tree.sizes:
         return _with_pointer(tree, r, wanted, "deepspeed")
     trainer = sorted(d for d in tree.top_dirs() if _TRAINER_DIR.fullmatch(d))
-    if trainer:
-        return _highest(r, wanted, "trainer", trainer, r.trainer)
     dcp = tree.dcp_dirs()
+    # checkpoint-N/ is the Trainer's where one holds what it writes first or last, or no
+    # DCP folder is there (a torn run still says why); else a DCP run's name for its steps
+    marks = (TRAINER_STATE, "training_args.bin")
+    if trainer and (not dcp or any(_join(d, m) in tree.sizes for d in trainer for m in marks)):
+        return _highest(r, wanted, "trainer", trainer, r.trainer)
     if dcp:
         # DCP folders side by side of one step (accelerate's pytorch_model_fsdp_0/ and
         # optimizer_0/) are parts of one checkpoint, their parent, with its rng and scheduler
         parents = [posixpath.dirname(d) for d in dcp]
-        steps = {p: {_step(d) for d in dcp if posixpath.dirname(d) == p} for p in parents}
-        groups = {p for p in parents if parents.count(p) > 1 and len(steps[p]) == 1} - set(dcp)
+        kids = {p: [d for d in dcp if posixpath.dirname(d) == p] for p in parents}
+        groups = {p for p in parents if _parts_of_one_step(kids[p])} - set(dcp)
         named = sorted({p if p in groups else d for d, p in zip(dcp, parents, strict=True)})
         return _highest(
             r, wanted, "dcp", named, lambda d: (r.with_parts if d in groups else r.dcp)(d)
@@ -372,6 +375,20 @@ def _choose(tree: _Tree, r: _Resolver, wanted: str) -> Choice:
         "no training checkpoint found: expected a DCP folder (.metadata + __R_N.distcp), "
         f"DeepSpeed's {DEEPSPEED_LATEST}, Trainer checkpoint-N/ folders or Megatron's "
         f"{MEGATRON_TRACKER}"
+    )
+
+
+def _parts_of_one_step(folders: list[str]) -> bool:
+    """DCP folders side by side are parts of one checkpoint, not steps of a run (``step_100/``,
+    ``step_200/``), when one number ends them all, or several names end in the same numbers:
+    accelerate's ``pytorch_model_fsdp_<i>/`` and ``optimizer_<i>/``, ``i`` a model's index."""
+    if len(folders) < 2:
+        return False
+    numbers: dict[str, set[int | None]] = {}
+    for base in map(posixpath.basename, folders):
+        numbers.setdefault(_STEP.sub("", base), set()).add(_step(base))
+    return len(set().union(*numbers.values())) == 1 or (
+        len(numbers) > 1 and len({frozenset(n) for n in numbers.values()}) == 1
     )
 
 

@@ -472,29 +472,82 @@ def test_a_deepspeed_pipeline_rank_gets_every_zero_file() -> None:
     assert names(selection.files) == names(choice.files) and selection.notes
 
 
-def test_accelerates_save_state_folders_are_one_checkpoint_each(tmp_path: Path) -> None:
+@pytest.mark.parametrize("models", [1, 2])
+def test_accelerates_save_state_folders_are_one_checkpoint_each(
+    tmp_path: Path, models: int
+) -> None:
     """``accelerator.save_state`` with FSDP writes ``checkpoints/checkpoint_<i>/`` holding two
-    DCP checkpoints (the model's, the optimizer's) and its rng and scheduler states: one
-    checkpoint to resume from, whole, chosen by ``i``, its model's folder for a reader."""
+    DCP checkpoints per model (``pytorch_model_fsdp_<m>/``, ``optimizer_<m>/``) and its rng
+    and scheduler states: one checkpoint to resume from, whole, chosen by ``i``, its model's
+    folder for a reader (with several models, none: the model indices are no steps)."""
     import torch.distributed.checkpoint as dcp
 
     for step in (8, 9):
         folder = tmp_path / "checkpoints" / f"checkpoint_{step}"
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            for part in ("pytorch_model_fsdp_0", "optimizer_0"):
-                dcp.save({"w": torch.zeros(4)}, checkpoint_id=str(folder / part), no_dist=True)
+            for m in range(models):
+                for part in (f"pytorch_model_fsdp_{m}", f"optimizer_{m}"):
+                    dcp.save({"w": torch.zeros(4)}, checkpoint_id=str(folder / part), no_dist=True)
         _save(folder / "random_states_0.pkl", {"step": step})
-    (tmp_path / "checkpoints" / "checkpoint_9" / "optimizer_0" / ".metadata").unlink()  # torn
+    torn = tmp_path / "checkpoints" / "checkpoint_9" / f"optimizer_{models - 1}" / ".metadata"
+    torn.unlink()
     choice = choose_from(tmp_path)
     assert (choice.format, choice.name, choice.step) == ("dcp", "checkpoints/checkpoint_8", 8)
-    assert choice.dcp_dir == "checkpoints/checkpoint_8/pytorch_model_fsdp_0"
+    model = "checkpoints/checkpoint_8/pytorch_model_fsdp_0"
+    assert choice.dcp_dir == (model if models == 1 else None)
     assert names(choice.files) == {
         p.relative_to(tmp_path).as_posix()
         for p in (tmp_path / "checkpoints" / "checkpoint_8").rglob("*")
         if p.is_file()
     }
     assert [s.name for s in choice.skipped] == ["checkpoints/checkpoint_9"]
+
+
+def test_a_dcp_run_saved_in_checkpoint_n_folders_is_a_dcp_run(tmp_path: Path) -> None:
+    """``dcp.save`` into ``checkpoint-<step>/`` (no Trainer file in them) is a DCP run, not a
+    Trainer run refused for want of ``trainer_state.json``."""
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in (100, 200):
+            folder = str(tmp_path / f"checkpoint-{step}")
+            dcp.save({"w": torch.full((4,), float(step))}, checkpoint_id=folder, no_dist=True)
+    (tmp_path / "checkpoint-200" / ".metadata").unlink()  # torn
+    choice = choose_from(tmp_path)
+    assert (choice.format, choice.name, choice.step) == ("dcp", "checkpoint-100", 100)
+    assert [s.name for s in choice.skipped] == ["checkpoint-200"]
+
+
+def test_a_pointer_saved_again_during_the_fetch_is_no_checkpoint_fetched(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DeepSpeed's ``latest`` moves on (the run saved again) after the choice read it and
+    before its copy: fetched as it is now, it would name a tag that was not fetched and
+    DeepSpeed would load nothing. The copy is refused and nothing is kept."""
+    from shardsync.checkpoint_selection import CheckpointSelection
+    from shardsync.errors import OriginError
+
+    run = tmp_path / "run"
+    for step in (10, 20):
+        _save(run / f"global_step{step}" / "mp_rank_00_model_states.pt", {"w": torch.ones(4)})
+    (run / "latest").write_text("global_step10")
+    chosen = CheckpointSelection.select
+
+    async def select_then_save_again(self: CheckpointSelection, listing: Any) -> Any:
+        manifest = await chosen(self, listing)
+        (run / "latest").write_text("global_step20")
+        return manifest
+
+    monkeypatch.setattr(CheckpointSelection, "select", select_then_save_again)
+    config = fast_config(tmp_path / "cache")
+    with pytest.raises(OriginError):
+        _run(prefetch_checkpoint(str(run), config))
+    assert not list(config.cache_dir.glob("hub/*/snapshots/*/latest"))
+    result = _run(prefetch_checkpoint(str(run), config))  # run again: the new pointer
+    assert result.checkpoint == "global_step20"
+    assert (result.path / "latest").read_text() == "global_step20"
 
 
 def test_the_step_is_read_where_the_checkpoints_differ_and_an_unreadable_one_is_no_torn_one(

@@ -1261,8 +1261,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "shardsync/training.py",
         (
             (
-                "parents.count(p) > 1 and len(steps[p]) == 1}",
-                "parents.count(p) > 1 and len(steps[p]) == 0}",
+                "groups = {p for p in parents if _parts_of_one_step(kids[p])}",
+                "groups = {p for p in parents if False}",
             ),
         ),
         (f"{TRAINING}::test_accelerates_save_state_folders_are_one_checkpoint_each",),
@@ -1404,6 +1404,43 @@ MUTANTS: tuple[Mutant, ...] = (
         (("parse_int=_integer", "parse_int=int"),),
         ("tests/test_safetensors_header.py::test_negative_zero_is_what_safetensors_refuses_too",),
         "a header with -0 (a float to safetensors, which refuses the file) is loaded",
+    ),
+    Mutant(
+        "accelerate-models-taken-for-steps",
+        "shardsync/training.py",
+        (("len(numbers) > 1 and len({frozenset(n) for n in numbers.values()}) == 1", "False"),),
+        ("tests/test_training.py::test_accelerates_save_state_folders_are_one_checkpoint_each",),
+        "accelerate's second model's DCP folder is taken for a step: a torn step's part is chosen",
+    ),
+    Mutant(
+        "dcp-run-taken-for-trainer",
+        "shardsync/training.py",
+        (("    if trainer and (not dcp or any(", "    if trainer and (True or any("),),
+        ("tests/test_training.py::test_a_dcp_run_saved_in_checkpoint_n_folders_is_a_dcp_run",),
+        "a DCP run saved in checkpoint-N/ folders is refused as a Trainer run without its state",
+    ),
+    Mutant(
+        "pointer-not-pinned",
+        "shardsync/checkpoint_selection.py",
+        (
+            (
+                "    return replace(entry, sha256=hashlib.sha256(read).hexdigest())",
+                "    return entry",
+            ),
+        ),
+        (
+            "tests/test_training.py::test_a_pointer_saved_again_during_the_fetch_is_no_checkpoint_fetched",
+        ),
+        "a pointer saved again after the choice lands naming a checkpoint that was not fetched",
+    ),
+    Mutant(
+        "local-copy-sha256-unchecked",
+        "shardsync/origins/local.py",
+        (("if entry.sha256 is not None and fetched.sha256 != entry.sha256:", "if False:"),),
+        (
+            "tests/test_training.py::test_a_pointer_saved_again_during_the_fetch_is_no_checkpoint_fetched",
+        ),
+        "a local file copied with other bytes than the sha256 it was chosen by is published",
     ),
     Mutant(
         "head-drips-for-ever",

@@ -143,6 +143,13 @@ class LocalOrigin:
                 f"{entry.path} changed under {self.root} while it was copied "
                 f"({version} -> {now}); nothing of it was kept: run again once it is written"
             )
+        if entry.sha256 is not None and fetched.sha256 != entry.sha256:
+            # known before the copy: the bytes a training checkpoint was chosen by
+            raise OriginError(
+                f"{entry.path} changed under {self.root} since it was read (sha256 "
+                f"{entry.sha256[:12]}..., now {fetched.sha256[:12]}...); nothing of it was "
+                "kept: run again"
+            )
         progress(fetched.size)
         return fetched
 
