@@ -12,7 +12,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 from aiohttp import web
-from helpers import fast_config, range_server
+from helpers import fast_config, handler_at, range_server
 
 from shardsync.cache import CacheStore
 from shardsync.errors import ProtocolError
@@ -194,10 +194,13 @@ def test_joined_throttles_each_hear_every_read_and_the_longer_pause_wins() -> No
     assert joined(cap, None) is cap and joined(None, lead) is lead and joined(None, None) is None
 
 
-async def test_a_throttle_hold_longer_than_the_timeouts_times_nothing_out(tmp_path: Path) -> None:
+@pytest.mark.parametrize("chunked", [False, True], ids=["pump", "aiohttp"])
+async def test_a_throttle_hold_longer_than_the_timeouts_times_nothing_out(
+    tmp_path: Path, chunked: bool
+) -> None:
     """A throttle (a pace catching up) holds the file's reads for 2 s, longer than the read
     timeout and the watchdog's window: no server was silent or slow, so no connection is
-    dropped for it."""
+    dropped for it, on the pump's body path and on aiohttp's (chunked answers, proxies)."""
     data = os.urandom(8 << 20)
     held_until: list[float] = []
 
@@ -218,7 +221,8 @@ async def test_a_throttle_hold_longer_than_the_timeouts_times_nothing_out(tmp_pa
         min_throughput=256 << 10,
         throughput_window=1.0,
     ).fetch
-    async with range_server(data, send) as base, aiohttp.ClientSession() as session:
+    server = range_server(data, send, chunked=chunked)
+    async with server as base, aiohttp.ClientSession() as session:
         fetcher = Fetcher(session, settings, throttle=hold)
         request = BlobRequest(
             url=base + "model.safetensors",
@@ -231,3 +235,39 @@ async def test_a_throttle_hold_longer_than_the_timeouts_times_nothing_out(tmp_pa
             verified = await fetcher.fetch(request, slot)
     assert held_until and verified.verified == "sha256" and verified.downloaded == len(data)
     assert fetcher.statistics().retries == {}
+
+
+async def test_the_size_probe_is_retried_as_every_request_of_a_file(tmp_path: Path) -> None:
+    """A HEAD without a length sends a one-byte GET to learn it; a 503 to that (with
+    ``Retry-After: 0``) is asked again, as any request of a file is, not the file's end."""
+    data = os.urandom(1 << 20)
+    refused: list[str] = []
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        if request.method == "HEAD":  # chunked: no Content-Length
+            head = web.StreamResponse(headers={"ETag": '"v1"'})
+            head.enable_chunked_encoding()
+            await head.prepare(request)
+            return head
+        ranged = request.headers["Range"]
+        if ranged == "bytes=0-0" and not refused:
+            refused.append(ranged)
+            return web.Response(status=503, headers={"Retry-After": "0"})
+        first, _, last = ranged.removeprefix("bytes=").partition("-")
+        start, end = int(first), min(int(last), len(data) - 1)
+        headers = {"ETag": '"v1"', "Content-Range": f"bytes {start}-{end}/{len(data)}"}
+        return web.Response(status=206, body=data[start : end + 1], headers=headers)
+
+    async with handler_at(handle) as base, aiohttp.ClientSession() as session:
+        fetcher = Fetcher(session, fast_config(tmp_path).fetch)
+        request = BlobRequest(
+            url=base + "model.safetensors",
+            headers={},
+            label="f",
+            size=None,
+            sha256=hashlib.sha256(data).hexdigest(),
+        )
+        async with Slot(CacheStore(tmp_path), "k" * 64) as slot:
+            verified = await fetcher.fetch(request, slot)
+    assert refused == ["bytes=0-0"]
+    assert verified.verified == "sha256" and verified.downloaded == len(data)

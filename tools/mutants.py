@@ -100,7 +100,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "        pass\n",
             ),
             (
-                "if state.etag is not None and etag is not None and etag != state.etag:",
+                "if state.tag is not None and tag is not None and tag != state.tag:",
                 "if False:",
             ),
         ),
@@ -215,7 +215,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "shardsync/fetch/answers.py",
         (
             (
-                "if state.etag is not None and etag is not None and etag != state.etag:",
+                "if state.tag is not None and tag is not None and tag != state.tag:",
                 "if False:",
             ),
         ),
@@ -1441,6 +1441,39 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/test_training.py::test_a_pointer_saved_again_during_the_fetch_is_no_checkpoint_fetched",
         ),
         "a local file copied with other bytes than the sha256 it was chosen by is published",
+    ),
+    Mutant(
+        "weak-etags-not-compared",
+        "shardsync/fetch/answers.py",
+        (("    tag = opaque_tag(etag)\n", "    tag = etag if is_strong_etag(etag) else None\n"),),
+        (
+            "tests/adversarial/test_hostile_server.py::test_an_object_replaced_under_weak_etags_is_never_published_mixed",
+        ),
+        "an object replaced under weak ETags mid-download is published as a mix of both",
+    ),
+    Mutant(
+        "aiohttp-throttle-counted-as-stall",
+        "shardsync/fetch/body_aiohttp.py",
+        (
+            (
+                "        watchdog = Watchdog(lambda: self._clock() - held, cfg)",
+                "        watchdog = Watchdog(self._clock, cfg)",
+            ),
+        ),
+        ("tests/test_fetch.py::test_a_throttle_hold_longer_than_the_timeouts_times_nothing_out",),
+        "on aiohttp's body path the throttle's pauses count as a slow server: a cap is a stall",
+    ),
+    Mutant(
+        "size-probe-not-retried",
+        "shardsync/fetch/fetcher.py",
+        (
+            (
+                "        return await self._retried(label, once)\n\n    def _open_body",
+                "        return await once()\n\n    def _open_body",
+            ),
+        ),
+        ("tests/test_fetch.py::test_the_size_probe_is_retried_as_every_request_of_a_file",),
+        "one 503 to the one-byte GET that learns a file's size ends the file",
     ),
     Mutant(
         "head-drips-for-ever",

@@ -64,6 +64,7 @@ __all__ = [
     "is_retryable_exception",
     "malformed",
     "next_page",
+    "opaque_tag",
     "proxy_refused",
     "range_headers",
     "retry_cause",
@@ -109,11 +110,14 @@ class Relocate(Exception):
 
 class Bound(Protocol):
     """The object a file's Range requests are bound to: its size and the ETag first seen
-    (set by the first answer with a strong one when none was known). Answers are checked on
-    the event loop and in worker threads: ``etag`` is read and set under ``etag_lock``."""
+    (set by the first answer with a strong one when none was known), and ``tag``, the first
+    entity tag seen, weak too, for comparing answers (a weak tag binds no request, but
+    another one is another object). Answers are checked on the event loop and in worker
+    threads: ``etag`` and ``tag`` are read and set under ``etag_lock``."""
 
     size: int
     etag: str | None
+    tag: str | None
     etag_lock: threading.Lock
 
 
@@ -203,12 +207,20 @@ def check_whole_answer(header: Header, label: str, state: Bound, length: int | N
 
 
 def _same_object(state: Bound, etag: str | None, *, single_stream: bool) -> None:
-    """Hold every answer to the ETag first seen (a strong one is kept for the rest)."""
+    """Hold every answer to the entity tag first seen, compared weakly (``W/"v1"`` is
+    ``"v1"``); a strong one is kept to bind the requests after it."""
+    tag = opaque_tag(etag)
     with state.etag_lock:  # heads are checked on the loop and in wire threads
-        if state.etag is not None and etag is not None and etag != state.etag:
+        if state.tag is not None and tag is not None and tag != state.tag:
             raise Restart("ETag changed", etag=etag, single_stream=single_stream)
+        state.tag = state.tag or tag
         if state.etag is None and is_strong_etag(etag):
             state.etag = etag
+
+
+def opaque_tag(etag: str | None) -> str | None:
+    """An entity tag without its weak mark, for weak comparison (RFC 9110, 8.8.3.2)."""
+    return None if etag is None else etag.removeprefix("W/")
 
 
 def check_encoding(header: Header, label: str) -> None:

@@ -113,7 +113,8 @@ class AiohttpBody:
         queued = start  # being written before ``queued``
         trusted = claimed = written = start  # framing checked; counted as done; on disk
         writing: asyncio.Future[None] | None = None
-        watchdog = Watchdog(self._clock, cfg)
+        held = 0.0  # paused by the throttle: neither silence nor under ``min_throughput``
+        watchdog = Watchdog(lambda: self._clock() - held, cfg)
 
         async def settle() -> None:
             nonlocal writing, written
@@ -169,7 +170,9 @@ class AiohttpBody:
                 if self._throttle is not None:
                     pause = self._throttle(len(piece))
                     while pause > 0:
+                        paused = self._clock()
                         await asyncio.sleep(pause)
+                        held += self._clock() - paused
                         pause = self._throttle(0)
                 pieces.append(piece)
                 n = len(piece)

@@ -24,8 +24,10 @@ import dataclasses
 import ssl
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
+from functools import partial
 from pathlib import Path
+from typing import TypeVar
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -75,6 +77,8 @@ from shardsync.retry import Backoff
 from shardsync.slot import Slot
 
 __all__ = ["Fetcher", "IntoSlot"]
+
+_T = TypeVar("_T")
 
 _AheadKey = tuple[str, tuple[tuple[str, str], ...]]
 
@@ -156,25 +160,22 @@ class Fetcher:
         """``get_bytes`` for one page of a paginated listing, and the next page's URL
         (``Link: <...>; rel="next"``), which must stay on the same scheme, host and port:
         the request carries credentials."""
-        backoff = Backoff(self.config.retry)
-        while True:
-            try:
-                async with self._http.request("GET", url, headers, metadata=True) as resp:
-                    if resp.status == 200:
-                        declared = resp.content_length
-                        if declared is not None and declared > max_size:
-                            raise ProtocolError(f"{label}: {declared} bytes exceeds {max_size}")
-                        body = bytearray()
-                        async for piece in resp.content.iter_chunked(64 * 1024):
-                            body += piece
-                            if len(body) > max_size:
-                                raise ProtocolError(f"{label}: body exceeds {max_size} bytes")
-                        return bytes(body), next_page(url, resp, label)
-                    await self._http.raise_for_status(resp, label)
-            except RetryLater as later:
-                await self._backoff_or_raise(later, label, backoff, later.after)
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                await self._backoff_or_raise(exc, label, backoff, None)
+
+        async def once() -> tuple[bytes, str | None]:
+            async with self._http.request("GET", url, headers, metadata=True) as resp:
+                if resp.status == 200:
+                    declared = resp.content_length
+                    if declared is not None and declared > max_size:
+                        raise ProtocolError(f"{label}: {declared} bytes exceeds {max_size}")
+                    body = bytearray()
+                    async for piece in resp.content.iter_chunked(64 * 1024):
+                        body += piece
+                        if len(body) > max_size:
+                            raise ProtocolError(f"{label}: body exceeds {max_size} bytes")
+                    return bytes(body), next_page(url, resp, label)
+                await self._http.raise_for_status(resp, label)
+
+        return await self._retried(label, once)
 
     async def read_range(self, request: BlobRequest, start: int, end: int) -> bytes:
         """Bytes [start, end) of a file (e.g. a safetensors header), retried like the rest.
@@ -182,30 +183,27 @@ class Fetcher:
         Only a 206 for exactly the asked range is accepted, or a 200 whose body we cut
         to the range (a server that ignores Range); a short file gives what it has.
         """
-        backoff = Backoff(self.config.retry)
-        while True:
-            try:
-                located = await self.locate(request)
-                headers = {**located.headers, "Range": format_range(start, end - 1)}
-                async with self._http.request("GET", located.url, headers) as resp:
-                    if resp.status == 206:
-                        cr = parse_content_range(resp.headers.get("Content-Range", ""))
-                        if cr is None or cr.start != start:
-                            raise ProtocolError(
-                                f"{request.label}: asked for bytes {start}-{end - 1}, got "
-                                f"Content-Range {resp.headers.get('Content-Range')!r}"
-                            )
-                        return await _read_at_most(resp, min(end, cr.end + 1) - start)
-                    if resp.status == 200:
-                        await _read_at_most(resp, start)  # skip what precedes the range
-                        return await _read_at_most(resp, end - start)
-                    if resp.status == 416:
-                        return b""
-                    await self._http.raise_for_status(resp, request.label)
-            except RetryLater as later:
-                await self._backoff_or_raise(later, request.label, backoff, later.after)
-            except (aiohttp.ClientError, TimeoutError, ProtocolError) as exc:
-                await self._backoff_or_raise(exc, request.label, backoff, None)
+
+        async def once() -> bytes:
+            located = await self.locate(request)
+            headers = {**located.headers, "Range": format_range(start, end - 1)}
+            async with self._http.request("GET", located.url, headers) as resp:
+                if resp.status == 206:
+                    cr = parse_content_range(resp.headers.get("Content-Range", ""))
+                    if cr is None or cr.start != start:
+                        raise ProtocolError(
+                            f"{request.label}: asked for bytes {start}-{end - 1}, got "
+                            f"Content-Range {resp.headers.get('Content-Range')!r}"
+                        )
+                    return await _read_at_most(resp, min(end, cr.end + 1) - start)
+                if resp.status == 200:
+                    await _read_at_most(resp, start)  # skip what precedes the range
+                    return await _read_at_most(resp, end - start)
+                if resp.status == 416:
+                    return b""
+                await self._http.raise_for_status(resp, request.label)
+
+        return await self._retried(request.label, once, ProtocolError)
 
     def locate_ahead(self, request: BlobRequest) -> None:
         """Start ``locate(request)`` now, for the next ``fetch`` of the same request to take
@@ -242,14 +240,25 @@ class Fetcher:
 
     async def locate(self, request: BlobRequest) -> Located:
         """HEAD the origin URL, following redirects by hand so credentials stay home."""
+        return await self._retried(request.label, partial(self._locate_once, request))
+
+    async def _retried(
+        self,
+        label: str,
+        once: Callable[[], Awaitable[_T]],
+        *also: type[Exception],
+    ) -> _T:
+        """``once()`` again, with backoff and ``Retry-After``, while it fails as a retry may
+        mend (``RetryLater``, a dropped connection, a timeout, and ``also``)."""
         backoff = Backoff(self.config.retry)
+        failed: tuple[type[Exception], ...] = (aiohttp.ClientError, TimeoutError, *also)
         while True:
             try:
-                return await self._locate_once(request)
+                return await once()
             except RetryLater as later:
-                await self._backoff_or_raise(later, request.label, backoff, later.after)
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                await self._backoff_or_raise(exc, request.label, backoff, None)
+                await self._backoff_or_raise(later, label, backoff, later.after)
+            except failed as exc:
+                await self._backoff_or_raise(exc, label, backoff, None)
 
     async def _locate_once(self, request: BlobRequest) -> Located:
         if request.locator is not None:
@@ -358,16 +367,23 @@ class Fetcher:
             raise
 
     async def _probe_size(self, located: Located, label: str) -> int:
-        """Origins that omit Content-Length on HEAD: ask for one byte and read the total."""
+        """Origins that omit Content-Length on HEAD: ask for one byte and read the total
+        (retried as every request of a file is: a 503 here is no answer yet)."""
         headers = {**located.headers, "Range": format_range(0, 0)}
-        async with self._http.request("GET", located.url, headers) as resp:
-            if resp.status == 206:
-                cr = parse_content_range(resp.headers.get("Content-Range", ""))
-                if cr is not None and cr.total is not None:
-                    return cr.total
-            if resp.status == 200 and resp.content_length is not None:
-                return resp.content_length
-        raise ProtocolError(f"{label}: the origin does not say how large the file is")
+
+        async def once() -> int:
+            async with self._http.request("GET", located.url, headers) as resp:
+                if resp.status == 206:
+                    cr = parse_content_range(resp.headers.get("Content-Range", ""))
+                    if cr is not None and cr.total is not None:
+                        return cr.total
+                if resp.status == 200 and resp.content_length is not None:
+                    return resp.content_length
+                if resp.status >= 300:
+                    await self._http.raise_for_status(resp, label)
+            raise ProtocolError(f"{label}: the origin does not say how large the file is")
+
+        return await self._retried(label, once)
 
     def _open_body(self, url: str, landing: Landing, whole_only: bool) -> Body:
         """A file's body path: the pump on direct http(s) connections, else aiohttp (through

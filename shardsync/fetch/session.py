@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator, Mapping
 from contextlib import AbstractAsyncContextManager as AsyncContextManager
-from typing import Any
+from typing import Any, NoReturn
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -144,7 +144,7 @@ class Session:
 
     async def raise_for_status(
         self, resp: aiohttp.ClientResponse, label: str, *, relocatable: bool = False
-    ) -> None:
+    ) -> NoReturn:
         """Turn a non-success answer into an exception (retryable ones as ``RetryLater``)."""
         body = b""
         with contextlib.suppress(Exception):

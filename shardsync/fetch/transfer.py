@@ -27,6 +27,7 @@ from shardsync.fetch.answers import (
     Relocate,
     Restart,
     RetryLater,
+    opaque_tag,
     range_headers,
 )
 from shardsync.fetch.body import Body, FileWork, Landing, OpenBody, Traffic
@@ -64,6 +65,7 @@ class FileState:
     etag: str | None
     done: RangeSet
     single_stream: bool
+    tag: str | None = None  # the entity tag first seen, weak too (``answers.Bound``)
     downloaded: int = 0
     closing: bool = False  # the connections are done: the record keeper stops
     progressed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -148,7 +150,14 @@ class FileDownload:
         resumed = done.total()
         if tally.resumed is None:
             tally.resumed = resumed
-        state = FileState(fd=fd, size=size, etag=etag, done=done, single_stream=single_stream)
+        state = FileState(
+            fd=fd,
+            size=size,
+            etag=etag,
+            done=done,
+            single_stream=single_stream,
+            tag=opaque_tag(located.etag),
+        )
         state.keeper = RecordKeeper(
             record, done, self.config.sidecar_bytes, partial(_resumable, request, state)
         )

@@ -271,6 +271,42 @@ async def test_a_whole_get_of_another_etag_than_located_is_asked_again(
     assert_store_verified(tmp_path, FILES)
 
 
+async def test_an_object_replaced_under_weak_etags_is_never_published_mixed(
+    tmp_path: Path, body_path: BodyPath
+) -> None:
+    """Weak ETags (Express's and serve-static's default) bind no request, but another one is
+    another object: replaced at the same size after a few ranges, the answers say
+    ``W/"v2"`` and the file starts over, never one of both objects' bytes."""
+    other = SHARD[:16] + os.urandom(len(SHARD) - 16)
+    served = {"ranges": 0}
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        data = FILES.get(request.match_info["name"])
+        if data is None:
+            return web.Response(status=404)
+        etag = 'W/"v1"'
+        if data is SHARD and served["ranges"] >= 2:
+            data, etag = other, 'W/"v2"'
+        headers = {"ETag": etag, "Accept-Ranges": "bytes"}
+        if request.method == "HEAD":
+            return web.Response(headers={**headers, "Content-Length": str(len(data))})
+        ranged = request.headers.get("Range")
+        if not ranged:
+            return web.Response(body=data, headers=headers)
+        first, _, last = ranged.removeprefix("bytes=").partition("-")
+        start, end = int(first), min(int(last), len(data) - 1)
+        if data is SHARD:
+            served["ranges"] += 1
+        headers["Content-Range"] = f"bytes {start}-{end}/{len(data)}"
+        return web.Response(status=206, body=data[start : end + 1], headers=headers)
+
+    async with handler_at(handle) as base:
+        result = await prefetch(base, config(tmp_path, body_path))
+    assert served["ranges"] >= 2
+    assert (result.snapshot_path / "model.safetensors").read_bytes() == other
+    assert_store_verified(tmp_path, {**FILES, "model.safetensors": other})
+
+
 def one_byte(request: web.Request, data: bytes, start: int, end: int) -> web.Response:
     return web.Response(
         status=206,
