@@ -424,6 +424,16 @@ def parse_index(data: bytes, *, path: str) -> IndexInfo:
     )
 
 
+def _fits(weights: RemoteFile) -> RemoteFile:
+    """An index the listing says is over ``MAX_JSON_BYTES`` is refused before a byte of it
+    is fetched: a hostile repo's would be downloaded, stored and linked first."""
+    if weights.path.endswith(".index.json") and (weights.size or 0) > MAX_JSON_BYTES:
+        raise ManifestError(
+            f"{weights.path}: {weights.size} bytes, over the {MAX_JSON_BYTES} byte limit"
+        )
+    return weights
+
+
 def select_weights(listing: Listing, *, allow_pickle: bool = False) -> RemoteFile:
     """Pick the checkpoint to fetch: safetensors always wins over pickle.
 
@@ -435,12 +445,12 @@ def select_weights(listing: Listing, *, allow_pickle: bool = False) -> RemoteFil
     by_path = {f.path: f for f in listing.files}
     for name in (SAFETENSORS_INDEX, SAFETENSORS_SINGLE):
         if name in by_path:
-            return by_path[name]
+            return _fits(by_path[name])
     top_level = sorted(p for p in by_path if "/" not in p)
     for suffix in (_SAFETENSORS_INDEX_SUFFIX, ".safetensors"):
         candidates = [p for p in top_level if p.endswith(suffix)]
         if len(candidates) == 1:
-            return by_path[candidates[0]]
+            return _fits(by_path[candidates[0]])
         if len(candidates) > 1:
             raise ManifestError(
                 f"ambiguous weights: several top-level *{suffix} files and no "
@@ -449,7 +459,7 @@ def select_weights(listing: Listing, *, allow_pickle: bool = False) -> RemoteFil
     pickles = [by_path[name] for name in (PICKLE_INDEX, PICKLE_SINGLE) if name in by_path]
     if pickles:
         if allow_pickle:
-            return pickles[0]
+            return _fits(pickles[0])
         raise ManifestError(
             f"the repository only has pickle weights ({pickles[0].path}); pickle can run "
             "code when loaded, so it is refused unless allowed: `shardsync prefetch "

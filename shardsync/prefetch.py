@@ -26,6 +26,7 @@ from shardsync.events import Verified
 from shardsync.fetch.fetcher import Fetcher, IntoSlot
 from shardsync.fetch.request import Sleep, Throttle, Turn
 from shardsync.manifest import (
+    MAX_JSON_BYTES,
     Listing,
     Manifest,
     ManifestEntry,
@@ -63,7 +64,6 @@ def _open_gate(entry: ManifestEntry, position: int) -> AbstractAsyncContextManag
     return contextlib.nullcontext()
 
 
-_MAX_INDEX = 64 << 20
 _SMALL_AT_ONCE = 4  # small files fetched at once, besides ``max_files`` large ones
 _TIER_RETRY_S = 0.1  # seconds before the tier client's one retry of a request
 _ORIGINS = 64  # origins an engine keeps, for the sources asked again
@@ -433,7 +433,7 @@ class Job:
             self.sink.add_file(entry.path, entry.size)
             record, self._outcomes[entry.path] = await self._obtain(entry)
             self._records[entry.path] = record
-            data = await self.store.read_blob(record.sha256, _MAX_INDEX)
+            data = await self.store.read_blob(record.sha256, MAX_JSON_BYTES + 1)
             index = parse_index(data, path=entry.path)
         self._manifest = build_manifest(listing, index, weights, include=include, exclude=exclude)
         return self._manifest

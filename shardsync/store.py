@@ -14,7 +14,6 @@ from pathlib import Path
 
 from shardsync.cache import CacheStore
 from shardsync.digest import Digest
-from shardsync.errors import CacheError
 from shardsync.layout import CacheLayout
 from shardsync.manifest import ManifestEntry
 from shardsync.records import RepoRef, SnapshotRecord, VerifiedFile
@@ -57,15 +56,11 @@ class AsyncStore:
         return await asyncio.to_thread(missing)
 
     async def read_blob(self, sha256: str, cap: int) -> bytes:
-        """A small blob's bytes (an index), at most ``cap`` of them."""
+        """A small blob's first ``cap`` bytes (an index: its parser refuses one too long)."""
 
         def read() -> bytes:
-            path = self.sync.blob_path(sha256)
-            with path.open("rb") as f:
-                data = f.read(cap + 1)
-            if len(data) > cap:
-                raise CacheError(f"{path} is larger than {cap} bytes")
-            return data
+            with self.sync.blob_path(sha256).open("rb") as f:
+                return f.read(cap)
 
         return await asyncio.to_thread(read)
 

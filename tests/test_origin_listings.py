@@ -269,3 +269,30 @@ async def test_a_pickle_checkpoint_from_a_plain_url(tmp_path: Path) -> None:
     for name, path in files.items():
         assert (result.snapshot_path / name).read_bytes() == path.read_bytes()
     assert_store_verified(config.cache_dir, src)
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "http://alice:s3cretpw@127.0.0.1:9/models/tiny/",
+        "http://[::1/models/",
+        "http://127.0.0.1:port/models/",
+    ],
+    ids=["credentials", "bad-ipv6", "bad-port"],
+)
+def test_a_url_source_that_cannot_be_one_is_refused_as_such(tmp_path: Path, source: str) -> None:
+    """A password in a base URL (``user:password@``) would be kept wherever the source is:
+    job lists, the daemon's journal, logs, the cache's folder names; a URL that does not
+    parse was a traceback. Each is refused (exit 2, one line) before any request, and no
+    output shows the password."""
+    done = subprocess.run(
+        [sys.executable, "-m", "shardsync.cli", "prefetch", source, "--json"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "SHARDSYNC_CACHE_DIR": str(tmp_path / "cache")},
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert "s3cretpw" not in done.stdout + done.stderr
+    assert not any("s3cretpw" in str(p) for p in tmp_path.rglob("*"))

@@ -27,6 +27,7 @@ from shardsync.digest import Digest
 from shardsync.errors import (
     AuthError,
     IntegrityError,
+    ManifestError,
     OfflineError,
     RepoNotFoundError,
     RevisionNotFoundError,
@@ -323,6 +324,25 @@ async def test_hostile_weight_map_refused_before_any_request(
         # (HEADs only): no body byte of a shard was asked for
         asked = {(r.file, r.method) for r in hub.log if r.file != "model.safetensors.index.json"}
         assert asked <= {(None, "GET"), ("model-00001-of-00001.safetensors", "HEAD")}
+
+
+async def test_an_index_larger_than_any_is_refused_before_a_byte_of_it(
+    checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    """The listing gives the index's size: one over 64 MiB (a hostile repo's, 65 MiB here)
+    is a ``ManifestError`` (exit 5) before it is fetched, not gigabytes downloaded, stored
+    and linked, then a ``CacheError``."""
+    index = {"metadata": {}, "weight_map": {"a.weight": "model-00001-of-00001.safetensors"}}
+    padded = json.dumps(index).encode() + b" " * (65 << 20)
+    files = {
+        "model.safetensors.index.json": padded,
+        "model-00001-of-00001.safetensors": checkpoint.path(checkpoint.shards[0]).read_bytes(),
+    }
+    async with FakeHub() as hub:
+        hub.add_repo("acme/huge-index", files)
+        with pytest.raises(ManifestError):
+            await prefetch("acme/huge-index", fast_config(tmp_path, hub.endpoint))
+        assert hub.bytes_served("*.index.json") == 0
 
 
 async def test_hf_reads_our_cache_offline(hub: FakeHub, tmp_path: Path) -> None:

@@ -1476,6 +1476,38 @@ MUTANTS: tuple[Mutant, ...] = (
         "one 503 to the one-byte GET that learns a file's size ends the file",
     ),
     Mutant(
+        "url-credentials-kept",
+        "shardsync/origins/http.py",
+        (
+            (
+                "        if parts.username is not None or parts.password is not None:",
+                "        if False:",
+            ),
+        ),
+        (
+            "tests/test_origin_listings.py::test_a_url_source_that_cannot_be_one_is_refused_as_such",
+            "tests/test_daemon.py::test_malformed_requests_get_4xx_with_a_message",
+        ),
+        "a password in a base URL is kept in outputs, job lists and the cache's folder names",
+    ),
+    Mutant(
+        "bad-url-a-traceback",
+        "shardsync/origins/http.py",
+        (("        except ValueError as exc:  #", "        except ZeroDivisionError as exc:  #"),),
+        (
+            "tests/test_origin_listings.py::test_a_url_source_that_cannot_be_one_is_refused_as_such",
+            "tests/test_daemon.py::test_malformed_requests_get_4xx_with_a_message",
+        ),
+        "a URL that does not parse is a traceback (exit 1) and the daemon's 500",
+    ),
+    Mutant(
+        "huge-index-fetched",
+        "shardsync/manifest.py",
+        (("and (weights.size or 0) > MAX_JSON_BYTES:", "and False:"),),
+        ("tests/test_prefetch.py::test_an_index_larger_than_any_is_refused_before_a_byte_of_it",),
+        "an index listed as over 64 MiB is downloaded, stored and linked before it is refused",
+    ),
+    Mutant(
         "head-drips-for-ever",
         "shardsync/fetch/wire.py",
         (("    deadline = time.monotonic() + timeout", "    deadline = time.monotonic() + 1e9"),),

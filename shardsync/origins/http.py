@@ -13,6 +13,7 @@ from shardsync.errors import (
     EntryNotFoundError,
     ManifestError,
     first_error,
+    redact,
 )
 from shardsync.fetch.request import BlobRequest
 from shardsync.manifest import Listing, RemoteFile, validate_name
@@ -51,11 +52,21 @@ class UrlOrigin(RequestOrigin):
 
     @classmethod
     def from_url(cls, url: str, *, token: str | None = None) -> UrlOrigin:
-        parts = urlsplit(url)
+        try:
+            parts = urlsplit(url)
+            parts.port  # noqa: B018  (a port that is no number raises here)
+        except ValueError as exc:  # "http://[::1", "http://h:port"
+            raise ConfigError(f"not a usable URL: {redact(url)!r} ({exc})") from None
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ConfigError(f"not an http(s) URL: {url!r}")
+            raise ConfigError(f"not an http(s) URL: {redact(url)!r}")
         if parts.query or parts.fragment:
-            raise ConfigError(f"base URL must not have a query or fragment: {url!r}")
+            raise ConfigError(f"base URL must not have a query or fragment: {redact(url)!r}")
+        if parts.username is not None or parts.password is not None:
+            # a source is kept in job lists, the journal, logs and the cache's folder names
+            raise ConfigError(
+                f"a base URL must not carry credentials (user:password@): {redact(url)!r}; "
+                "the origin takes a bearer token (token=) instead"
+            )
         base = url if url.endswith("/") else url + "/"
         return cls(base=base, token=token)
 
