@@ -100,7 +100,7 @@ class PriorityGate:
             except asyncio.CancelledError:
                 if waiter.future.done() and not waiter.future.cancelled():
                     self._release()  # the slot was handed over just as we were cancelled
-                else:
+                elif waiter in self._waiters:  # else a wake dropped it, cancelled, already
                     self._waiters.remove(waiter)
                 raise
         try:

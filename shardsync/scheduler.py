@@ -25,7 +25,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AbstractAsyncContextManager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol
 
 from shardsync.api import JobRequest, error_code, error_info, result_to_json
@@ -560,7 +560,9 @@ class Scheduler:
             async for event in other.events.follow():
                 match event:
                     case JobDone():
-                        job.result, job.selection = other.result, other.selection
+                        job.selection = other.selection
+                        if other.result is not None:  # the snapshot's, at this job's revision
+                            job.result = replace(other.result, revision=job.revision)
                         self._finish_done(job)
                         return True
                     case JobFailed(error=error):

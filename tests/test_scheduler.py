@@ -207,6 +207,29 @@ async def test_priority_gate_survives_cancelled_waiters() -> None:
         assert gate.waiting == 0
 
 
+async def test_a_waiter_cancelled_as_a_slot_frees_stays_a_cancel() -> None:
+    """A slot freed and its waiter's job cancelled in one loop turn (a DELETE, a SIGTERM):
+    the wake drops the cancelled waiter, and the cancel is still a cancel, not the
+    ``ValueError`` that made the job ``failed`` (``internal``) and left the journal."""
+    gate = PriorityGate(1)
+    hold = gate.admit(lambda: 0)
+    await hold.__aenter__()
+
+    async def wait() -> None:
+        async with gate.admit(lambda: 0):
+            pass
+
+    doomed = asyncio.create_task(wait())
+    await asyncio.sleep(0)
+    assert gate.waiting == 1
+    await hold.__aexit__(None, None, None)  # the slot frees: a wake is scheduled
+    doomed.cancel()  # in the same turn
+    with pytest.raises(asyncio.CancelledError):
+        await doomed
+    async with gate.admit(lambda: 0):  # the slot came back
+        assert gate.waiting == 0
+
+
 def test_token_bucket_charges_the_rate() -> None:
     now = [0.0]
     paused = 0.0
@@ -433,6 +456,8 @@ async def test_a_revision_naming_a_running_commit_follows_that_job(
     assert created
     done = [await _done(by_branch), await _done(by_commit)]
     assert done[0].result["snapshot_path"] == done[1].result["snapshot_path"]
+    # each as its own prefetch would say, whichever job followed the other
+    assert [d.result["revision"] for d in done] == ["main", commit]
     assert {by_branch.merged_into, by_commit.merged_into} - {None} <= {by_branch.id, by_commit.id}
     assert (by_branch.merged_into is None) != (by_commit.merged_into is None)
     follower = by_commit if by_commit.merged_into else by_branch

@@ -1508,6 +1508,25 @@ MUTANTS: tuple[Mutant, ...] = (
         "an index listed as over 64 MiB is downloaded, stored and linked before it is refused",
     ),
     Mutant(
+        "gate-cancel-race",
+        "shardsync/limits.py",
+        (("                elif waiter in self._waiters:  #", "                else:  #"),),
+        ("tests/test_scheduler.py::test_a_waiter_cancelled_as_a_slot_frees_stays_a_cancel",),
+        "a job cancelled as its file's slot frees fails as 'internal' and leaves the journal",
+    ),
+    Mutant(
+        "follower-revision-borrowed",
+        "shardsync/scheduler.py",
+        (
+            (
+                "job.result = replace(other.result, revision=job.revision)",
+                "job.result = other.result",
+            ),
+        ),
+        ("tests/test_scheduler.py::test_a_revision_naming_a_running_commit_follows_that_job",),
+        "a job that follows another reports the other job's revision",
+    ),
+    Mutant(
         "head-drips-for-ever",
         "shardsync/fetch/wire.py",
         (("    deadline = time.monotonic() + timeout", "    deadline = time.monotonic() + 1e9"),),
