@@ -77,6 +77,22 @@ class Journal:
         return jobs
 
     async def save(self, records: list[dict[str, Any]]) -> None:
-        """Replace the journal with ``records``; durable when this returns."""
-        data = json.dumps({"format": _FORMAT, "jobs": records}, indent=1).encode() + b"\n"
+        """Replace the journal with ``records``; durable when this returns. Past what
+        ``load`` reads (``_MAX_SIZE``) the last records are left out, with a warning: a
+        journal too large to load would be set aside whole, and resume none."""
+        kept = records
+        while True:
+            document = {"format": _FORMAT, "jobs": kept}
+            data = json.dumps(document, ensure_ascii=False, indent=1).encode() + b"\n"
+            if len(data) <= _MAX_SIZE or not kept:
+                break
+            kept = kept[: len(kept) * _MAX_SIZE // len(data)]  # fewer each time
+        if len(kept) < len(records):
+            log.warning(
+                "the job journal holds %d of %d unfinished jobs (%d bytes at most): the rest "
+                "are not resumed after a restart",
+                len(kept),
+                len(records),
+                _MAX_SIZE,
+            )
         await self._store.write_state_file(*layout.JOURNAL, data=data)

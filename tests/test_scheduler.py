@@ -668,6 +668,27 @@ async def test_a_corrupt_journal_is_set_aside(tmp_path: Path) -> None:
     assert sorted(p.name.split("-")[0] for p in listing) == ["jobs.json.corrupt"]
 
 
+async def test_a_journal_too_large_to_load_is_never_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Jobs whose records pass what ``load`` reads (16 MiB; 64 KiB here, with requests of
+    non-ASCII globs, which ``\\uXXXX`` tripled): the journal keeps the first that fit,
+    where it was written whole, set aside as corrupt at the restart, and resumed none."""
+    from shardsync import journal as journal_module
+
+    monkeypatch.setattr(journal_module, "_MAX_SIZE", 64 << 10)
+    journal = Journal(AsyncStore(CacheStore(tmp_path)))
+    records = [
+        {"id": f"{i:016x}", "request": {"source": REPO, "include": ["größe-ß*"] * 200}}
+        for i in range(40)
+    ]
+    await journal.save(records)
+    loaded = await journal.load()
+    assert 0 < len(loaded) < len(records)
+    assert loaded == records[: len(loaded)]
+    assert journal.path.stat().st_size <= 64 << 10
+
+
 async def test_a_journal_nested_too_deep_to_read_is_set_aside(tmp_path: Path) -> None:
     journal = Journal(AsyncStore(CacheStore(tmp_path)))
     journal.path.parent.mkdir(parents=True)

@@ -1527,6 +1527,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "a job that follows another reports the other job's revision",
     ),
     Mutant(
+        "journal-written-whole",
+        "shardsync/journal.py",
+        (("            if len(data) <= _MAX_SIZE or not kept:", "            if True:"),),
+        ("tests/test_scheduler.py::test_a_journal_too_large_to_load_is_never_written",),
+        "a journal past what load reads is written whole, set aside at restart: no job resumes",
+    ),
+    Mutant(
         "head-drips-for-ever",
         "shardsync/fetch/wire.py",
         (("    deadline = time.monotonic() + timeout", "    deadline = time.monotonic() + 1e9"),),
