@@ -574,8 +574,10 @@ def _hub_file(
     return RemoteFile(name, size, sha_checked, _check_hex(blob_id, where, "git blob id", 40))
 
 
-def parse_hub_revision(payload: bytes) -> Listing:
-    """Parse ``GET /api/models/{repo}/revision/{rev}?blobs=true``."""
+def parse_hub_revision(payload: bytes, *, cut_at: int | None = None) -> Listing:
+    """Parse ``GET /api/models/{repo}/revision/{rev}?blobs=true``; with ``cut_at`` (where the
+    Hub may cut its ``siblings`` short) not ``exhaustive`` when it answered that many, unsafe
+    names counted (they are left out of ``files``)."""
     what = "Hub revision info"
     top = _object(_load_json(payload, what), what)
     commit = _check_commit(top.get("sha"), f"{what} 'sha'")
@@ -592,7 +594,8 @@ def parse_hub_revision(payload: bytes) -> Listing:
             )
         )
     leave_out(unsafe, what, UNSAFE_NAMES)
-    return Listing(commit=commit, files=tuple(files), exhaustive=True)
+    cut = cut_at is not None and len(siblings) >= cut_at
+    return Listing(commit=commit, files=tuple(files), exhaustive=not cut)
 
 
 def parse_hub_tree(payload: bytes) -> tuple[RemoteFile, ...]:

@@ -1534,6 +1534,18 @@ MUTANTS: tuple[Mutant, ...] = (
         "a journal past what load reads is written whole, set aside at restart: no job resumes",
     ),
     Mutant(
+        "unsafe-names-shorten-the-cut",
+        "shardsync/manifest.py",
+        (
+            (
+                "cut = cut_at is not None and len(siblings) >= cut_at",
+                "cut = cut_at is not None and len(files) >= cut_at",
+            ),
+        ),
+        ("tests/test_fetch.py::test_a_large_repo_is_listed_through_the_paginated_tree",),
+        "1000 siblings with one unsafe name are taken for a whole list: the weights past it hide",
+    ),
+    Mutant(
         "head-drips-for-ever",
         "shardsync/fetch/wire.py",
         (("    deadline = time.monotonic() + timeout", "    deadline = time.monotonic() + 1e9"),),

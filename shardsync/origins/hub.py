@@ -80,16 +80,16 @@ class HubOrigin(RequestOrigin):
         payload = await fetcher.get_bytes(
             url, self.auth_headers, max_size=_MAX_API_ANSWER, label=label
         )
-        listing = parse_hub_revision(payload)
-        if len(listing.files) < _SIBLINGS_COMPLETE_BELOW or listing.commit is None:
-            return listing
+        listing = parse_hub_revision(payload, cut_at=_SIBLINGS_COMPLETE_BELOW)
+        if listing.exhaustive or listing.commit is None:
+            return replace(listing, exhaustive=True)
         files: list[RemoteFile] = []
         page: str | None = (
             f"{self.endpoint}/api/models/{self.repo_id}/tree/{listing.commit}?recursive=true"
         )
         for _ in range(_MAX_TREE_PAGES):
             if page is None:
-                return replace(listing, files=tuple(files))
+                return replace(listing, files=tuple(files), exhaustive=True)
             payload, page = await fetcher.get_page(
                 page, self.auth_headers, max_size=_MAX_API_ANSWER, label=f"{label} tree"
             )
