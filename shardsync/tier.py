@@ -60,14 +60,7 @@ from shardsync.ranges import RangeSet
 from shardsync.records import TierStatistics, VerifiedFile
 from shardsync.s3 import ObjectInfo, PreconditionFailed, S3Client
 from shardsync.slot import Slot
-from shardsync.tier_claims import (
-    MAX_CLAIM,
-    Watch,
-    blob_key,
-    claim_body,
-    claim_key,
-    expired,
-)
+from shardsync.tier_claims import MAX_CLAIM, Watch, blob_key, claim_body, claim_key, expired
 from shardsync.tier_parts import Lead, delete_parts, publish_parts, seed_from_parts
 
 __all__ = ["Tier", "TierCounters", "Upload"]
@@ -535,11 +528,14 @@ class Tier:
         while not claim.lost:
             await asyncio.sleep(self.config.claim_lease / _RENEWALS_PER_LEASE)
             try:
-                claim.etag = await self._client.put_bytes(
-                    bucket, key, self._claim_body(claim), if_match=claim.etag
-                )
+                async with asyncio.timeout(_ANSWER_S):  # a hung tier: the claim dies by its lease
+                    claim.etag = await self._client.put_bytes(
+                        bucket, key, self._claim_body(claim), if_match=claim.etag
+                    )
             except (PreconditionFailed, EntryNotFoundError):
                 claim.lost = True  # taken over (we were too slow to renew): not ours anymore
+            except TimeoutError:
+                self._failed("claim", TransferError(f"a claim renewal took over {_ANSWER_S} s"))
             except ShardsyncError as exc:
                 self._failed("claim", exc)
 
@@ -613,6 +609,7 @@ class Tier:
                 self._client.put_file(
                     self.location.bucket, key, blob, sha256=upload.sha256, size=upload.size
                 ),
+                within=_ANSWER_S + upload.size / self.config.upload_floor,
             )
             if done is not _FAILED:
                 for n in self._counting():
@@ -653,17 +650,15 @@ class Tier:
                 n.errors += 1
             log.info("tier housekeeping failed (%s); the lifecycle rule collects it", exc)
 
-    async def _quietly(self, doing: str, op: Awaitable[Any]) -> Any:
-        """Run one tier request; a failure is counted and warned about, never raised. Any
-        but an upload must answer within ``_ANSWER_S``: a tier that accepts connections and
-        then says nothing (a hung gateway) is taken for down, not waited on per file."""
+    async def _quietly(self, doing: str, op: Awaitable[Any], within: float = _ANSWER_S) -> Any:
+        """Run one tier request; a failure is counted and warned about, never raised. It
+        must end ``within`` (an upload: at ``upload_floor``): a tier that accepts connections
+        and then says nothing (a hung gateway) is taken for down, not waited on per file."""
         try:
-            if doing == "write":
-                return await op
-            async with asyncio.timeout(_ANSWER_S):
+            async with asyncio.timeout(within):
                 return await op
         except TimeoutError:
-            silent = TransferError(f"the tier did not answer a {doing} within {_ANSWER_S:.0f} s")
+            silent = TransferError(f"the tier did not answer a {doing} within {within:.0f} s")
             self._failed(doing, silent)
             return _FAILED
         except ShardsyncError as exc:

@@ -945,6 +945,31 @@ async def test_the_snapshot_is_reported_complete_while_its_uploads_go_on(
     assert tier_objects(s3server, s3bucket) == expected_tier(model)  # all up on return
 
 
+async def test_a_tier_that_hangs_during_the_uploads_costs_seconds_at_the_end(
+    s3server: S3Server,
+    s3bucket: str,
+    model: Checkpoint,
+    hub: FakeHub,
+    aws_env: None,
+    tmp_path: Path,
+) -> None:
+    """The tier takes the uploads' requests and never answers them (a hung gateway): the
+    snapshot is complete, and ``prefetch`` returns within an upload's deadline (5 s and
+    the blob's size at ``upload_floor``), where it waited on the uploads for as long as the
+    tier said nothing."""
+    done_at: list[float] = []
+    async with FaultGate(s3server.endpoint, slow_puts=("/sha256/", 3600)) as gate:
+        via = S3Server(**{**s3server.__dict__, "endpoint": gate.endpoint})
+        config = host(tmp_path / "h", hub, via, s3bucket)
+        result = await prefetch(
+            REPO, config, on_complete=lambda _: done_at.append(time.monotonic())
+        )
+        waited = time.monotonic() - done_at[0]
+    assert_snapshot_matches(result.snapshot_path, model)
+    assert waited < 5 + 2 * (1 << 20) / config.tier.upload_floor + 2, waited
+    assert result.tier is not None and result.tier.uploads == 0 and result.tier.errors >= 1
+
+
 @pytest.mark.parametrize(
     "body",
     [

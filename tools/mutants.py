@@ -1546,6 +1546,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "1000 siblings with one unsafe name are taken for a whole list: the weights past it hide",
     ),
     Mutant(
+        "upload-waits-on-a-hung-tier",
+        "shardsync/tier.py",
+        (("within=_ANSWER_S + upload.size / self.config.upload_floor,", "within=1e9,"),),
+        ("tests/test_tier.py::test_a_tier_that_hangs_during_the_uploads_costs_seconds_at_the_end",),
+        "a tier that takes the uploads and never answers holds the exit after the snapshot",
+    ),
+    Mutant(
         "head-drips-for-ever",
         "shardsync/fetch/wire.py",
         (("    deadline = time.monotonic() + timeout", "    deadline = time.monotonic() + 1e9"),),
