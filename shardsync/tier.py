@@ -338,8 +338,13 @@ class Tier:
             connections=client.config.connections_per_file,
             chunk_size=client.config.chunk_size,
         )
+        within = _ANSWER_S + size / self.config.upload_floor  # the slowest a host tolerates
         try:  # a failed fetch takes its bytes back off the progress it reported
-            fetched = await slot_fetch(request, progress)
+            async with asyncio.timeout(within):  # not the origin's retries of a stalled read
+                fetched = await slot_fetch(request, progress)
+        except TimeoutError:
+            self._failed("read", TransferError(f"a tier read took over {within:.0f} s"))
+            return "failed"
         except IntegrityError:
             await self._discard_corrupt(key, "its bytes do not hash to its name")
             return "corrupt"

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 from bodypaths import BodyPath
 from daemons import api, cli, daemon_in_loop, short_tmp
-from faultgate import FaultGate
+from faultgate import FaultGate, GateFault
 from helpers import (
     Bars,
     assert_snapshot_matches,
@@ -41,7 +41,7 @@ from shardsync.client import Client
 from shardsync.config import Config, S3Config, TierConfig
 from shardsync.daemon import Daemon
 from shardsync.prefetch import Engine, prefetch
-from shardsync.records import PrefetchResult, TierStatistics
+from shardsync.records import FetchConfig, PrefetchResult, TierStatistics
 from shardsync.testing import Bandwidth, Checkpoint, FakeHub, build_checkpoint
 from shardsync.testing.seaweedfs import S3Server
 from shardsync.tier_claims import Watch, blob_key, claim_key
@@ -576,6 +576,32 @@ async def test_a_tier_cut_mid_read_falls_back_to_the_origin(
     assert [f.source for f in files if f.path in model.shards] == ["network"] * 4
     for path, size in bars.sizes.items():  # the tier's bytes were taken back off the bar
         assert bars.now[path] == size and bars.peak[path] <= (size or 0), path
+
+
+async def test_a_tier_stalling_mid_read_costs_seconds_not_the_origins_retries(
+    s3server: S3Server,
+    s3bucket: str,
+    model: Checkpoint,
+    hub: FakeHub,
+    aws_env: None,
+    tmp_path: Path,
+) -> None:
+    """The tier answers each GET's head and then nothing (a wedged volume server): with the
+    shipped read timeout (30 s) and retries (8), a tier read waited minutes before the
+    origin was asked. It is given up within 5 s and its size at ``upload_floor``."""
+    seed_tier(s3server, s3bucket, model)
+    async with FaultGate(s3server.endpoint, fault=GateFault("stall", stall_s=600)) as gate:
+        via = S3Server(**{**s3server.__dict__, "endpoint": gate.endpoint})
+        config = host(tmp_path / "h", hub, via, s3bucket)
+        shipped = FetchConfig()
+        fetch = replace(config.fetch, read_timeout=shipped.read_timeout, retry=shipped.retry)
+        started = time.monotonic()
+        async with asyncio.timeout(60):
+            result = await prefetch(REPO, replace(config, fetch=fetch))
+        took = time.monotonic() - started
+    assert_snapshot_matches(result.snapshot_path, model)
+    assert sources(result, model) == ["network"] * len(model.shards)
+    assert took < 20, took  # 5.1 s of deadline, the origin's download, a busy machine
 
 
 async def test_a_tier_dying_mid_job_costs_one_warning_and_no_wait_at_the_end(

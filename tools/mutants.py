@@ -1553,6 +1553,20 @@ MUTANTS: tuple[Mutant, ...] = (
         "a tier that takes the uploads and never answers holds the exit after the snapshot",
     ),
     Mutant(
+        "tier-read-stalls-for-minutes",
+        "shardsync/tier.py",
+        (
+            (
+                "            async with asyncio.timeout(within):  # not the origin's",
+                "            async with asyncio.timeout(None):  # not the origin's",
+            ),
+        ),
+        (
+            "tests/test_tier.py::test_a_tier_stalling_mid_read_costs_seconds_not_the_origins_retries",
+        ),
+        "a tier read that stalls after its head runs the origin's retries: minutes per file",
+    ),
+    Mutant(
         "head-drips-for-ever",
         "shardsync/fetch/wire.py",
         (("    deadline = time.monotonic() + timeout", "    deadline = time.monotonic() + 1e9"),),
