@@ -10,7 +10,7 @@ import signal
 import subprocess
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -355,14 +355,23 @@ def put_as_uploaders_do(
     """What an uploader with default checksums writes: one PutObject carrying the checksum
     (a whole-object one), or a multipart upload whose parts each carry theirs (the store
     then keeps a composite of them, or for CRC64NVME a whole-object one)."""
-    client = s3(server)
     if not multipart or len(data) <= _S3_PART:
-        client.put_object(Bucket=bucket, Key=key, Body=data, ChecksumAlgorithm=algorithm)
+        s3(server).put_object(Bucket=bucket, Key=key, Body=data, ChecksumAlgorithm=algorithm)
         return
+    sizes = [min(_S3_PART, len(data) - at) for at in range(0, len(data), _S3_PART)]
+    put_in_parts(server, bucket, key, data, sizes, algorithm)
+
+
+def put_in_parts(
+    server: S3Server, bucket: str, key: str, data: bytes, sizes: Sequence[int], algorithm: str
+) -> None:
+    """A multipart upload of ``data`` in parts of ``sizes``, each carrying its checksum: the
+    store keeps a composite of them (or, for CRC64NVME, a whole-object one)."""
+    assert sum(sizes) == len(data)
+    client = s3(server)
     upload = client.create_multipart_upload(Bucket=bucket, Key=key, ChecksumAlgorithm=algorithm)
-    size = _S3_PART
-    done = []
-    for number, at in enumerate(range(0, len(data), size), start=1):
+    done, at = [], 0
+    for number, size in enumerate(sizes, start=1):
         answer = client.upload_part(
             Bucket=bucket,
             Key=key,
@@ -373,6 +382,7 @@ def put_as_uploaders_do(
         )
         field = f"Checksum{algorithm}"
         done.append({"PartNumber": number, "ETag": answer["ETag"], field: answer[field]})
+        at += size
     client.complete_multipart_upload(
         Bucket=bucket, Key=key, UploadId=upload["UploadId"], MultipartUpload={"Parts": done}
     )

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import base64
 import hashlib
-from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 from faultgate import FaultGate
-from helpers import assert_store_verified, fast_config, s3
+from helpers import assert_store_verified, fast_config, put_in_parts, s3
 
 from shardsync.config import Config, S3Config
 from shardsync.errors import IntegrityError, OriginError
@@ -39,31 +38,6 @@ def config_via(cache: Path, server: S3Server, gate: FaultGate | None = None) -> 
     return replace(config, s3=s3_config)
 
 
-def put_in_parts(server: S3Server, bucket: str, data: bytes, sizes: Sequence[int]) -> None:
-    """A multipart upload of ``data`` in parts of ``sizes``, each with its CRC32: the store
-    keeps a composite CRC32 (``BASE64-N``)."""
-    client = s3(server)
-    upload = client.create_multipart_upload(Bucket=bucket, Key=KEY, ChecksumAlgorithm="CRC32")
-    parts, at = [], 0
-    for number, size in enumerate(sizes, start=1):
-        answer = client.upload_part(
-            Bucket=bucket,
-            Key=KEY,
-            UploadId=upload["UploadId"],
-            PartNumber=number,
-            Body=data[at : at + size],
-            ChecksumAlgorithm="CRC32",
-        )
-        parts.append(
-            {"PartNumber": number, "ETag": answer["ETag"], "ChecksumCRC32": answer["ChecksumCRC32"]}
-        )
-        at += size
-    assert at == len(data)
-    client.complete_multipart_upload(
-        Bucket=bucket, Key=KEY, UploadId=upload["UploadId"], MultipartUpload={"Parts": parts}
-    )
-
-
 def published(result: Any) -> bytes:
     return (result.snapshot_path / "model.safetensors").read_bytes()
 
@@ -77,7 +51,7 @@ async def test_parts_of_unequal_sizes_are_checked_where_attributes_are_refused(
     failed as corrupt after three downloads. Each part's HEAD tells its size."""
     sizes = (6 * MiB, 5 * MiB, 7 * MiB, 6 * MiB)
     data = safetensors_bytes(b"\x5a", sum(sizes))
-    put_in_parts(s3server, s3bucket, data, sizes)
+    put_in_parts(s3server, s3bucket, KEY, data, sizes, "CRC32")
     async with FaultGate(s3server.endpoint, refuse=frozenset({"attributes"})) as gate:
         config = config_via(tmp_path / "cache", s3server, gate)
         result = await prefetch(f"s3://{s3bucket}/{SOURCE}", config)
@@ -99,7 +73,7 @@ async def test_attribute_sizes_that_do_not_add_up_are_asked_of_the_parts(
     dropped and the file reported ``tofu``, unchecked."""
     sizes = (5 * MiB, 5 * MiB, MiB)
     data = safetensors_bytes(b"\xa5", sum(sizes))
-    put_in_parts(s3server, s3bucket, data, sizes)
+    put_in_parts(s3server, s3bucket, KEY, data, sizes, "CRC32")
 
     def one_byte_more(parsed: dict[str, Any], **_: Any) -> None:
         for part in (parsed.get("ObjectParts") or {}).get("Parts") or ():
@@ -131,14 +105,14 @@ async def test_an_object_replaced_before_its_parts_are_asked_is_located_again(
     sizes = (5 * MiB, 5 * MiB, MiB)
     first = safetensors_bytes(b"\x01", sum(sizes))
     second = safetensors_bytes(b"\x02", sum(sizes))
-    put_in_parts(s3server, s3bucket, first, sizes)
+    put_in_parts(s3server, s3bucket, KEY, first, sizes, "CRC32")
     asked = S3Client.part_sizes
     replaced: list[str] = []
 
     async def replace_first(self: S3Client, bucket: str, key: str, **kw: Any) -> Any:
         if not replaced:
             replaced.append(key)
-            put_in_parts(s3server, s3bucket, second, sizes)
+            put_in_parts(s3server, s3bucket, KEY, second, sizes, "CRC32")
         return await asked(self, bucket, key, **kw)
 
     monkeypatch.setattr(S3Client, "part_sizes", replace_first)
