@@ -615,11 +615,11 @@ class Job:
         def progress(n: int) -> None:
             self.sink.advance(entry.path, n)
 
-        async def from_origin(report: Progress, pace: Throttle | None = None) -> VerifiedFile:
-            paced = into if pace is None else IntoSlot(self.fetcher, slot, turn, pace)
-            return await self.origin.download(
-                self.fetcher, self.commit or None, entry, paced, report
-            )
+        async def from_origin(
+            tell: Progress, pace: Throttle | None = None, once: bool = False
+        ) -> VerifiedFile:  # ``once``: one mismatch is the seeded tier parts' (``Tier``)
+            paced = IntoSlot(self.fetcher, slot, turn, pace, verify_once=once)
+            return await self.origin.download(self.fetcher, self.commit or None, entry, paced, tell)
 
         upload: Upload | None = None
         if self.tier is not None and entry.sha256 is not None and entry.size is not None:

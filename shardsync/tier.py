@@ -68,7 +68,7 @@ __all__ = ["Tier", "TierCounters", "Upload"]
 log = logging.getLogger("shardsync.tier")
 
 Progress = Callable[[int], None]
-FromOrigin = Callable[[Progress, Throttle | None], Awaitable[VerifiedFile]]  # its reads paced
+FromOrigin = Callable[[Progress, Throttle | None, bool], Awaitable[VerifiedFile]]  # paced, once
 _MAX_ROUNDS = 4  # miss -> wait -> (taken over | released) -> ... before going to the origin
 _POLL_FIRST, _POLL_MAX = 0.2, 2.0  # and at most a quarter of the lease apart
 _ANSWER_S = 5.0  # the longest a tier request but an upload may take (S3 answers in ms)
@@ -291,7 +291,7 @@ class Tier:
             if outcome == "failed":
                 break
             # "ready" (read it), "dead" or "released" (claim it): round again
-        fetched = await from_origin(progress, None)
+        fetched = await from_origin(progress, None, False)
         owed = self._usable() and not self._read_only and fetched.sha256 == sha256
         return fetched, Upload(sha256, size, None) if owed else None
 
@@ -389,8 +389,8 @@ class Tier:
                 seeded = there.total()
                 lead = Lead.of_parts(self.config.part_size)
                 publisher = self._spawn(self._publish(claim, slot, there, lead))
-            try:
-                fetched = await from_origin(counted, lead)
+            try:  # a mismatch after seeding is the parts' (see ``IntoSlot``): at once
+                fetched = await from_origin(counted, lead, seeded > 0)
             except IntegrityError:
                 if not seeded:
                     raise
@@ -400,7 +400,7 @@ class Tier:
                     publisher.cancel()
                     lead = Lead.of_parts(self.config.part_size)
                     publisher = self._spawn(self._publish(claim, slot, RangeSet(), lead))
-                fetched = await from_origin(counted, lead)
+                fetched = await from_origin(counted, lead, False)
         except BaseException:
             await self._release(upload)
             raise

@@ -191,16 +191,26 @@ async def test_a_taker_never_uploads_again_the_parts_it_resumed_from(
     assert all(s.get(key, before[key]) == before[key] for s in seen for key in seeded)
 
 
+@pytest.mark.parametrize("attempts", [1, 3], ids=["one-attempt", "shipped-attempts"])
 async def test_a_corrupt_part_costs_one_download_and_never_a_wrong_blob(
-    s3server: S3Server, s3bucket: str, model: Checkpoint, aws_env: None, tmp_path: Path
+    s3server: S3Server,
+    s3bucket: str,
+    model: Checkpoint,
+    aws_env: None,
+    tmp_path: Path,
+    attempts: int,
 ) -> None:
+    """A dead holder's part with a flipped byte: the taker's seeded download fails its hash,
+    the parts are deleted (counted corrupt) and the file comes whole from the origin. With
+    the shipped ``max_verify_attempts`` (3) the fetcher downloaded again on its own and the
+    tier never learned of the bad part, which stayed for the next taker."""
     shard = model.shards[0]
     data = model.path(shard).read_bytes()
     dead_holder(s3server, s3bucket, data, parts=2, flip=True)
     async with FakeHub() as hub:
         hub.add_checkpoint(REPO, model)
         config = host(tmp_path / "taker", hub, s3server, s3bucket)
-        config = replace(config, fetch=replace(config.fetch, max_verify_attempts=1))
+        config = replace(config, fetch=replace(config.fetch, max_verify_attempts=attempts))
         result = await prefetch(REPO, config)
         served = hub.bytes_served(shard)
     assert_snapshot_matches(result.snapshot_path, model)

@@ -1567,6 +1567,15 @@ MUTANTS: tuple[Mutant, ...] = (
         "a tier read that stalls after its head runs the origin's retries: minutes per file",
     ),
     Mutant(
+        "seeded-mismatch-retried-quietly",
+        "shardsync/tier.py",
+        (("from_origin(counted, lead, seeded > 0)", "from_origin(counted, lead, False)"),),
+        (
+            "tests/test_tier_parts.py::test_a_corrupt_part_costs_one_download_and_never_a_wrong_blob",
+        ),
+        "with the shipped verify attempts a corrupt tier part stays for the next taker to seed",
+    ),
+    Mutant(
         "head-drips-for-ever",
         "shardsync/fetch/wire.py",
         (("    deadline = time.monotonic() + timeout", "    deadline = time.monotonic() + 1e9"),),

@@ -452,9 +452,11 @@ class IntoSlot:
     """One download slot as an origin or the tier fills it (``origins.base.Into``): a
     request through the fetcher, in the file's ``turn`` when it streams in one (the file
     then gets the turn's connections), its reads held back by ``pace`` if given (a claim
-    holder's ``tier_parts.Lead``), or a copy of a file the origin opens itself."""
+    holder's ``tier_parts.Lead``), or a copy of a file the origin opens itself.
+    ``verify_once``: a hash mismatch is raised at once (``IntegrityError``), not downloaded
+    again: the slot was seeded from the tier's parts, which the tier then deletes."""
 
-    __slots__ = ("_fetcher", "_pace", "_slot", "_turn")
+    __slots__ = ("_fetcher", "_once", "_pace", "_slot", "_turn")
 
     def __init__(
         self,
@@ -462,15 +464,20 @@ class IntoSlot:
         slot: Slot,
         turn: Turn | None = None,
         pace: Throttle | None = None,
+        *,
+        verify_once: bool = False,
     ) -> None:
         self._fetcher = fetcher
         self._slot = slot
         self._turn = turn
         self._pace = pace
+        self._once = verify_once
 
     async def fetch(self, request: BlobRequest, progress: ProgressFn) -> VerifiedFile:
         if self._pace is not None:
             request = dataclasses.replace(request, pace=self._pace)
+        if self._once:
+            request = dataclasses.replace(request, verify_attempts=1)
         return await self._fetcher.fetch(request, self._slot, progress, turn=self._turn)
 
     async def copy(self, source: Path, version: str | None) -> VerifiedFile:
