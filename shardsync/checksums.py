@@ -74,12 +74,13 @@ class StoreChecksum:
         """Whether bytes can be checked against it (a composite one needs its parts)."""
         return not self.composite or bool(self.part_sizes)
 
-    def with_part_sizes(self, sizes: Sequence[int], total: int) -> StoreChecksum | None:
-        """This checksum with its parts' sizes, or None when they do not add up to ``total``
-        (or are not as many as the checksum says): then nothing can be checked by it."""
+    def with_part_sizes(self, sizes: Sequence[int], total: int) -> StoreChecksum:
+        """This checksum with its parts' sizes. Sizes that do not add up to ``total`` (or are
+        not as many as the checksum says) are a ValueError: they could check nothing, and the
+        S3 client refuses them before they get here."""
         sizes = tuple(sizes)
         if not parts_fit(sizes, self.parts, total):
-            return None
+            raise ValueError(f"{len(sizes)} parts of {sum(sizes)} bytes for {total}")
         return StoreChecksum(self.algorithm, self.digest, self.parts, sizes)
 
     def describe(self) -> str:
