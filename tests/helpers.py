@@ -247,6 +247,30 @@ async def range_server(
         yield base
 
 
+def asked_span(request: web.Request, size: int) -> tuple[int, int] | None:
+    """The inclusive span a ``Range: bytes=A-B`` header asks of ``size`` bytes, or None."""
+    ranged = request.headers.get("Range")
+    if not ranged:
+        return None
+    first, _, last = ranged.removeprefix("bytes=").partition("-")
+    return int(first), min(int(last), size - 1)
+
+
+def serve_bytes(request: web.Request, data: bytes, etag: str) -> web.Response:
+    """``data`` as an honest origin answers: HEAD, a whole GET, or a 206 for ``bytes=A-B``."""
+    from aiohttp import web
+
+    headers = {"ETag": etag, "Accept-Ranges": "bytes"}
+    if request.method == "HEAD":
+        return web.Response(headers={**headers, "Content-Length": str(len(data))})
+    span = asked_span(request, len(data))
+    if span is None:
+        return web.Response(body=data, headers=headers)
+    start, end = span
+    headers["Content-Range"] = f"bytes {start}-{end}/{len(data)}"
+    return web.Response(status=206, body=data[start : end + 1], headers=headers)
+
+
 @contextlib.asynccontextmanager
 async def handler_at(
     handle: Callable[[web.Request], Awaitable[web.StreamResponse]],

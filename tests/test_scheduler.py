@@ -7,6 +7,7 @@ import json
 import time
 import tracemalloc
 from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -167,8 +168,21 @@ async def _first(events: AsyncIterator[JobEvent], n: int) -> list[JobEvent]:
     return got
 
 
-async def test_priority_gate_hands_slots_to_the_best_waiter() -> None:
+async def _taken_gate() -> tuple[PriorityGate, AbstractAsyncContextManager[None]]:
+    """A gate of one slot, held: waiters queue until the returned hold exits."""
     gate = PriorityGate(1)
+    hold = gate.admit(lambda: 0)
+    await hold.__aenter__()
+    return gate, hold
+
+
+async def _pass(gate: PriorityGate) -> None:
+    async with gate.admit(lambda: 0):
+        pass
+
+
+async def test_priority_gate_hands_slots_to_the_best_waiter() -> None:
+    gate, hold = await _taken_gate()
     order: list[str] = []
     priority = {"low": 1, "mid": 2, "high": 3}
 
@@ -177,8 +191,6 @@ async def test_priority_gate_hands_slots_to_the_best_waiter() -> None:
             order.append(name)
             await asyncio.sleep(0)
 
-    hold = gate.admit(lambda: 0)
-    await hold.__aenter__()
     async with asyncio.TaskGroup() as tg:
         for name in ("low", "mid", "high"):
             tg.create_task(worker(name))
@@ -190,16 +202,9 @@ async def test_priority_gate_hands_slots_to_the_best_waiter() -> None:
 
 
 async def test_priority_gate_survives_cancelled_waiters() -> None:
-    gate = PriorityGate(1)
-    hold = gate.admit(lambda: 0)
-    await hold.__aenter__()
-
-    async def wait() -> None:
-        async with gate.admit(lambda: 0):
-            pass
-
+    gate, hold = await _taken_gate()
     async with asyncio.TaskGroup() as tg:
-        doomed = tg.create_task(wait())
+        doomed = tg.create_task(_pass(gate))
         await asyncio.sleep(0)
         doomed.cancel()
     await hold.__aexit__(None, None, None)
@@ -211,15 +216,8 @@ async def test_a_waiter_cancelled_as_a_slot_frees_stays_a_cancel() -> None:
     """A slot freed and its waiter's job cancelled in one loop turn (a DELETE, a SIGTERM):
     the wake drops the cancelled waiter, and the cancel is still a cancel, not the
     ``ValueError`` that made the job ``failed`` (``internal``) and left the journal."""
-    gate = PriorityGate(1)
-    hold = gate.admit(lambda: 0)
-    await hold.__aenter__()
-
-    async def wait() -> None:
-        async with gate.admit(lambda: 0):
-            pass
-
-    doomed = asyncio.create_task(wait())
+    gate, hold = await _taken_gate()
+    doomed = asyncio.create_task(_pass(gate))
     await asyncio.sleep(0)
     assert gate.waiting == 1
     await hold.__aexit__(None, None, None)  # the slot frees: a wake is scheduled

@@ -23,7 +23,7 @@ import pytest
 import trustme
 from aiohttp import web
 from daemons import api, cli, daemon_in_loop, short_tmp
-from helpers import SleepRecorder, assert_store_verified, fast_config, sha256_file
+from helpers import SleepRecorder, assert_store_verified, fast_config, serve_bytes, sha256_file
 
 from shardsync.client import Client
 from shardsync.config import Config
@@ -83,16 +83,7 @@ def _serve_file(request: web.Request) -> web.Response:
     data = FILES.get(request.match_info["name"])
     if data is None:
         return web.Response(status=404)
-    headers = {"ETag": ETAG, "Accept-Ranges": "bytes"}
-    if request.method == "HEAD":
-        return web.Response(headers={**headers, "Content-Length": str(len(data))})
-    ranged = request.headers.get("Range")
-    if not ranged:
-        return web.Response(body=data, headers=headers)
-    first, _, last = ranged.removeprefix("bytes=").partition("-")
-    start, end = int(first), min(int(last), len(data) - 1)
-    headers["Content-Range"] = f"bytes {start}-{end}/{len(data)}"
-    return web.Response(status=206, body=data[start : end + 1], headers=headers)
+    return serve_bytes(request, data, ETAG)
 
 
 class Servers:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 from bodypaths import BodyPath
-from helpers import assert_store_verified, fast_config, handler_at
+from helpers import asked_span, assert_store_verified, fast_config, handler_at, serve_bytes
 
 from shardsync.config import Config
 from shardsync.errors import ProtocolError, ShardsyncError
@@ -67,24 +67,14 @@ class Origin:
         data = FILES.get(name)
         if data is None:
             return web.Response(status=404)
-        headers = {"ETag": ETAG, "Accept-Ranges": "bytes"}
-        if request.method == "HEAD":
-            return web.Response(headers={**headers, "Content-Length": str(len(data))})
-        start, end = 0, len(data) - 1
-        ranged = request.headers.get("Range")
-        if ranged:
-            first, _, last = ranged.removeprefix("bytes=").partition("-")
-            start, end = int(first), min(int(last), len(data) - 1)
-        if self.lie is not None and ranged and (self.times is None or self.told < self.times):
-            answer = self.lie(request, data, start, end)
+        span = None if request.method == "HEAD" else asked_span(request, len(data))
+        if self.lie is not None and span and (self.times is None or self.told < self.times):
+            answer = self.lie(request, data, *span)
             if answer is not None:
                 self.told += 1
-                self.log.append(ranged)
+                self.log.append(request.headers["Range"])
                 return answer
-        if not ranged:
-            return web.Response(body=data, headers=headers)
-        headers["Content-Range"] = f"bytes {start}-{end}/{len(data)}"
-        return web.Response(status=206, body=data[start : end + 1], headers=headers)
+        return serve_bytes(request, data, ETAG)
 
 
 def gzip_body(request: web.Request, data: bytes, start: int, end: int) -> web.Response:
