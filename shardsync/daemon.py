@@ -67,7 +67,7 @@ from shardsync.notify import Notifier
 from shardsync.prefetch import Engine
 from shardsync.prune import CacheRoom
 from shardsync.scheduler import Scheduler, SharedJob
-from shardsync.snapshot_use import Leases
+from shardsync.snapshot_use import Lease, Leases
 from shardsync.version import __version__
 
 __all__ = ["API_VERSION", "Daemon", "DaemonStatistics", "run_daemon"]
@@ -104,6 +104,7 @@ class Daemon:
         self.bucket = TokenBucket(config.daemon.max_bandwidth)
         self._stop = asyncio.Event()
         self._ready = asyncio.Event()
+        self._holds: set[Lease] = set()  # the leases of open ``POST /v1/leases`` requests
         self._started = time.monotonic()
         self._requests = 0
         self._engine: Engine | None = None
@@ -154,6 +155,7 @@ class Daemon:
         )
         await runner.setup()
         stack.push_async_callback(runner.cleanup)
+        stack.callback(self._let_go)  # a stop ends the lease requests, and so their leases
         journal = Journal(engine.store)
         scheduler = Scheduler(
             engine,
@@ -340,8 +342,9 @@ class Daemon:
 
     async def _hold(self, request: web.Request) -> web.StreamResponse:
         """Lease a repo's snapshots in this cache for a client (a load still placing tensors
-        from it after its job ended) while the client keeps this request open. The lease
-        also follows the client's process, so it ends with it whatever this daemon does."""
+        from it after its job ended) while the client keeps this request open: its close,
+        or this daemon stopping, lets go of it. The lease also follows the client's
+        process, so a ``kill -9`` of either ends it too."""
         wanted = JobRequest.from_json(await _json_body(request))
         if self._engine is None:
             raise DaemonStoppingError("the daemon is not serving")
@@ -353,6 +356,7 @@ class Daemon:
             lease = await leases.ahold(repo, owner=f"load by pid {pid}", pid=pid)
         except CacheError:  # its process hidden from ours (/proc's hidepid): follows ours
             lease = await leases.ahold(repo, owner=f"load by pid {pid}")
+        self._holds.add(lease)
         response = web.StreamResponse(status=201, headers={"Cache-Control": "no-store"})
         try:
             await response.prepare(request)
@@ -360,8 +364,16 @@ class Daemon:
                 await response.write(b"\n")
                 await asyncio.sleep(_HEARTBEAT_S)
         except ConnectionError:
+            pass
+        finally:
+            self._holds.discard(lease)
             lease.release()
         return response
+
+    def _let_go(self) -> None:
+        for lease in self._holds:
+            lease.release()
+        self._holds.clear()
 
     async def _submit(self, request: web.Request) -> web.Response:
         job, created = await self._sched.submit(JobRequest.from_json(await _json_body(request)))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
@@ -295,6 +296,30 @@ async def test_cancel_over_the_api(daemon: Daemon, fake_hub: FakeHub) -> None:
         assert status == 200 and info["state"] == "cancelled"
         with pytest.raises(errors.JobCancelledError, match="was cancelled"):
             await job.wait()
+
+
+async def test_a_lease_the_daemon_holds_ends_when_the_daemon_stops(
+    fake_hub: FakeHub, workdir: Path
+) -> None:
+    """``POST /v1/leases`` lasts while its request is open: a daemon that stops closes it,
+    so the lease goes too, not only when the caller's process ends (a serving engine that
+    outlives a daemon restart would otherwise pin the repo against every prune)."""
+    from shardsync.snapshot_use import Leases
+
+    config = fast_config(workdir / "cache", fake_hub.endpoint)
+    socket_path = workdir / "d" / "d.sock"
+    async with contextlib.AsyncExitStack() as stack:
+        stop = contextlib.AsyncExitStack()
+        running = await stop.enter_async_context(daemon_in_loop(config, socket_path))
+        client = await stack.enter_async_context(Client(socket=socket_path, fallback="error"))
+        assert running._engine is not None
+        leases = Leases(running._engine.cache)
+        lease = await client.hold(REPO)
+        assert lease is not None
+        await until(lambda: len(leases.all()) == 1)
+        await stop.aclose()  # the daemon stops; the caller lives on, lease in hand
+        assert not leases.all()
+        lease.release()
 
 
 async def test_a_since_that_is_no_event_number_is_a_400(daemon: Daemon) -> None:

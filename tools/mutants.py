@@ -1901,6 +1901,19 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_scheduler.py::test_the_event_log_of_a_long_download_holds_what_is_live",),
         "a job's event log keeps every progress step of a day-long download",
     ),
+    Mutant(
+        "daemon-stop-keeps-holds",
+        "shardsync/daemon.py",
+        (
+            ("        for lease in self._holds:\n            lease.release()\n", "        pass\n"),
+            (
+                "            self._holds.discard(lease)\n            lease.release()\n",
+                "            self._holds.discard(lease)\n",
+            ),
+        ),
+        ("tests/test_daemon.py::test_a_lease_the_daemon_holds_ends_when_the_daemon_stops",),
+        "a daemon that stops leaves the leases of its open lease requests",
+    ),
 )
 
 
