@@ -17,7 +17,7 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from shardsync.config_access import group_id, id_list, socket_mode, tcp_address, user_id
-from shardsync.errors import ConfigError
+from shardsync.errors import ConfigError, redact
 from shardsync.names import parse_s3_url
 from shardsync.network import NetworkConfig, S3Config, network_from_env
 from shardsync.records import FetchConfig
@@ -244,18 +244,31 @@ _RETRY_KEYS = {
 }
 
 
-def check_endpoint(source: str, endpoint: object) -> str:
-    """A Hub endpoint: an ``http(s)://HOST[:PORT][/PATH]`` URL; ``source`` names where it came
-    from (``--endpoint``, ``HF_ENDPOINT``, ``hub.endpoint``) in the error."""
-    parts = urlsplit(endpoint) if isinstance(endpoint, str) else None
+def check_endpoint(
+    source: str, endpoint: object, example: str = "https://huggingface.co"
+) -> str:
+    """An endpoint: an ``http(s)://HOST[:PORT][/PATH]`` URL with no ``user:password@`` (it is
+    reported by ``status``, events and logs; the Hub takes ``HF_TOKEN``, S3 the credential
+    chain); ``source`` names where it came from (``--endpoint``, ``HF_ENDPOINT``,
+    ``hub.endpoint``, ``s3.endpoint``) in the error, which never quotes a credential."""
+    try:
+        parts = urlsplit(endpoint) if isinstance(endpoint, str) else None
+        port_ok = parts is not None and (parts.port is None or parts.port >= 0)
+    except ValueError:  # "http://h:port", "http://[::1"
+        parts, port_ok = None, False
     if (
         parts is None
+        or not port_ok
         or parts.scheme not in ("http", "https")
         or not parts.hostname
         or (parts.query or parts.fragment)
+        or parts.username is not None
+        or parts.password is not None
     ):
+        shown = redact(endpoint) if isinstance(endpoint, str) else endpoint
         raise ConfigError(
-            f"{source} must be an http(s) URL like https://huggingface.co (got {endpoint!r})"
+            f"{source} must be an http(s) URL like {example}, without user:password@ "
+            f"(got {shown!r})"
         )
     return endpoint  # type: ignore[return-value]
 
@@ -524,9 +537,7 @@ def _s3_config(section: Mapping[str, Any]) -> S3Config:
 
     endpoint = text("endpoint")
     if endpoint is not None:
-        parts = urlsplit(endpoint)
-        if parts.scheme not in ("http", "https") or not parts.hostname or parts.query:
-            raise ConfigError(f"s3.endpoint must be an http(s) URL, got {endpoint!r}")
+        check_endpoint("s3.endpoint", endpoint, "http://127.0.0.1:8333")
     addressing = section.get("addressing", "auto")
     if addressing not in ("auto", "path", "virtual"):
         raise ConfigError(f's3.addressing must be "auto", "path" or "virtual" (got {addressing!r})')

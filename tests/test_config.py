@@ -118,6 +118,25 @@ def test_bad_env_value(tmp_path: Path) -> None:
         load_config(None, {"SHARDSYNC_CHUNK_SIZE": "1e400"}, cache_dir=tmp_path)
 
 
+@pytest.mark.parametrize(
+    "endpoint",
+    ["https://mirror-user:s3cr3t-token@mirror.example", "https://s3cr3t-token@mirror.example"],
+)
+def test_a_hub_endpoint_with_credentials_is_refused_without_echoing_them(
+    tmp_path: Path, endpoint: str
+) -> None:
+    """The Hub endpoint is reported by ``status`` (over TCP too), events and logs: a password
+    in it would reach them all (promise 12). The Hub takes a token (``HF_TOKEN``) instead,
+    S3 the credential chain."""
+    hub, s3 = tmp_path / "hub.toml", tmp_path / "s3.toml"
+    hub.write_text(f'[hub]\nendpoint = "{endpoint}"\n')
+    s3.write_text(f'[s3]\nendpoint = "{endpoint}"\n')
+    for source, environ in ((hub, {}), (s3, {}), (None, {"HF_ENDPOINT": endpoint})):
+        with pytest.raises(ConfigError) as refused:
+            load_config(source, environ, cache_dir=tmp_path)
+        assert "s3cr3t-token" not in str(refused.value)
+
+
 def test_a_config_file_that_is_not_utf8_is_a_config_error(tmp_path: Path) -> None:
     cfg = tmp_path / "c.toml"
     cfg.write_bytes(b"\xff\xfe[download]\n")

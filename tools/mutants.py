@@ -1914,6 +1914,15 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_daemon.py::test_a_lease_the_daemon_holds_ends_when_the_daemon_stops",),
         "a daemon that stops leaves the leases of its open lease requests",
     ),
+    Mutant(
+        "endpoint-keeps-credentials",
+        "shardsync/config.py",
+        (("        or parts.username is not None\n        or parts.password is not None\n", ""),),
+        (
+            "tests/test_config.py::test_a_hub_endpoint_with_credentials_is_refused_without_echoing_them",
+        ),
+        "a Hub or S3 endpoint with user:password@ is accepted and reported by status",
+    ),
 )
 
 
