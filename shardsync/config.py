@@ -244,9 +244,7 @@ _RETRY_KEYS = {
 }
 
 
-def check_endpoint(
-    source: str, endpoint: object, example: str = "https://huggingface.co"
-) -> str:
+def check_endpoint(source: str, endpoint: object, example: str = "https://huggingface.co") -> str:
     """An endpoint: an ``http(s)://HOST[:PORT][/PATH]`` URL with no ``user:password@`` (it is
     reported by ``status``, events and logs; the Hub takes ``HF_TOKEN``, S3 the credential
     chain); ``source`` names where it came from (``--endpoint``, ``HF_ENDPOINT``,

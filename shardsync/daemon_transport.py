@@ -18,6 +18,7 @@ import errno
 import json
 import os
 import socket
+import stat
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -107,6 +108,28 @@ class _Exchange:
 
     def close(self) -> None:
         self._writer.close()
+
+
+def socket_doubt(path: Path, euid: int | None = None) -> str | None:
+    """Why a daemon socket at ``path`` could be another user's trap, or None. Anyone may
+    create ``/tmp/shardsync-$UID/`` before its user does and answer there with files of
+    their choosing, so a socket is used only from a directory no other user may write, and
+    one inside a shared directory (``/tmp``) only if it is this user's or root's. The
+    daemon keeps its own directory so (``listeners.bind_unix``)."""
+    euid = os.geteuid() if euid is None else euid
+    directory = path.parent
+    try:
+        shared = directory.parent.stat().st_mode & stat.S_IWOTH
+        st = directory.lstat() if shared else directory.stat()
+    except OSError:
+        return None  # nothing there: connecting finds no daemon
+    if not stat.S_ISDIR(st.st_mode):
+        return f"{directory} is not a directory"
+    if st.st_mode & 0o022:
+        return f"{directory} may be written by other users (mode {stat.S_IMODE(st.st_mode):04o})"
+    if shared and st.st_uid not in (euid, 0):
+        return f"{directory}, in the shared {directory.parent}, belongs to uid {st.st_uid}"
+    return None
 
 
 class DaemonTransport:

@@ -25,7 +25,13 @@ from shardsync.api import (
     result_from_json,
 )
 from shardsync.config import Config, Fallback, client_sockets, load_config
-from shardsync.daemon_transport import DaemonLease, DaemonTransport, error_from, hold_lease
+from shardsync.daemon_transport import (
+    DaemonLease,
+    DaemonTransport,
+    error_from,
+    hold_lease,
+    socket_doubt,
+)
 from shardsync.errors import DaemonError, DaemonUnavailableError, EntryNotFoundError
 from shardsync.events import (
     FileStarted,
@@ -336,6 +342,10 @@ class JobClient:
         tried: list[str] = []
         if self._use_daemon:
             for path in client_sockets(self.config.daemon, self._environ):
+                doubt = socket_doubt(path)
+                if doubt is not None:
+                    tried.append(f"{path} skipped: {doubt}")
+                    continue
                 transport = DaemonTransport(path)
                 try:
                     self.daemon_status = await transport.status()

@@ -358,6 +358,35 @@ async def test_a_socket_path_too_long_for_af_unix_is_no_daemon(workdir: Path) ->
         await Client(fast_config(workdir / "cache"), socket=socket, fallback="error").connect()
 
 
+async def test_a_socket_other_users_could_have_planted_is_not_used(
+    daemon: Daemon, workdir: Path
+) -> None:
+    """Anyone may create ``/tmp/shardsync-$UID/`` first and listen there: a client that
+    used such a socket would take another user's answers (the files to load, their
+    headers) for its daemon's. A socket in a directory other users may write, or in a
+    directory of someone else's inside a shared one, is skipped like a missing one."""
+    socket_path = workdir / "shardsync" / "d.sock"
+    async with Client(socket=socket_path, fallback="error") as client:
+        assert client.mode == "daemon"  # the daemon's own private directory: trusted
+    os.chmod(socket_path.parent, 0o777)  # the same daemon, its directory opened to all
+    try:
+        with pytest.raises(errors.DaemonUnavailableError):
+            await Client(socket=socket_path, fallback="error").connect()
+    finally:
+        os.chmod(socket_path.parent, 0o700)
+    shared = workdir / "tmp"
+    shared.mkdir(mode=0o1777)
+    shared.chmod(0o1777)  # what /tmp is
+    planted = shared / f"shardsync-{os.getuid()}" / "shardsync.sock"
+    planted.parent.mkdir(mode=0o700)
+    assert daemon_transport.socket_doubt(planted) is None  # our own directory there
+    if os.geteuid() == 0:
+        os.chown(planted.parent, 65534, 65534)  # another user's, in the shared directory
+        assert daemon_transport.socket_doubt(planted) is not None
+    else:  # the directory is ours: seen by someone else, it is another user's
+        assert daemon_transport.socket_doubt(planted, euid=os.geteuid() + 1) is not None
+
+
 @contextlib.contextmanager
 def _fake_daemon_in_thread(workdir: Path, stream: Stream) -> Iterator[Path]:
     """``_fake_daemon`` on a loop of its own, for a test whose main thread blocks."""

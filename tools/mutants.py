@@ -1923,6 +1923,13 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
         "a Hub or S3 endpoint with user:password@ is accepted and reported by status",
     ),
+    Mutant(
+        "client-trusts-any-socket",
+        "shardsync/jobs.py",
+        (("                doubt = socket_doubt(path)\n", "                doubt = None\n"),),
+        ("tests/test_client.py::test_a_socket_other_users_could_have_planted_is_not_used",),
+        "a client uses a daemon socket in a directory other users may write",
+    ),
 )
 
 
