@@ -84,22 +84,26 @@ def parse_dcp_metadata(data: bytes, *, path: str = DCP_METADATA) -> DCPMetadata:
         ) from None
     if not isinstance(metadata, Metadata):
         raise ManifestError(f"{path} holds a {type(metadata).__name__}, not a DCP Metadata")
-    storage = metadata.storage_data
-    if not isinstance(storage, dict) or not isinstance(metadata.state_dict_metadata, dict):
+    # the allowed classes are built without ``__init__``: a field the file left out is absent
+    storage = getattr(metadata, "storage_data", None)
+    if not isinstance(storage, dict) or not isinstance(
+        getattr(metadata, "state_dict_metadata", None), dict
+    ):
         raise ManifestError(f"{path}: no storage_data / state_dict_metadata mapping")
     needed: dict[str, int] = {}
     for info in storage.values():
         if not isinstance(info, _StorageInfo):
             raise ManifestError(f"{path}: a storage entry is a {type(info).__name__}")
-        rel, offset, length = info.relative_path, info.offset, info.length
+        rel = getattr(info, "relative_path", None)
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
         if not isinstance(rel, str):
             raise ManifestError(f"{path}: a storage entry's file name is not a string")
         try:
             validate_name(rel)
         except UnsafeNameError as exc:
             raise UnsafeNameError(f"{path} names a data file outside its folder: {exc}") from None
-        for value in (offset, length):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ManifestError(f"{path}: bad byte range {offset!r}+{length!r} in {rel}")
+        if not all(type(v) is int and v >= 0 for v in (offset, length)):
+            raise ManifestError(f"{path}: bad byte range {offset!r}+{length!r} in {rel}")
+        assert isinstance(offset, int) and isinstance(length, int)
         needed[rel] = max(needed.get(rel, 0), offset + length)
     return DCPMetadata(metadata=metadata, needed=needed)

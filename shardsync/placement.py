@@ -163,19 +163,26 @@ class ShardPlacer:
     def place_pickle(
         self, entry: ManifestEntry, file: Path, devices: Sequence[str]
     ) -> Iterator[tuple[str, torch.Tensor, Any, int]]:
-        """``torch.load(weights_only=True, mmap=True)``: tensors are read lazily from the cache."""
+        """``torch.load(weights_only=True, mmap=True)``: tensors are read lazily from the cache.
+        A file saved before torch 1.6 is no zip, which ``mmap`` cannot read: it is read whole."""
         import pickle
+        import zipfile
 
         import torch
 
         try:
-            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            state = torch.load(
+                file, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(file)
+            )
         except (pickle.UnpicklingError, RuntimeError, ValueError, EOFError) as exc:
             raise LoadError(f"{entry.path}: not a weights-only torch checkpoint: {exc}") from exc
         if not isinstance(state, dict) or not all(
             isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
         ):
             raise LoadError(f"{entry.path}: expected a dict of tensors")
+        for name in state:
+            if not is_module_path(name):
+                raise LoadError(f"{entry.path}: tensor name {name[:200]!r} is no module path")
         sizes = [TensorSize(name, t.nbytes) for name, t in state.items()]
         plan = plan_device_map(sizes, self._device_map, devices=devices)
         for name, tensor in state.items():

@@ -359,6 +359,33 @@ def test_pickle_checkpoints_need_allow_pickle(tmp_path: Path) -> None:
     _assert_bit_exact(got, state)
 
 
+def test_pickle_checkpoints_in_the_pre_zip_format_load_and_bad_names_are_refused(
+    tmp_path: Path,
+) -> None:
+    """``pytorch_model.bin`` files saved before torch 1.6 (BERT-era repos) are no zip, which
+    ``mmap=True`` cannot read; ``torch.load`` reads them whole. A state dict whose keys are
+    no module paths is a ``LoadError`` naming the file, as the same name in a header is."""
+    from shardsync.errors import LoadError
+
+    old = {
+        "bert.embeddings.weight": torch.arange(6.0).reshape(2, 3),
+        "bert.pooler.bias": torch.ones(4),
+    }
+    (tmp_path / "old").mkdir()
+    torch.save(old, tmp_path / "old" / "pytorch_model.bin", _use_new_zipfile_serialization=False)
+    config = fast_config(tmp_path / "cache")
+    got = shardsync.load(str(tmp_path / "old"), device_map="cpu", allow_pickle=True, config=config)
+    assert isinstance(got, dict)
+    _assert_bit_exact(got, old)
+    for bad in ("model..weight", "", "lm_head.weight."):
+        (tmp_path / "bad").mkdir(exist_ok=True)
+        torch.save({bad: torch.ones(2)}, tmp_path / "bad" / "pytorch_model.bin")
+        with pytest.raises(LoadError, match=r"pytorch_model\.bin"):
+            shardsync.load(
+                str(tmp_path / "bad"), device_map="cpu", allow_pickle=True, config=config
+            )
+
+
 def test_a_stream_gets_the_first_shard_before_the_last_one_downloads(tmp_path: Path) -> None:
     """Loading overlaps downloading only if the shards land in the order they are read:
     side by side at equal rates, all four were verified at the end (``bench/overlap.py``)."""

@@ -320,6 +320,13 @@ def test_hostile_dcp_metadata_is_refused_without_running_it(runs: dict[str, Path
             choose_from(runs["dcp"], "step-200", lambda p, bad=bad: bad)  # type: ignore[misc]
     meta = parse_dcp_metadata(real).metadata
     info = next(iter(meta.storage_data.values()))
+    # the allowed classes, built without their fields (pickle sets what the file gives)
+    for shell, field in ((meta, "state_dict_metadata"), (info, "relative_path")):
+        kept = getattr(shell, field)
+        delattr(shell, field)
+        with pytest.raises(ManifestError):
+            parse_dcp_metadata(pickle.dumps(meta))
+        setattr(shell, field, kept)
     for evil in ("../../etc/passwd", "/etc/passwd", "a/../../b"):
         info.relative_path = evil
         with pytest.raises(UnsafeNameError, match="outside its folder"):

@@ -1930,6 +1930,36 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_client.py::test_a_socket_other_users_could_have_planted_is_not_used",),
         "a client uses a daemon socket in a directory other users may write",
     ),
+    Mutant(
+        "pickle-always-mapped",
+        "shardsync/placement.py",
+        (("mmap=zipfile.is_zipfile(file)", "mmap=True"),),
+        (
+            "tests/test_loader.py::test_pickle_checkpoints_in_the_pre_zip_format_load_and_bad_names_are_refused",
+        ),
+        "a pre-zip pytorch_model.bin is read with mmap, which refuses it",
+    ),
+    Mutant(
+        "pickle-names-unchecked",
+        "shardsync/placement.py",
+        (("            if not is_module_path(name):\n", "            if False:\n"),),
+        (
+            "tests/test_loader.py::test_pickle_checkpoints_in_the_pre_zip_format_load_and_bad_names_are_refused",
+        ),
+        "a pickle state dict key that is no module path escapes as a ValueError",
+    ),
+    Mutant(
+        "dcp-fields-assumed",
+        "shardsync/dcp_metadata.py",
+        (
+            (
+                '        getattr(metadata, "state_dict_metadata", None), dict',
+                "        metadata.state_dict_metadata, dict",
+            ),
+        ),
+        ("tests/test_training.py::test_hostile_dcp_metadata_is_refused_without_running_it",),
+        "a DCP .metadata whose Metadata lacks a field is an AttributeError",
+    ),
 )
 
 
