@@ -227,14 +227,51 @@ method names off the stack."""
 
 _HOST_TAG = hashlib.sha256(os.uname().nodename.encode()).hexdigest()[:8]
 _TEMP_RE = re.compile(
-    r"(?P<purpose>[a-z]+)\.(?P<host>[0-9a-f]{8})\.(?P<pid>[0-9]{1,10})\.[0-9a-f]{16}"
+    r"(?P<purpose>[a-z]+)\.(?P<host>[0-9a-f]{8})\.(?P<pid>[0-9]{1,10})(?:-(?P<start>[0-9]{1,20}))?"
+    r"\.[0-9a-f]{16}"
 )
 
 
+def process_stat(pid: int) -> tuple[str, int] | None:
+    """(state, start time in clock ticks since boot) of a process, from ``/proc/<pid>/stat``;
+    None when there is none or it cannot be read."""
+    try:
+        data = Path(f"/proc/{pid}/stat").read_bytes()
+        # the command name (field 2) is in parentheses and may hold spaces and ')'
+        fields = data[data.rindex(b")") + 2 :].split()
+        return fields[0].decode("ascii", "replace"), int(fields[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def process_alive(pid: int, start_time: int | None) -> bool:
+    """Whether process ``pid`` runs and, with ``start_time``, is the very one that started
+    then (a recycled pid, as a container's pid 1 after a restart, has another)."""
+    found = process_stat(pid)
+    if found is None:
+        # none, or hidden from us (``/proc`` mounted ``hidepid``: another user's process, as
+        # on shared GPU hosts), or no procfs: signal 0 at least says whether the pid exists
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except (PermissionError, OverflowError):
+            return True
+        return True
+    state, started = found
+    if state in ("Z", "X", "x"):
+        return False  # killed, not yet reaped: it holds nothing any more
+    return start_time is None or started == start_time
+
+
 def temp_name(purpose: TempPurpose) -> str:
-    """A name under ``tmp/`` that says what it is for and who made it (host, pid), so the next
-    run on this host can tell a crashed writer's leftovers from a live writer's files."""
-    return f"{purpose}.{_HOST_TAG}.{os.getpid()}.{secrets.token_hex(8)}"
+    """A name under ``tmp/`` that says what it is for and who made it (host, pid and the
+    process's start time), so the next run on this host can tell a crashed writer's leftovers
+    from a live writer's files, even when it runs under the same pid (a container's pid 1)."""
+    pid = os.getpid()
+    found = process_stat(pid)
+    who = str(pid) if found is None else f"{pid}-{found[1]}"
+    return f"{purpose}.{_HOST_TAG}.{who}.{secrets.token_hex(8)}"
 
 
 def temp_purpose(name: str) -> str:
@@ -251,13 +288,8 @@ def temp_owner(name: str) -> Literal["live", "gone", "unknown"]:
     pid = int(found["pid"])
     if pid <= 0:
         return "unknown"
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return "gone"
-    except (PermissionError, OverflowError):
-        return "live"  # under another uid
-    return "live"
+    start = None if found["start"] is None else int(found["start"])
+    return "live" if process_alive(pid, start) else "gone"
 
 
 def is_live_temp(name: str) -> bool:

@@ -48,6 +48,7 @@ from typing import Self, TypeVar
 from shardsync import strict_json
 from shardsync.cache import CacheStore
 from shardsync.errors import CacheError, OfflineError
+from shardsync.layout import process_alive, process_stat
 from shardsync.locks import BlobLock
 from shardsync.records import FileOutcome, PrefetchResult, RepoRef
 
@@ -216,21 +217,8 @@ def _pid_ns() -> str | None:
     return None
 
 
-def _proc_stat(pid: int) -> tuple[str, int] | None:
-    """(state, start time in clock ticks) of a process, None when there is none."""
-    try:
-        data = Path(f"/proc/{pid}/stat").read_bytes()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    except OSError:
-        return None
-    # the command name (field 2) is in parentheses and may hold spaces and ')'
-    fields = data[data.rindex(b")") + 2 :].split()
-    return fields[0].decode("ascii", "replace"), int(fields[19])
-
-
 def _identity(pid: int) -> _Identity:
-    found = _proc_stat(pid)
+    found = process_stat(pid)
     if found is None and pid != os.getpid():
         raise CacheError(f"no process {pid} to hold a lease for")
     return _Identity(
@@ -240,24 +228,6 @@ def _identity(pid: int) -> _Identity:
         pid_ns=_pid_ns(),
         host=socket.gethostname(),
     )
-
-
-def _process_alive(pid: int, start_time: int | None) -> bool:
-    found = _proc_stat(pid)
-    if found is None:
-        # none, or hidden from us (``/proc`` mounted ``hidepid``: another user's process, as
-        # on shared GPU hosts), or no procfs: signal 0 at least says whether the pid exists
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-    state, started = found
-    if state in ("Z", "X", "x"):
-        return False  # killed, not yet reaped: it holds nothing any more
-    return start_time is None or started == start_time
 
 
 # --------------------------------------------------------------------------- leases
@@ -487,7 +457,7 @@ class Leases:
         if lease.ttl is not None and since > lease.ttl:
             return False
         if lease.boot_id == _boot_id() and lease.pid_ns == _pid_ns():
-            return _process_alive(lease.pid, lease.start_time)
+            return process_alive(lease.pid, lease.start_time)
         if lease.host == socket.gethostname() and lease.boot_id != _boot_id():
             return False  # this machine rebooted since: every process of that boot is gone
         return since <= (lease.ttl if lease.ttl is not None else FOREIGN_LEASE_AGE)

@@ -755,6 +755,8 @@ def test_sweep_orphans_removes_only_dead_writers_of_this_host(tmp_path: Path) ->
     other_host = "0" * 8 if host != "0" * 8 else "1" * 8
     names = {
         "gone": f"part.{host}.{dead.stdout.strip()}.{'a' * 16}",
+        # our very pid, but another process's start: a container's pid 1 before a restart
+        "recycled": f"part.{host}.{os.getpid()}-1.{'d' * 16}",
         "live": mine,
         "elsewhere": f"part.{other_host}.{dead.stdout.strip()}.{'b' * 16}",
         "foreign": "something-else",
@@ -762,7 +764,7 @@ def test_sweep_orphans_removes_only_dead_writers_of_this_host(tmp_path: Path) ->
     for name in names.values():
         (store.root / "tmp" / name).write_bytes(b"x")
     (store.root / "tmp" / f"evict.{host}.{dead.stdout.strip()}.{'c' * 16}").mkdir()
-    assert sweep_orphans(store) == 2
+    assert sweep_orphans(store) == 3
     left = set(os.listdir(store.root / "tmp"))
     assert left == {names["live"], names["elsewhere"], names["foreign"]}
     assert is_live_temp(names["live"]) and not is_live_temp(names["elsewhere"])

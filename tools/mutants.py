@@ -1960,6 +1960,18 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_training.py::test_hostile_dcp_metadata_is_refused_without_running_it",),
         "a DCP .metadata whose Metadata lacks a field is an AttributeError",
     ),
+    Mutant(
+        "temp-owner-by-pid-alone",
+        "shardsync/layout.py",
+        (
+            (
+                '    start = None if found["start"] is None else int(found["start"])\n',
+                "    start = None\n",
+            ),
+        ),
+        ("tests/test_cache.py::test_sweep_orphans_removes_only_dead_writers_of_this_host",),
+        "a tmp/ name is judged live by its pid alone: a restart as the same pid never resumes",
+    ),
 )
 
 
