@@ -397,10 +397,12 @@ class Slot:
         return self._private
 
     def _resume_point(self, what: Resumable) -> RangeSet:
-        """Trust a partial only if it names this exact object (URL, size, strong ETag, hash)
-        and the record describes this very file (its inode), which no one else holds a name
-        of: a second name is a live download's private one, or a blob published just before
-        a crash. A record torn by a power loss fails its checksum and resumes nothing."""
+        """Trust a partial only if it names this exact object (size, strong ETag, hash; and
+        its URL where no sha256 names the content: another commit's URL of the same sha256
+        serves the same bytes) and the record describes this very file (its inode), which no
+        one else holds a name of: a second name is a live download's private one, or a blob
+        published just before a crash. A record torn by a power loss fails its checksum and
+        resumes nothing."""
         try:
             raw = _decode_record(_read_record(self.record))
             st = self.data.lstat()  # a symlink planted there is not the file it names
@@ -416,7 +418,7 @@ class Slot:
                 and (
                     seeded  # bound to the content: the final sha256 checks every seeded byte
                     or (
-                        raw.get("url") == what.url
+                        (what.sha256 is not None or raw.get("url") == what.url)
                         and what.etag is not None
                         and raw.get("etag") == what.etag
                     )

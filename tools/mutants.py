@@ -1972,6 +1972,20 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_cache.py::test_sweep_orphans_removes_only_dead_writers_of_this_host",),
         "a tmp/ name is judged live by its pid alone: a restart as the same pid never resumes",
     ),
+    Mutant(
+        "resume-bound-to-url",
+        "shardsync/slot.py",
+        (
+            (
+                '                        (what.sha256 is not None or raw.get("url") == what.url)\n',
+                '                        raw.get("url") == what.url\n',
+            ),
+        ),
+        (
+            "tests/adversarial/test_kill_cost.py::test_a_kill_at_40_percent_loses_only_what_was_in_flight",
+        ),
+        "a partial whose sha256 is known resumes only under the same URL",
+    ),
 )
 
 

@@ -78,9 +78,13 @@ DOWNLOAD = (
 )
 
 
+@pytest.mark.parametrize("moved", [False, True], ids=["same-commit", "branch-moved"])
 def test_a_kill_at_40_percent_loses_only_what_was_in_flight(
-    model: Checkpoint, tmp_path: Path
+    model: Checkpoint, tmp_path: Path, moved: bool
 ) -> None:
+    """With ``branch-moved``, ``main`` gets a new commit between the runs that adds only a
+    note (pushed right after the weights, as often happens): the shards are the same
+    objects (sha256, size, ETag) under another commit's URL, and resume as well."""
     size = sum(model.path(s).stat().st_size for s in model.shards)
     conf = tmp_path / "c.toml"
     conf.write_text(DOWNLOAD)
@@ -104,11 +108,16 @@ def test_a_kill_at_40_percent_loses_only_what_was_in_flight(
         assert claimed >= written - 3 * MiB, (written, claimed)
 
         hub.faults.clear()
+        if moved:
+            files = {rel: model.path(rel) for rel in model.files}
+            hub.add_repo(REPO, {**files, "NOTES.md": b"a note, pushed after the weights\n"})
         done = subprocess.run(
             [*args, "--endpoint", hub.endpoint], capture_output=True, text=True, timeout=120
         )
         assert done.returncode == 0, done.stderr
-        assert_snapshot_matches(Path(done.stdout.strip()), model)
+        snapshot = Path(done.stdout.strip())
+        assert_snapshot_matches(snapshot, model)
+        assert (snapshot / "NOTES.md").is_file() == moved  # the new commit's snapshot
         served = hub.bytes_served("*.safetensors")
     # what the kill cost: the unrecorded tail plus what was in flight (socket buffers,
     # batches not yet written)
