@@ -289,7 +289,7 @@ class Slot:
         try:
             raw = _decode_record(_read_record(self.record))
             st = self.data.lstat()
-            if raw is None or raw.get("inode") != [st.st_dev, st.st_ino]:
+            if raw is None or not _same_inode(raw, st):
                 return None
             return RangeSet.from_list(raw["done"], st.st_size)
         except (OSError, ValueError, KeyError, TypeError):
@@ -410,7 +410,7 @@ class Slot:
             ok = (
                 raw is not None
                 and st.st_nlink == 1
-                and raw.get("inode") == [st.st_dev, st.st_ino]
+                and _same_inode(raw, st)
                 and raw.get("version") == _RECORD_VERSION
                 and raw.get("size") == what.size
                 and raw.get("sha256") == what.sha256
@@ -515,6 +515,13 @@ def _make_writable(path: Path) -> None:
     with contextlib.suppress(FileNotFoundError):
         if not os.lstat(path).st_mode & 0o200:
             os.chmod(path, 0o644)
+
+
+def _same_inode(raw: dict[str, Any], st: os.stat_result) -> bool:
+    """Whether a record describes this very file: its inode, not its device number, which
+    names this boot's enumeration (NVMe, ``dm-N``, NFS) and the record shares its folder."""
+    inode = raw.get("inode")
+    return isinstance(inode, list) and len(inode) == 2 and inode[1] == st.st_ino
 
 
 def _record_check(fields: dict[str, object]) -> str:

@@ -70,6 +70,23 @@ def test_a_suspended_slot_resumes_and_a_commit_publishes_and_forgets(store: Cach
     assert Slot(store, "k").open(Resumable(WHAT.url, '"other"', WHAT.size, SHA)).done.total() == 0
 
 
+def test_a_partial_resumes_after_a_reboot_renumbered_its_device(store: CacheStore) -> None:
+    """``st_dev`` names the device's enumeration this boot (NVMe partitions, ``dm-N``, NFS
+    mounts number in mount order): a spot VM back with its disks in another order keeps
+    every partial. The record lives beside its partial; its inode is what names the file."""
+    slot = Slot(store, "k")
+    dev, ino = _write(slot, 1000).inode
+    slot.suspend()
+    before = ResumeRecord(os.open(store.root / "partial" / "k.json", os.O_WRONLY), (dev + 7, ino))
+    before.write(before.encode(WHAT, RangeSet.from_list([[0, 1000]], len(DATA))))
+    before.close()
+    again = Slot(store, "k").open(WHAT)
+    os.close(again.fd)
+    assert again.done.to_list() == [[0, 1000]]
+    assert again.record is not None
+    again.record.close()
+
+
 def test_commit_publishes_the_slots_own_file_only(store: CacheStore, tmp_path: Path) -> None:
     slot = Slot(store, "k")
     _write(slot, len(DATA))

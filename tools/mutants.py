@@ -1986,6 +1986,18 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
         "a partial whose sha256 is known resumes only under the same URL",
     ),
+    Mutant(
+        "resume-bound-to-device",
+        "shardsync/slot.py",
+        (
+            (
+                "len(inode) == 2 and inode[1] == st.st_ino\n",
+                "len(inode) == 2 and inode == [st.st_dev, st.st_ino]\n",
+            ),
+        ),
+        ("tests/test_slot.py::test_a_partial_resumes_after_a_reboot_renumbered_its_device",),
+        "a resume record must name the partial's device number, which a reboot may change",
+    ),
 )
 
 
