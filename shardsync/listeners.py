@@ -27,6 +27,13 @@ __all__ = ["bind_tcp", "bind_unix", "host_port", "unlink_socket"]
 log = logging.getLogger("shardsync.daemon")  # what it warns of is the daemon's to say
 
 
+def _give_group(path: Path, group: int | None) -> None:
+    """Give ``path`` to ``group`` unless it has it: under systemd's ``Group=`` it already
+    does, and the unit's ``SystemCallFilter=`` refuses ``chown`` (``@privileged``)."""
+    if group is not None and os.lstat(path).st_gid != group:
+        os.chown(path, -1, group)
+
+
 def bind_unix(path: Path, config: Config) -> tuple[socket.socket, int, int]:
     """A bound (not yet listening) socket with its mode and group set, in a private directory;
     the inode of its file (so that only this file is removed at exit); and the descriptor of
@@ -38,8 +45,7 @@ def bind_unix(path: Path, config: Config) -> tuple[socket.socket, int, int]:
             directory.parent.mkdir(parents=True, exist_ok=True)
             directory.mkdir(mode=0o700)
             mode = 0o710 if daemon.group is not None else 0o700
-            if daemon.group is not None:
-                os.chown(directory, -1, daemon.group)
+            _give_group(directory, daemon.group)
             os.chmod(directory, mode)
         st = os.lstat(directory)
     except OSError as exc:
@@ -63,8 +69,7 @@ def bind_unix(path: Path, config: Config) -> tuple[socket.socket, int, int]:
         try:
             sock.bind(str(path))
             os.chmod(path, daemon.socket_mode)
-            if daemon.group is not None:
-                os.chown(path, -1, daemon.group)
+            _give_group(path, daemon.group)
             inode = os.lstat(path).st_ino
         except OSError as exc:
             sock.close()

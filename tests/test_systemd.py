@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import os
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from daemons import cli, short_tmp
 
 from shardsync.notify import Notifier
+from shardsync.testing.daemons import DaemonProcess, write_config
 
 UNITS = Path(__file__).resolve().parent.parent / "systemd"
 NAMES = ("shardsync.service", "shardsync-prune.service", "shardsync-prune.timer")
@@ -97,6 +101,99 @@ def test_systemd_analyze_verify(installed_units: Path) -> None:
     ]
     assert out.returncode == 0, out.stderr
     assert complaints == []
+
+
+def _syscalls(analyze: str, names: list[str]) -> set[str]:
+    """The system calls a ``SystemCallFilter=`` list names, its ``@groups`` expanded as
+    systemd expands them."""
+    found: set[str] = set()
+    for name in names:
+        if not name.startswith("@"):
+            found.add(name)
+            continue
+        out = subprocess.run(
+            [analyze, "syscall-filter", name], capture_output=True, text=True, check=True
+        ).stdout
+        for line in out.splitlines()[1:]:
+            entry = line.strip()
+            if entry and not entry.startswith("#"):
+                found |= _syscalls(analyze, [entry])
+    return found
+
+
+def _unit_filter(analyze: str) -> Callable[[], None]:
+    """What ``shardsync.service`` asks systemd for (``SystemCallFilter=`` lines in order,
+    ``SystemCallErrorNumber=``, ``NoNewPrivileges=``), installed in a child with libseccomp
+    as systemd does."""
+    import ctypes
+    import errno
+
+    service = _unit("shardsync.service")
+    allowed: set[str] = set()
+    for line in _get(service, "Service", "SystemCallFilter"):
+        if line.startswith("~"):
+            allowed -= _syscalls(analyze, line[1:].split())
+        else:
+            allowed |= _syscalls(analyze, line.split())
+    refused = _get(service, "Service", "SystemCallErrorNumber")
+    try:
+        lib = ctypes.CDLL("libseccomp.so.2")
+    except OSError:
+        pytest.skip("no libseccomp.so.2 to build the unit's filter with")
+    lib.seccomp_init.restype = ctypes.c_void_p
+    lib.seccomp_init.argtypes = [ctypes.c_uint32]
+    lib.seccomp_rule_add.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_uint]
+    lib.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
+    lib.seccomp_load.argtypes = [ctypes.c_void_p]
+    numbers = [lib.seccomp_syscall_resolve_name(name.encode()) for name in sorted(allowed)]
+    # SCMP_ACT_KILL_PROCESS, or SCMP_ACT_ERRNO(n) with SystemCallErrorNumber=
+    default = 0x00050000 | getattr(errno, refused[-1]) if refused else 0x80000000
+    no_new_privileges = _get(service, "Service", "NoNewPrivileges") == ["yes"]
+
+    def install() -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if no_new_privileges:
+            libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS, which seccomp needs anyway
+        context = lib.seccomp_init(default)
+        for number in numbers:
+            if number >= 0:
+                lib.seccomp_rule_add(context, 0x7FFF0000, number, 0)  # SCMP_ACT_ALLOW
+        if lib.seccomp_load(context) != 0:
+            raise OSError("seccomp_load failed")
+
+    return install
+
+
+def test_the_daemon_serves_under_the_units_system_call_filter(tmp_path: Path) -> None:
+    """A call outside the unit's ``SystemCallFilter=`` kills the daemon (SIGSYS), or fails
+    with ``SystemCallErrorNumber=``, and ``Restart=`` starts it into the same end. The
+    daemon runs here under that filter with the group docs/systemd.md configures, which the
+    unit's ``Group=`` already gave the socket: it must serve, not change ownership."""
+    import grp
+
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        pytest.skip("systemd-analyze is not installed (apt-get install systemd)")
+    install = _unit_filter(analyze)
+    with short_tmp() as work:
+        socket_path = work / "run" / "shardsync.sock"
+        group = grp.getgrgid(os.getegid()).gr_name
+        conf = write_config(
+            work / "d.toml",
+            cache=work / "cache",
+            endpoint="http://127.0.0.1:9",
+            socket_path=socket_path,
+            daemon=f'group = "{group}"\n',
+        )
+        daemon = DaemonProcess(conf, work, preexec=install)
+        try:
+            daemon.start()
+            status = cli("status", "--json", env={"SHARDSYNC_SOCKET": str(socket_path)})
+            assert status.returncode == 0, status.stderr
+            daemon.signal(signal.SIGTERM)
+            assert daemon.wait() == 0, daemon.output()
+        finally:
+            daemon.close()
 
 
 # ---------------------------------------------------------------------------- sd_notify

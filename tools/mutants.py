@@ -1998,6 +1998,18 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_slot.py::test_a_partial_resumes_after_a_reboot_renumbered_its_device",),
         "a resume record must name the partial's device number, which a reboot may change",
     ),
+    Mutant(
+        "daemon-chowns-always",
+        "shardsync/listeners.py",
+        (
+            (
+                "    if group is not None and os.lstat(path).st_gid != group:\n",
+                "    if group is not None:\n",
+            ),
+        ),
+        ("tests/test_systemd.py::test_the_daemon_serves_under_the_units_system_call_filter",),
+        "the daemon chowns its socket to daemon.group it already has, which the unit forbids",
+    ),
 )
 
 
@@ -2012,7 +2024,7 @@ def by_name(names: Sequence[str]) -> list[Mutant]:
 def copy_tree(dest: Path) -> None:
     """What a test run needs, without the venv, caches or build outputs."""
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache", ".hypothesis")
-    for name in ("shardsync", "tests"):
+    for name in ("shardsync", "tests", "systemd"):
         shutil.copytree(ROOT / name, dest / name, ignore=ignore)
     shutil.copy2(ROOT / "pyproject.toml", dest / "pyproject.toml")
 

@@ -13,7 +13,8 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 
@@ -34,15 +35,25 @@ def write_config(
 class DaemonProcess:
     """``shardsync daemon`` in its own process, with a notify socket bound by the caller."""
 
-    def __init__(self, config: Path, workdir: Path, env: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        config: Path,
+        workdir: Path,
+        env: Mapping[str, str] | None = None,
+        *,
+        preexec: Callable[[], None] | None = None,
+    ) -> None:
+        """``preexec`` runs in the child before the daemon starts (a seccomp filter, as a
+        unit's ``SystemCallFilter=`` installs)."""
         self.config = config
+        self.preexec = preexec
         self.notify_path = workdir / f"notify-{os.getpid()}-{id(self)}"
         self.log_path = workdir / f"daemon-{id(self)}.log"
         self.env = dict(env or {})
         self.proc: subprocess.Popen[str] | None = None
         self._notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._notify.bind(str(self.notify_path))
-        self._notify.settimeout(60)
+        self._notify.settimeout(0.2)
 
     def start(self) -> dict[str, str]:
         """Start and wait for ``READY=1``; returns that message's fields."""
@@ -54,16 +65,23 @@ class DaemonProcess:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 text=True,
+                preexec_fn=self.preexec,
             )
         return self.wait_for("READY")
 
     def wait_for(self, key: str) -> dict[str, str]:
         """The next notify message that has ``key`` (earlier ones are skipped)."""
+        deadline = time.monotonic() + 60
         while True:
             try:
                 data = self._notify.recv(4096)
             except TimeoutError:
-                raise AssertionError(f"no {key}= from the daemon: {self.output()}") from None
+                ended = None if self.proc is None else self.proc.poll()
+                if ended is None and time.monotonic() < deadline:
+                    continue
+                raise AssertionError(
+                    f"no {key}= from the daemon (exit status {ended}): {self.output()}"
+                ) from None
             fields = dict(line.split("=", 1) for line in data.decode().splitlines() if line)
             if key in fields:
                 return fields
