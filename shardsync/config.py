@@ -102,9 +102,13 @@ def parse_duration(value: str | int | float) -> float:
 
 
 def default_cache_dir(environ: Mapping[str, str]) -> Path:
-    """``SHARDSYNC_CACHE_DIR``, else ``$XDG_CACHE_HOME/shardsync``, else ``~/.cache/shardsync``."""
+    """``SHARDSYNC_CACHE_DIR``, else ``$CACHE_DIRECTORY`` (what systemd's ``CacheDirectory=``
+    made for a unit), else ``$XDG_CACHE_HOME/shardsync``, else ``~/.cache/shardsync``."""
     if environ.get("SHARDSYNC_CACHE_DIR"):
         return Path(environ["SHARDSYNC_CACHE_DIR"]).expanduser()
+    unit = environ.get("CACHE_DIRECTORY", "").split(":")[0]
+    if unit:
+        return Path(unit)
     base = environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base).expanduser() / "shardsync"
 

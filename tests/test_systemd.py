@@ -86,6 +86,26 @@ def installed_units(tmp_path: Path) -> Path:
     return tmp_path
 
 
+@pytest.mark.parametrize("name", ["shardsync.service", "shardsync-prune.service"])
+def test_a_cache_dir_in_the_config_is_the_units_cache(name: str, tmp_path: Path) -> None:
+    """docs/systemd.md: a ``cache.dir`` elsewhere needs only ``ReadWritePaths=``. The units'
+    environment (``Environment=``, and ``CACHE_DIRECTORY`` that ``CacheDirectory=`` sets) must
+    not override it, and without one the unit's cache directory is the cache."""
+    from shardsync.config import load_config
+
+    unit = _unit(name)
+    env = dict(line.split("=", 1) for line in _get(unit, "Service", "Environment"))
+    env.update(
+        CACHE_DIRECTORY=f"/var/cache/{_get(unit, 'Service', 'CacheDirectory')[0]}",
+        HOME="/var/cache/shardsync",
+    )
+    conf = tmp_path / "shardsync.toml"
+    conf.write_text('[cache]\ndir = "/data/models"\n')
+    assert load_config(conf, env).cache_dir == Path("/data/models")
+    conf.write_text("")
+    assert load_config(conf, env).cache_dir == Path("/var/cache/shardsync")
+
+
 def test_systemd_analyze_verify(installed_units: Path) -> None:
     analyze = shutil.which("systemd-analyze")
     if analyze is None:

@@ -2010,6 +2010,13 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_systemd.py::test_the_daemon_serves_under_the_units_system_call_filter",),
         "the daemon chowns its socket to daemon.group it already has, which the unit forbids",
     ),
+    Mutant(
+        "unit-cache-directory-ignored",
+        "shardsync/config.py",
+        (("    if unit:\n        return Path(unit)\n", ""),),
+        ("tests/test_systemd.py::test_a_cache_dir_in_the_config_is_the_units_cache",),
+        "the units' cache comes from an Environment= that overrides cache.dir",
+    ),
 )
 
 
