@@ -540,6 +540,14 @@ def _flag_size(flag: str, value: str) -> int:
 # --------------------------------------------------------------------------- cache lifecycle
 
 
+def _as_stored(pattern: str) -> str:
+    """A ``--keep`` or ``prune.pin`` entry as the cache names its source: a directory (no
+    glob in it) by its absolute path, as ``prefetch`` stored it from the same spelling."""
+    if any(c in pattern for c in "*?[") or source_kind(pattern) != "local":
+        return pattern
+    return str(Path(pattern).expanduser().resolve())
+
+
 def _existing_cache(args: argparse.Namespace, config: Config) -> CacheStore:
     """The cache that ``ls``, ``verify`` and ``prune`` work on, which must already be one: a
     mistyped path is a CacheError (exit 9) naming where it came from, and nothing is created.
@@ -586,8 +594,8 @@ def _prune(args: argparse.Namespace) -> int:
     report = prune_cache(
         _existing_cache(args, config),
         limits,
-        pin=config.prune.pin,
-        keep=args.keep,
+        pin=tuple(_as_stored(p) for p in config.prune.pin),
+        keep=tuple(_as_stored(k) for k in args.keep),
         dry_run=args.dry_run,
         wait=not args.no_wait,
     )

@@ -233,5 +233,7 @@ def plan_prune(view: CacheView, limits: Limits) -> PrunePlan:
 
 
 def matches(patterns: Iterable[str], *names: str) -> bool:
-    """Whether any ``fnmatch`` pattern (``org/*``) matches any of ``names`` (case-sensitive)."""
-    return any(fnmatchcase(name, p) for p in patterns for name in names)
+    """Whether any ``fnmatch`` pattern (``org/*``) matches any of ``names`` (case-sensitive).
+    A trailing ``/`` counts on neither side: ``s3://b/p`` names the prefix stored as
+    ``s3://b/p/``, and ``/models/llama/`` the folder stored as ``/models/llama``."""
+    return any(fnmatchcase(name.rstrip("/"), p.rstrip("/")) for p in patterns for name in names)

@@ -36,7 +36,7 @@ from shardsync.prune import (
     needs_prune,
     prune_cache,
 )
-from shardsync.prune_plan import Blob, CacheView, Leftover, Limits, Unit, plan_prune
+from shardsync.prune_plan import Blob, CacheView, Leftover, Limits, Unit, matches, plan_prune
 from shardsync.records import PrefetchResult, RepoRef
 from shardsync.snapshot_use import AccessLog, Leases, prune_gate
 from shardsync.testing import Checkpoint, FakeHub, build_checkpoint, serve_in_thread
@@ -682,6 +682,36 @@ def test_cli_json_shape_and_exit_codes(hub: FakeHub, tmp_path: Path) -> None:
     assert text.stdout.startswith("freed ") and "untouched: acme/a (pinned)" in text.stdout
     bad = subprocess.run([*base, "--max-age", "soon"], capture_output=True, text=True)
     assert bad.returncode == 2 and "not a duration" in bad.stderr
+
+
+def test_keep_and_pin_match_a_source_as_it_was_typed(tmp_path: Path) -> None:
+    """A source is stored by its normal name (a directory's absolute path, an ``s3://``
+    prefix with its trailing slash); ``--keep`` and ``prune.pin`` as a user types them
+    (``origin/b/``, ``s3://models/llama``) must protect it all the same."""
+    build_checkpoint(tmp_path / "origin" / "b", total_bytes=64 * 1024, n_shards=1)
+    cache_dir = tmp_path / "cache"
+    base = [sys.executable, "-m", "shardsync.cli", "prune", "--cache-dir", str(cache_dir)]
+    fetch = ["prefetch", "origin/b/", "--cache-dir", str(cache_dir), "--no-daemon", "--quiet"]
+    fetched = subprocess.run(
+        [sys.executable, "-m", "shardsync.cli", *fetch],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert fetched.returncode == 0, fetched.stderr
+    for keep in ("origin/b/", "./origin/b", str(tmp_path / "origin" / "b") + "/"):
+        out = subprocess.run(
+            [*base, "--max-size", "0", "--dry-run", "--json", "--keep", keep],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+        )
+        report = json.loads(out.stdout)
+        assert report["evicted"] == [], keep
+        assert [p["reason"] for p in report["protected"]] == ["keep"], keep
+    assert matches(["s3://models/llama"], "s3://models/llama/")
+    assert matches(["s3://models/*"], "s3://models/llama/")
+    assert not matches(["s3://models/llama"], "s3://models/llama-2/")
 
 
 def test_ensure_free(hub: FakeHub, tmp_path: Path) -> None:

@@ -2017,6 +2017,20 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_systemd.py::test_a_cache_dir_in_the_config_is_the_units_cache",),
         "the units' cache comes from an Environment= that overrides cache.dir",
     ),
+    Mutant(
+        "pin-slash-counts",
+        "shardsync/prune_plan.py",
+        (('fnmatchcase(name.rstrip("/"), p.rstrip("/"))', "fnmatchcase(name, p)"),),
+        ("tests/test_prune.py::test_keep_and_pin_match_a_source_as_it_was_typed",),
+        "a pin or --keep matches a source only with its stored trailing slash",
+    ),
+    Mutant(
+        "keep-relative-path-unresolved",
+        "shardsync/cli.py",
+        (("    return str(Path(pattern).expanduser().resolve())\n", "    return pattern\n"),),
+        ("tests/test_prune.py::test_keep_and_pin_match_a_source_as_it_was_typed",),
+        "--keep origin/b/ spares nothing of the directory prefetched by that spelling",
+    ),
 )
 
 
