@@ -583,11 +583,17 @@ def _prune(args: argparse.Namespace) -> int:
 
     config = _config(args)
     try:
+        max_age = None if args.max_age is None else parse_duration(args.max_age)
+    except ValueError:
+        raise errors.ConfigError(
+            f"--max-age: a duration like 90s, 12h or 30d (got {args.max_age!r})"
+        ) from None
+    try:
         limits = limits_from_config(
             config.prune,
-            max_size=None if args.max_size is None else parse_size(args.max_size),
-            min_free=None if args.min_free is None else parse_size(args.min_free),
-            max_age=None if args.max_age is None else parse_duration(args.max_age),
+            max_size=None if args.max_size is None else _flag_size("--max-size", args.max_size),
+            min_free=None if args.min_free is None else _flag_size("--min-free", args.min_free),
+            max_age=max_age,
         )
     except ValueError as exc:
         raise errors.ConfigError(f"prune: {exc}") from None

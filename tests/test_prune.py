@@ -680,8 +680,9 @@ def test_cli_json_shape_and_exit_codes(hub: FakeHub, tmp_path: Path) -> None:
     text = subprocess.run([*base, "--max-age", "0s"], capture_output=True, text=True)
     assert text.returncode == 0, text.stderr
     assert text.stdout.startswith("freed ") and "untouched: acme/a (pinned)" in text.stdout
-    bad = subprocess.run([*base, "--max-age", "soon"], capture_output=True, text=True)
-    assert bad.returncode == 2 and "not a duration" in bad.stderr
+    for flag, value in (("--max-age", "soon"), ("--max-size", "5GG"), ("--min-free", "-1")):
+        bad = subprocess.run([*base, flag, value], capture_output=True, text=True)
+        assert bad.returncode == 2 and flag in bad.stderr, (flag, bad.stderr)  # names the flag
 
 
 def test_keep_and_pin_match_a_source_as_it_was_typed(tmp_path: Path) -> None:

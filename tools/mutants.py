@@ -2031,6 +2031,13 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_prune.py::test_keep_and_pin_match_a_source_as_it_was_typed",),
         "--keep origin/b/ spares nothing of the directory prefetched by that spelling",
     ),
+    Mutant(
+        "prune-flag-unnamed",
+        "shardsync/cli.py",
+        (('_flag_size("--max-size", args.max_size)', "parse_size(args.max_size)"),),
+        ("tests/test_prune.py::test_cli_json_shape_and_exit_codes",),
+        "a bad prune --max-size is refused without naming the flag",
+    ),
 )
 
 
