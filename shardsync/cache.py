@@ -470,8 +470,9 @@ class CacheStore:
         """The record of a complete snapshot for ``revision``, or ``None``.
 
         Complete means: the record exists and parses, and every file's snapshot link points
-        at its blob, which is a regular file of the recorded size. Only ``stat`` calls, no
-        hashing. A corrupt ref or record counts as absent, so the next download rewrites it.
+        at its blob, which is a regular file of the recorded size and the store's very blob
+        (a hard link of it, not a copy). Only ``stat`` calls, no hashing. A corrupt ref or
+        record counts as absent, so the next download rewrites it.
         """
         if is_commit(revision):
             commit: str | None = revision
@@ -497,12 +498,15 @@ class CacheStore:
                 if os.readlink(link) != blob_target(parts, f.etag):
                     return None
                 st = os.stat(link)
+                blob = os.stat(self.blob_path(f.sha256))
             except OSError as exc:
                 if exc.errno in _MISSING_ERRNOS:
                     return None
                 raise disk_error(exc, f"stat {link}") from exc
             if not stat.S_ISREG(st.st_mode) or st.st_size != f.size:
                 return None
+            if (st.st_dev, st.st_ino) != (blob.st_dev, blob.st_ino):
+                return None  # a copy beside the store's verified blob (``cp -r`` of a cache)
         return record
 
     # -- locks --------------------------------------------------------------------------

@@ -219,8 +219,17 @@ def _link_problem(cache: CacheStore, dirname: str, commit: str, f: FileRecord) -
         return f"{link} is not a symlink"
     if found != target:
         return f"{link} points to {found!r}, not {target!r}"
-    if not os.path.exists(link):
+    try:
+        seen = os.stat(link)
+    except FileNotFoundError:
         return f"{link} points to a missing blob"
+    try:
+        verified = os.stat(cache.blob_path(f.sha256))
+    except FileNotFoundError:
+        return None  # the store blob's own check says it is missing
+    if (seen.st_dev, seen.st_ino) != (verified.st_dev, verified.st_ino):
+        # a copy of the cache without its hard links: readers read bytes no hash checks
+        return f"{link} reads a copy of its blob, not the store's verified file"
     return None
 
 

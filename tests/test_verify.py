@@ -133,6 +133,33 @@ def test_flipped_byte_is_quarantined_and_repaired_by_one_download(
     assert "all intact" in again.stdout
 
 
+def test_a_cache_copied_without_its_hard_links_is_checked_where_readers_read(
+    hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    """``cp -r`` (or ``rsync -a`` without ``-H``) makes every repo blob a copy of its own,
+    apart from the store's: a flipped byte in one is what Hugging Face readers and loads get.
+    ``verify`` says so, the snapshot is incomplete, and a prefetch links the verified blob
+    back, downloading nothing."""
+    original = tmp_path / "cache"
+    snapshot = get(original, hub)
+    copied = tmp_path / "copied"
+    shutil.copytree(original, copied, symlinks=True)
+    shard = checkpoint.shards[1]
+    snapshot = copied / snapshot.relative_to(original)
+    rotten = snapshot.parents[1] / "blobs" / _sha(snapshot, shard)
+    flip_byte(rotten)
+
+    out = run_cli(copied, "--json", "--full")
+    assert out.returncode == EXIT_PROBLEMS, out.stdout + out.stderr
+    report = json.loads(out.stdout)
+    assert {p["path"] for p in report["problems"]} == set(checkpoint.files)  # copies, all
+    assert CacheStore(copied).find_complete(RepoRef("hub", REPO), "main") is None
+    hub.reset_log()
+    assert get(copied, hub) == snapshot
+    assert hub.bytes_served("*.safetensors") == 0  # the store's blob was right all along
+    assert_snapshot_matches(snapshot, checkpoint)
+
+
 def test_a_shared_blob_makes_every_snapshot_holding_it_incomplete(
     hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path
 ) -> None:

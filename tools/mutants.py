@@ -2038,6 +2038,34 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_prune.py::test_cli_json_shape_and_exit_codes",),
         "a bad prune --max-size is refused without naming the flag",
     ),
+    Mutant(
+        "verify-trusts-copied-links",
+        "shardsync/verify.py",
+        (
+            (
+                "    if (seen.st_dev, seen.st_ino) != (verified.st_dev, verified.st_ino):\n",
+                "    if False:\n",
+            ),
+        ),
+        (
+            "tests/test_verify.py::test_a_cache_copied_without_its_hard_links_is_checked_where_readers_read",
+        ),
+        "verify passes a snapshot whose repo blobs are copies, not the store's hashed file",
+    ),
+    Mutant(
+        "complete-with-copied-blobs",
+        "shardsync/cache.py",
+        (
+            (
+                "            if (st.st_dev, st.st_ino) != (blob.st_dev, blob.st_ino):\n",
+                "            if False:\n",
+            ),
+        ),
+        (
+            "tests/test_verify.py::test_a_cache_copied_without_its_hard_links_is_checked_where_readers_read",
+        ),
+        "a snapshot whose repo blobs are copies counts as complete",
+    ),
 )
 
 
