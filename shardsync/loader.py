@@ -220,7 +220,9 @@ class TensorStream:
     def _find_devices(self) -> tuple[str, ...]:
         """The accelerators and their budgets; the first use of torch, off the network path."""
         try:
-            devices, budgets = find_devices(self._request.max_memory)
+            mode = self._request.device_map
+            automatic = isinstance(mode, str) and mode in MODES
+            devices, budgets = find_devices(self._request.max_memory, automatic=automatic)
         except BaseException as exc:
             self._handoff.devices.set_exception(exc)
             raise

@@ -75,15 +75,17 @@ _CUDA_RESERVE = 1 << 30  # left free on each GPU for activations, CUDA context, 
 
 
 def find_devices(
-    max_memory: Mapping[str | int, int | str] | None,
+    max_memory: Mapping[str | int, int | str] | None, *, automatic: bool
 ) -> tuple[tuple[str, ...], Mapping[str | int, int | str]]:
-    """The accelerators and their budgets: ``max_memory``, else ``_default_budgets``."""
+    """The accelerators and their budgets: ``max_memory``, else, for an ``automatic`` map
+    (the only kind that plans by them), ``_default_budgets``. Asking a GPU for its free
+    memory creates a CUDA context on it: a map that names its devices asks none."""
     import torch
 
     devices = tuple(f"cuda:{i}" for i in range(torch.cuda.device_count()))
     budgets = max_memory
     if budgets is None:
-        budgets = _default_budgets(devices)
+        budgets = _default_budgets(devices) if automatic else {}
     return devices, budgets
 
 

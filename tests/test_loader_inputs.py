@@ -98,6 +98,28 @@ def test_tensors_load_to_the_cpu_whatever_the_callers_default_device(tmp_path: P
     _bit_exact(got, load_file(run / SHARD))
 
 
+@pytest.mark.parametrize("device_map", ["cpu", {"": "cpu"}])
+def test_a_map_that_names_its_devices_asks_no_gpu_for_its_free_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, device_map: Any
+) -> None:
+    """Free memory is what automatic maps (``auto``, ``balanced``, ...) plan with. Asking
+    each GPU for it creates a CUDA context there (hundreds of MiB and a second or so per
+    GPU): a CPU load on an 8-GPU host must not take a slice of every GPU. The GPUs here are
+    a stand-in that fails when asked."""
+
+    def asked(*_: object) -> tuple[int, int]:
+        raise AssertionError("a GPU was asked for its free memory")
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", asked)
+    run = tmp_path / "run"
+    run.mkdir()
+    save_file({"x.w": torch.randn(4, 4)}, run / SHARD)
+    got = shardsync.load(str(run), device_map=device_map, config=fast_config(tmp_path / "cache"))
+    assert isinstance(got, dict)
+    _bit_exact(got, load_file(run / SHARD))
+
+
 @pytest.mark.parametrize(
     "device_map",
     [torch.device("cpu"), {"": torch.device("cpu")}, {"x": torch.device("cpu"), "y": "cpu"}],

@@ -2066,6 +2066,20 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
         "a snapshot whose repo blobs are copies counts as complete",
     ),
+    Mutant(
+        "every-gpu-asked",
+        "shardsync/loader.py",
+        (
+            (
+                "find_devices(self._request.max_memory, automatic=automatic)",
+                "find_devices(self._request.max_memory, automatic=True)",
+            ),
+        ),
+        (
+            "tests/test_loader_inputs.py::test_a_map_that_names_its_devices_asks_no_gpu_for_its_free_memory",
+        ),
+        'a device_map="cpu" load asks every GPU for its free memory, a CUDA context each',
+    ),
 )
 
 
