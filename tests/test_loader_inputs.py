@@ -290,3 +290,37 @@ def test_a_plain_url_shard_must_end_where_its_header_says(
     with pytest.raises(ShardsyncError) as refused:
         shardsync.load(url, device_map="cpu", config=fast_config(tmp_path / "cache"))
     assert isinstance(refused.value, HeaderError), refused.value
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"prority": 3},
+        {"priority": "high"},
+        {"priority": True},
+        {"include": "*.safetensors"},
+        {"cache_dir": 7},
+        {"allow_pickle": "yes"},
+        [1, 2],
+    ],
+)
+def test_the_vllm_plugins_options_are_checked_before_anything_runs(options: object) -> None:
+    """``model_loader_extra_config["shardsync"]`` comes from a command line as JSON: a typo
+    or a wrong type is shardsync's ``ConfigError`` naming it, before any download
+    (``tests/test_vllm.py`` shows such an error reaching vLLM's caller)."""
+    from types import SimpleNamespace
+
+    from shardsync.errors import ConfigError
+    from shardsync.vllm_plugin import _options
+
+    load_config = SimpleNamespace(model_loader_extra_config={"shardsync": options})
+    with pytest.raises(ConfigError):
+        _options(load_config)
+    good = {"priority": 3, "include": ["*.safetensors"], "cache_dir": "/c", "allow_pickle": True}
+    parsed = _options(SimpleNamespace(model_loader_extra_config={"shardsync": good}))
+    assert (parsed.priority, parsed.include, parsed.cache_dir, parsed.allow_pickle) == (
+        3,
+        ("*.safetensors",),
+        "/c",
+        True,
+    )

@@ -109,8 +109,11 @@ def reference(tiny: Checkpoint, tmp_path_factory: pytest.TempPathFactory) -> obj
 def test_load_format_shardsync_gives_the_default_loaders_tokens_from_the_hub(
     tiny: Checkpoint, hub: FakeHub, reference: object, tmp_path: Path
 ) -> None:
+    """In vLLM's default layout: the engine core in a process of its own, which loads the
+    weights, so the plugin must register there too."""
     hub.reset_log()
-    tokens = generate(REPO, "shardsync", vllm_env(tmp_path, hub))
+    env = vllm_env(tmp_path, hub, VLLM_ENABLE_V1_MULTIPROCESSING="1")
+    tokens = generate(REPO, "shardsync", env)
     assert tokens == reference
     fetched = {r.file for r in hub.log if r.bytes_sent > 0}
     assert set(tiny.shards) <= fetched  # the shards came from the Hub, through shardsync
@@ -147,16 +150,12 @@ def test_download_model_prefetches_and_registering_twice_is_harmless(
     assert refs, "no complete snapshot"
 
 
-def test_loader_options_come_from_the_extra_config_and_bad_ones_are_refused(
+def test_loader_options_come_from_the_extra_config(
     hub: FakeHub, reference: object, tmp_path: Path
 ) -> None:
     extra = json.dumps({"shardsync": {"cache_dir": str(tmp_path / "named"), "priority": 3}})
     assert generate(REPO, "shardsync", vllm_env(tmp_path, hub), extra) == reference
     assert list((tmp_path / "named").glob("store/sha256/*/*"))
-    bad = json.dumps({"shardsync": {"prority": 3}})
-    done = child("generate", REPO, "shardsync", bad, env=vllm_env(tmp_path, hub))
-    assert done.returncode != 0
-    assert "ConfigError" in done.stderr and "prority" in done.stderr
 
 
 def test_vllm_through_the_daemon_downloads_once_per_host(
@@ -222,14 +221,6 @@ def test_weights_from_s3_with_the_config_from_a_directory(
     assert generate(str(configs), "shardsync", vllm_env(tmp_path), extra) == reference
     assert_store_verified(tmp_path / "cache", tiny)
     assert not list(configs.glob("*.safetensors"))  # vLLM read no weights of its own
-
-
-def test_the_plugin_registers_in_vllms_worker_processes(
-    hub: FakeHub, reference: object, tmp_path: Path
-) -> None:
-    """vLLM's default: the engine core in its own process, which loads the weights."""
-    env = vllm_env(tmp_path, hub, VLLM_ENABLE_V1_MULTIPROCESSING="1")
-    assert generate(REPO, "shardsync", env) == reference
 
 
 def test_missing_weights_are_shardsyncs_clear_error(tiny: Checkpoint, tmp_path: Path) -> None:
