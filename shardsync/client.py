@@ -29,7 +29,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-from shardsync.api import JobRequest
+from shardsync.api import CheckpointResult, JobRequest
 from shardsync.checkpoint_selection import selection_for
 from shardsync.config import Config, Fallback
 from shardsync.errors import DaemonError, DaemonStoppingError
@@ -298,8 +298,13 @@ class SyncClient:
         exclude: Sequence[str] = (),
         priority: int = 0,
         allow_pickle: bool = False,
+        checkpoint: str | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
         in_order: bool = False,
     ) -> SyncJobHandle:
+        """``Client.prefetch``, blocking; a training ``checkpoint``'s outcome comes from the
+        handle's ``wait_checkpoint``."""
         job = self._call(
             self._client.prefetch(
                 source,
@@ -308,6 +313,9 @@ class SyncClient:
                 exclude=exclude,
                 priority=priority,
                 allow_pickle=allow_pickle,
+                checkpoint=checkpoint,
+                rank=rank,
+                world_size=world_size,
                 in_order=in_order,
             )
         )
@@ -368,6 +376,9 @@ class SyncJobHandle:
 
     def wait(self, progress: ProgressSink | None = None) -> PrefetchResult:
         return self._client._call(self.job.wait(progress))
+
+    def wait_checkpoint(self, progress: ProgressSink | None = None) -> CheckpointResult:
+        return self._client._call(self.job.wait_checkpoint(progress))
 
     def wait_tier(self) -> TierStatistics | None:
         return self._client._call(self.job.wait_tier())

@@ -757,6 +757,22 @@ def test_s3_json_from_the_cli(
     ]
 
 
+def test_the_sync_client_fetches_one_ranks_checkpoint(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """``SyncClient.prefetch`` takes the checkpoint arguments ``Client.prefetch`` takes, and
+    its handle waits for the checkpoint's outcome, for code without an event loop (a
+    training script before its process group exists)."""
+    from shardsync.client import SyncClient
+
+    with SyncClient(fast_config(tmp_path / "cache"), use_daemon=False) as client:
+        job = client.prefetch(str(runs["dcp"]), checkpoint="latest", rank=1, world_size=2)
+        result = job.wait_checkpoint()
+    assert (result.format, result.checkpoint) == ("dcp", "step-200")
+    mine = [n for n in os.listdir(runs["dcp"] / "step-200") if n.startswith("__1_")]
+    assert mine and sorted(os.listdir(result.path)) == sorted([".metadata", *mine])
+
+
 # ------------------------------------------------------------------------------ daemon
 
 

@@ -2080,6 +2080,13 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
         'a device_map="cpu" load asks every GPU for its free memory, a CUDA context each',
     ),
+    Mutant(
+        "sync-client-drops-rank",
+        "shardsync/client.py",
+        (("                rank=rank,\n", ""),),
+        ("tests/test_training.py::test_the_sync_client_fetches_one_ranks_checkpoint",),
+        "SyncClient.prefetch drops rank and world_size: every rank's files come",
+    ),
 )
 
 
