@@ -217,7 +217,10 @@ async def test_sync_client_in_process(hub: FakeHub, checkpoint: Checkpoint, work
             assert [s.path for s in job.shards()] == list(checkpoint.shards)
             result = job.wait()
             assert isinstance(list(job.events())[-1], JobDone)
-            assert client.status()["jobs"]["done"] == 1
+            status = client.status()
+            assert status["jobs"]["done"] == 1
+            counted = ("jobs_submitted", "jobs_deduplicated", "files_waiting")
+            assert [status[k] for k in counted] == [1, 0, 0]  # as a daemon's status counts
         with pytest.raises(errors.DaemonUnavailableError):
             SyncClient(config, socket=_no_daemon(workdir), fallback="error")
         return result
