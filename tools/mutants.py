@@ -2087,6 +2087,13 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_training.py::test_the_sync_client_fetches_one_ranks_checkpoint",),
         "SyncClient.prefetch drops rank and world_size: every rank's files come",
     ),
+    Mutant(
+        "in-process-status-short",
+        "shardsync/client.py",
+        (('            "jobs_submitted": stats.jobs_submitted,\n', ""),),
+        ("tests/test_client.py::test_sync_client_in_process",),
+        "an in-process status lacks the job counters a daemon's reports",
+    ),
 )
 
 
