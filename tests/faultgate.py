@@ -140,6 +140,9 @@ class FaultGate:
     # (part of a path, seconds): PUTs to such paths wait that long first (a tier slower than
     # the origin)
     slow_puts: tuple[str, float] | None = None
+    # that many claim renewals (a PUT to ``claims/`` with ``If-Match``) are taken and never
+    # answered (a tier that hangs on one request); each is in ``seen`` as it arrives
+    stall_renewals: int = 0
     # the store's region: a request signed for another is refused as S3 refuses it (a 400
     # naming this region, in ``x-amz-bucket-region`` and, but for a HEAD, in the body)
     home_region: str | None = None
@@ -256,6 +259,11 @@ class FaultGate:
         if any(k in self.refuse for k, _ in params):
             record("status", 501)
             return _s3_error(501, "NotImplemented", target)
+        renewal = request.method == "PUT" and "/claims/" in target and "if-match" in headers
+        if renewal and self.stall_renewals > 0:
+            self.stall_renewals -= 1
+            record("stall", 0)
+            await asyncio.sleep(3600)
         if self.slow_puts and request.method == "PUT" and self.slow_puts[0] in target:
             await asyncio.sleep(self.slow_puts[1])
         if self.gone_at_head and request.method == "HEAD" and self.gone_at_head in target:

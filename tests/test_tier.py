@@ -996,6 +996,34 @@ async def test_a_tier_that_hangs_during_the_uploads_costs_seconds_at_the_end(
     assert result.tier is not None and result.tier.uploads == 0 and result.tier.errors >= 1
 
 
+async def test_a_claim_renewal_the_tier_never_answers_is_given_up_and_renewals_go_on(
+    s3server: S3Server,
+    s3bucket: str,
+    model: Checkpoint,
+    hub: FakeHub,
+    aws_env: None,
+    tmp_path: Path,
+) -> None:
+    """A renewal is one request the tier may take and never answer (a hung gateway): it is
+    given up within seconds and counted, and the next ones still keep the claim alive,
+    where a renewal waiting on its answer for ever ended every renewal of that claim."""
+    hub.faults.add(Bandwidth(150_000))  # about 7 s for the model on 4 connections
+    async with FaultGate(s3server.endpoint, stall_renewals=1) as gate:
+        via = S3Server(**{**s3server.__dict__, "endpoint": gate.endpoint})
+        config = host(tmp_path / "h", hub, via, s3bucket, claim_lease=1.0)
+        result = await asyncio.wait_for(prefetch(REPO, config), 60)
+        renewals = [
+            s
+            for s in gate.seen
+            if s.method == "PUT" and "/claims/" in s.target and "if-match" in s.headers
+        ]
+    assert_snapshot_matches(result.snapshot_path, model)
+    stalled = [s.at for s in renewals if s.fault == "stall"]
+    assert len(stalled) == 1
+    assert [s for s in renewals if s.at > stalled[0] + 4 and s.status == 200], "renewals ended"
+    assert result.tier is not None and result.tier.errors >= 1
+
+
 @pytest.mark.parametrize(
     "body",
     [

@@ -2094,6 +2094,20 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_client.py::test_sync_client_in_process",),
         "an in-process status lacks the job counters a daemon's reports",
     ),
+    Mutant(
+        "renewal-waits-forever",
+        "shardsync/tier.py",
+        (
+            (
+                "timeout(_ANSWER_S):  # a hung tier: the claim dies by its lease",
+                "timeout(None):  # a hung tier: the claim dies by its lease",
+            ),
+        ),
+        (
+            "tests/test_tier.py::test_a_claim_renewal_the_tier_never_answers_is_given_up_and_renewals_go_on",
+        ),
+        "a claim renewal the tier never answers is waited on for ever: no renewal follows",
+    ),
 )
 
 
