@@ -2108,6 +2108,13 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
         "a claim renewal the tier never answers is waited on for ever: no renewal follows",
     ),
+    Mutant(
+        "transfer-coding-kept",
+        "shardsync/fetch/answers.py",
+        (('    if transfer not in ([""], ["chunked"]):\n', "    if False:\n"),),
+        ("tests/adversarial/test_framing.py",),
+        "a Transfer-Encoding: gzip, chunked answer is de-chunked and its gzip bytes written",
+    ),
 )
 
 

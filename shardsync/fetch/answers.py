@@ -224,9 +224,15 @@ def opaque_tag(etag: str | None) -> str | None:
 
 
 def check_encoding(header: Header, label: str) -> None:
+    """The body is the file's bytes: no content coding, and no transfer coding but
+    ``chunked`` (which the reader takes off). ``gzip, chunked`` would leave gzip's bytes."""
     encoding = (header("Content-Encoding") or "identity").lower()
     if encoding not in ("identity", ""):
         raise ProtocolError(f"{label}: server applied Content-Encoding {encoding}")
+    transfer = [c.strip() for c in (header("Transfer-Encoding") or "").lower().split(",")]
+    if transfer not in ([""], ["chunked"]):
+        shown = ", ".join(transfer)[:80]
+        raise ProtocolError(f"{label}: server applied Transfer-Encoding {shown}")
 
 
 def status_error(
