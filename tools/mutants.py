@@ -2115,6 +2115,30 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/adversarial/test_framing.py",),
         "a Transfer-Encoding: gzip, chunked answer is de-chunked and its gzip bytes written",
     ),
+    Mutant(
+        "success-status-is-a-crash",
+        "shardsync/fetch/answers.py",
+        (
+            (
+                "    if 200 <= status < 300:  # a success this request cannot use",
+                "    if False:  # a success this request cannot use",
+            ),
+        ),
+        ("tests/adversarial/test_hostile_server.py",),
+        "a 202 answer to a Range GET is a ValueError traceback",
+    ),
+    Mutant(
+        "bad-location-is-a-crash",
+        "shardsync/fetch/answers.py",
+        (
+            (
+                '        raise ProtocolError(f"a malformed URL from the server: ',
+                '        raise\n        raise ProtocolError(f"a malformed URL from the server: ',
+            ),
+        ),
+        ("tests/adversarial/test_hostile_server.py",),
+        "a redirect to a port no URL can have is a ValueError traceback",
+    ),
 )
 
 

@@ -258,6 +258,8 @@ def status_error(
         return EntryNotFoundError(detail)
     if code == "GatedRepo":
         return AuthError(detail)
+    if 200 <= status < 300:  # a success this request cannot use (202, 204): no body to take
+        return ProtocolError(f"{detail}: not an answer to this request")
     if status == 407:
         return AuthError(f"{detail}: {proxy_refused(None)}")
     verdict = classify_status(status)
@@ -341,8 +343,11 @@ def describe(exc: BaseException) -> str:
 
 
 def _origin_of(url: str) -> tuple[str, str, int | None]:
-    parts = urlsplit(url)
-    port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
+    try:
+        parts = urlsplit(url)
+        port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
+    except ValueError:  # "http://h:99999/", "http://[::1/": a server's Location or Link
+        raise ProtocolError(f"a malformed URL from the server: {redact_url(url)}") from None
     return parts.scheme, (parts.hostname or "").lower(), port
 
 
@@ -350,7 +355,10 @@ def follow(url: str, headers: dict[str, str], location: str | None) -> tuple[str
     """Resolve a redirect; drop credentials when it leaves the origin; refuse https->http."""
     if not location:
         raise ProtocolError(f"redirect without Location from {redact_url(url)}")
-    target = urljoin(url, location)
+    try:
+        target = urljoin(url, location)
+    except ValueError:
+        raise ProtocolError(f"a malformed redirect Location from {redact_url(url)}") from None
     old, new = _origin_of(url), _origin_of(target)
     if new[0] not in ("http", "https"):
         raise ProtocolError(f"refusing redirect to {new[0]!r} URL")

@@ -117,8 +117,12 @@ class Turn:
 
 def redact_url(url: str) -> str:
     """A URL fit for messages: no query (signed URLs carry credentials there), no userinfo."""
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:  # a port no URL can have, a bracket left open: a server's word
+        return "a malformed URL"
     host = parts.hostname or ""
     host = f"[{host}]" if ":" in host else host
-    netloc = f"{host}:{parts.port}" if parts.port else host
+    netloc = f"{host}:{port}" if port else host
     return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
