@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import filecmp
 import hashlib
 import mmap
@@ -475,3 +476,33 @@ def test_wake_ups_are_sized_to_the_lower_of_the_recent_and_the_average_rate() ->
         for k in range(1, 60):
             read(125_000, 10.025 + 0.005 * k)
         assert t.lowat <= 1.25 * _WAKE_EVERY * 25e6
+
+
+@pytest.mark.parametrize(
+    "code", [errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN, errno.ETIMEDOUT]
+)
+async def test_a_route_that_flaps_is_retried_on_the_pumps_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int
+) -> None:
+    """The kernel's word for a route gone a moment (an ICMP host unreachable, a network
+    down, a connect that timed out) is an ``OSError`` of that errno, not a
+    ``ConnectionError``: the pump's connections meet it where aiohttp's meet it wrapped,
+    and it is retried on both. The first connection the pump opens meets it here."""
+    data = os.urandom(1 << 20)
+    real = socket.create_connection
+    failed: list[int] = []
+
+    def flapping(*args: object, **kwargs: object) -> socket.socket:
+        if not failed:
+            failed.append(code)
+            raise OSError(code, os.strerror(code))
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    async def send(out: web.StreamResponse, first: int, last: int) -> None:
+        await out.write(data[first : last + 1])
+
+    monkeypatch.setattr(socket, "create_connection", flapping)
+    async with range_server(data, send) as url:
+        result = await prefetch(url, fast_config(tmp_path))
+    assert failed == [code]
+    assert (result.snapshot_path / "model.safetensors").read_bytes() == data

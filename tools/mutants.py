@@ -2139,6 +2139,13 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/adversarial/test_hostile_server.py",),
         "a redirect to a port no URL can have is a ValueError traceback",
     ),
+    Mutant(
+        "route-flap-fatal",
+        "shardsync/fetch/answers.py",
+        (("    if isinstance(exc, OSError) and exc.errno in _ROUTE_GONE:\n", "    if False:\n"),),
+        ("tests/test_wire.py::test_a_route_that_flaps_is_retried_on_the_pumps_path",),
+        "EHOSTUNREACH on the pump's connection ends the file with no retry",
+    ),
 )
 
 

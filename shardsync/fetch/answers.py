@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import os
 import re
@@ -121,6 +122,12 @@ class Bound(Protocol):
     etag_lock: threading.Lock
 
 
+_ROUTE_GONE = frozenset(
+    {errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN, errno.ENETDOWN, errno.ENETRESET}
+)
+"""A route or network gone a moment (an ICMP unreachable, an interface flapping)."""
+
+
 def is_retryable_exception(exc: BaseException) -> bool:
     """Whether a failed request is worth another attempt.
 
@@ -129,6 +136,8 @@ def is_retryable_exception(exc: BaseException) -> bool:
     """
     if isinstance(exc, aiohttp.ClientSSLError | ssl.SSLCertVerificationError):
         return False
+    if isinstance(exc, OSError) and exc.errno in _ROUTE_GONE:
+        return True  # the pump's sockets meet these bare (aiohttp wraps them)
     return isinstance(
         exc,
         aiohttp.ClientPayloadError
