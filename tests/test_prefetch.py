@@ -234,6 +234,19 @@ async def test_slow_drip_trips_the_watchdog(
     assert result.fetch is not None and result.fetch.retries.get("stalled", 0) >= 1
 
 
+async def test_an_api_answer_that_trickles_trips_the_watchdog(
+    hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    """The revision listing (1.4 KB) at 20 B/s, in small writes that each beat the read
+    timeout: a mirror like that held the job for ever, where a shard's body is given up
+    on under ``min_throughput``. The listing is asked again and the job completes."""
+    hub.faults.add(SlowDrip(20, server="hub", path="*", times=1))
+    config = fast_config(tmp_path, hub.endpoint, min_throughput=50_000, throughput_window=0.3)
+    async with asyncio.timeout(30):
+        result = await prefetch(REPO, config, sleep=SleepRecorder())
+    assert_snapshot_matches(result.snapshot_path, checkpoint)
+
+
 async def test_flipped_byte_refetches_only_that_file(
     hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path
 ) -> None:

@@ -2146,6 +2146,18 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_wire.py::test_a_route_that_flaps_is_retried_on_the_pumps_path",),
         "EHOSTUNREACH on the pump's connection ends the file with no retry",
     ),
+    Mutant(
+        "api-trickle-unwatched",
+        "shardsync/fetch/fetcher.py",
+        (
+            (
+                "                        watchdog.count(len(piece))  # a trickle of small writes\n",
+                "",
+            ),
+        ),
+        ("tests/test_prefetch.py::test_an_api_answer_that_trickles_trips_the_watchdog",),
+        "an API answer trickling in small writes is never given up on",
+    ),
 )
 
 

@@ -56,7 +56,7 @@ from shardsync.fetch.answers import (
     retry_cause,
     unquote_etag,
 )
-from shardsync.fetch.body import Body, Landing, Traffic, mark_retrieved
+from shardsync.fetch.body import Body, Landing, Traffic, Watchdog, mark_retrieved
 from shardsync.fetch.body_aiohttp import AiohttpBody
 from shardsync.fetch.body_wire import WireBody, serves
 from shardsync.fetch.request import (
@@ -168,14 +168,16 @@ class Fetcher:
                     if declared is not None and declared > max_size:
                         raise ProtocolError(f"{label}: {declared} bytes exceeds {max_size}")
                     body = bytearray()
+                    watchdog = Watchdog(self._clock, self.config)  # from the head on
                     async for piece in resp.content.iter_chunked(64 * 1024):
                         body += piece
                         if len(body) > max_size:
                             raise ProtocolError(f"{label}: body exceeds {max_size} bytes")
+                        watchdog.count(len(piece))  # a trickle of small writes
                     return bytes(body), next_page(url, resp, label)
                 await self._http.raise_for_status(resp, label)
 
-        return await self._retried(label, once)
+        return await self._retried(label, once, StalledError)
 
     async def read_range(self, request: BlobRequest, start: int, end: int) -> bytes:
         """Bytes [start, end) of a file (e.g. a safetensors header), retried like the rest.
