@@ -469,11 +469,12 @@ class TensorStream:
 
 async def _daemon(request: _Request) -> JobClient | None:
     """The daemon that serves this load, or None: work in this process (always for a local
-    directory, which only its caller reads)."""
+    directory, which only its caller reads, and with a ``token=``: the daemon fetches with
+    its own credentials)."""
     from shardsync.jobs import daemon_for
 
     origin = parse_source(request.source, endpoint=request.config.endpoint, token=request.token)
-    if origin.caller_only:
+    if origin.caller_only or request.token is not None:
         return None
     return await daemon_for(
         request.config, cache_dir=request.named_cache, endpoint=request.named_endpoint

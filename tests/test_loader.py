@@ -406,7 +406,7 @@ def test_a_stream_gets_the_first_shard_before_the_last_one_downloads(tmp_path: P
 
 
 async def _load_through_a_daemon(
-    hub: FakeHub, tmp_path: Path, *, own_endpoint: str | None = None
+    hub: FakeHub, tmp_path: Path, *, own_endpoint: str | None = None, **load: Any
 ) -> tuple[Any, DaemonStatistics, list[tuple[bool, int]]]:
     """``shardsync.load(REPO)`` by a caller whose config names a daemon in this loop that
     serves ``hub``, at priority 7; the caller's own endpoint is ``own_endpoint`` (else the
@@ -427,7 +427,7 @@ async def _load_through_a_daemon(
                 daemon=DaemonConfig(socket=socket_path),
             )
             got = await asyncio.to_thread(
-                shardsync.load, REPO, device_map="cpu", priority=7, config=mine
+                shardsync.load, REPO, device_map="cpu", priority=7, config=mine, **load
             )
             statistics = daemon.statistics()
             client = await daemon_for(mine, cache_dir=None, endpoint=None)
@@ -442,6 +442,19 @@ async def _load_through_a_daemon(
 def _own_blobs(tmp_path: Path) -> list[str]:
     """The blobs in the caller's own cache (``tmp_path / "mine"``)."""
     return [p.name for p in (tmp_path / "mine" / "store").glob("sha256/*/*")]
+
+
+async def test_a_token_given_to_a_load_is_used_though_a_daemon_answers(
+    fake_hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    """A daemon fetches with its own credentials (none here); a ``token=`` is the caller's
+    for this load, which then runs in this process with it, as one naming its own cache or
+    Hub does, where the daemon's job failed as ``RepoNotFoundError``."""
+    fake_hub.add_checkpoint(REPO, checkpoint, token="hf_secret-for-this-load")
+    got, jobs, _ = await _load_through_a_daemon(fake_hub, tmp_path, token="hf_secret-for-this-load")
+    assert isinstance(got, dict)
+    _assert_bit_exact(got, _originals(checkpoint))
+    assert jobs.jobs_submitted == 0 and _own_blobs(tmp_path)
 
 
 async def test_load_goes_through_a_running_daemon(

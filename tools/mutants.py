@@ -2158,6 +2158,18 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_prefetch.py::test_an_api_answer_that_trickles_trips_the_watchdog",),
         "an API answer trickling in small writes is never given up on",
     ),
+    Mutant(
+        "load-token-to-daemon",
+        "shardsync/loader.py",
+        (
+            (
+                "    if origin.caller_only or request.token is not None:\n",
+                "    if origin.caller_only:\n",
+            ),
+        ),
+        ("tests/test_loader.py::test_a_token_given_to_a_load_is_used_though_a_daemon_answers",),
+        "a load's token= is dropped whenever a daemon answers",
+    ),
 )
 
 
