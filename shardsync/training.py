@@ -445,6 +445,8 @@ def _read_pointer(r: _Resolver, fmt: Format) -> str | None:
         text = data.decode("utf-8").strip()
     except UnicodeDecodeError:
         raise ManifestError(f"{path} is not UTF-8 text") from None
+    if not text:  # truncated before the framework writes it again
+        raise ManifestError(f"{path} is empty: the run is writing it; run again")
     if fmt == "megatron":
         if text == "release":
             return "release"
@@ -462,7 +464,12 @@ def _read_pointer(r: _Resolver, fmt: Format) -> str | None:
 
 def _with_pointer(tree: _Tree, r: _Resolver, wanted: str, fmt: Format) -> Choice:
     pointer_file = MEGATRON_TRACKER if fmt == "megatron" else DEEPSPEED_LATEST
-    target = _read_pointer(r, fmt)
+    try:
+        target = _read_pointer(r, fmt)
+    except ManifestError:
+        if wanted == "latest":
+            raise
+        target = None  # one asked by name is fetched without a pointer that names nothing
     if fmt == "megatron":
         candidates = sorted(d for d in tree.top_dirs() if _MEGATRON_DIR.fullmatch(d))
 

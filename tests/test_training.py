@@ -14,6 +14,7 @@ import itertools
 import json
 import os
 import pickle
+import shutil
 import socket
 import warnings
 from collections.abc import Callable, Iterator
@@ -331,6 +332,30 @@ def test_hostile_dcp_metadata_is_refused_without_running_it(runs: dict[str, Path
         info.relative_path = evil
         with pytest.raises(UnsafeNameError, match="outside its folder"):
             parse_dcp_metadata(pickle.dumps(meta))
+
+
+@pytest.mark.parametrize(
+    ("fmt", "pointer", "named"),
+    [
+        ("deepspeed", "latest", "global_step10"),
+        ("megatron", "latest_checkpointed_iteration.txt", "iter_0000100"),
+    ],
+)
+def test_a_pointer_being_rewritten_leaves_a_checkpoint_named_to_be_fetched(
+    runs: dict[str, Path], tmp_path: Path, fmt: str, pointer: str, named: str
+) -> None:
+    """DeepSpeed and Megatron truncate their pointer, then write it: read in between it is
+    empty. A checkpoint named explicitly (the docs' way past a bad pointer) is fetched
+    without it; ``latest`` is told the pointer is being written, not that it is hostile."""
+    run = tmp_path / fmt
+    shutil.copytree(runs[fmt], run)
+    (run / pointer).write_bytes(b"")
+    chosen = choose_from(run, named)
+    assert chosen.name == named
+    assert pointer not in {path for path, _ in chosen.files}
+    with pytest.raises(ManifestError) as refused:
+        choose_from(run, "latest")
+    assert not isinstance(refused.value, UnsafeNameError)
 
 
 def test_names_with_dotdot_in_a_listing_are_refused() -> None:

@@ -2170,6 +2170,20 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_loader.py::test_a_token_given_to_a_load_is_used_though_a_daemon_answers",),
         "a load's token= is dropped whenever a daemon answers",
     ),
+    Mutant(
+        "empty-pointer-blocks-name",
+        "shardsync/training.py",
+        (
+            (
+                "        target = None  # one asked by name is fetched without a pointer",
+                "        raise  # one asked by name is fetched without a pointer",
+            ),
+        ),
+        (
+            "tests/test_training.py::test_a_pointer_being_rewritten_leaves_a_checkpoint_named_to_be_fetched",
+        ),
+        "an empty DeepSpeed latest or Megatron tracker blocks a checkpoint asked for by name",
+    ),
 )
 
 
