@@ -360,10 +360,26 @@ def _choose(tree: _Tree, r: _Resolver, wanted: str) -> Choice:
         parents = [posixpath.dirname(d) for d in dcp]
         kids = {p: [d for d in dcp if posixpath.dirname(d) == p] for p in parents}
         groups = {p for p in parents if _parts_of_one_step(kids[p])} - set(dcp)
+        # the parts a step beside those holds: one lone part there is that step, torn
+        parts: dict[str, set[str]] = {}
+        for g in groups:
+            parts.setdefault(posixpath.dirname(g), set()).update(map(posixpath.basename, kids[g]))
+        groups |= {
+            p
+            for d, p in zip(dcp, parents, strict=True)
+            if p not in dcp and posixpath.basename(d) in parts.get(posixpath.dirname(p), ())
+        }
+
+        def check(d: str) -> tuple[list[tuple[str, int | None]], DCPMetadata | None]:
+            if d not in groups:
+                return r.dcp(d)
+            lacks = parts[posixpath.dirname(d)] - {posixpath.basename(k) for k in kids[d]}
+            if lacks:
+                raise _Incomplete(f"no {', '.join(sorted(lacks))} beside its other parts")
+            return r.with_parts(d)
+
         named = sorted({p if p in groups else d for d, p in zip(dcp, parents, strict=True)})
-        return _highest(
-            r, wanted, "dcp", named, lambda d: (r.with_parts if d in groups else r.dcp)(d)
-        )
+        return _highest(r, wanted, "dcp", named, check)
     ds = sorted(
         d
         for d in tree.top_dirs()

@@ -536,6 +536,30 @@ def test_accelerates_save_state_folders_are_one_checkpoint_each(
     assert [s.name for s in choice.skipped] == ["checkpoints/checkpoint_9"]
 
 
+def test_a_save_state_checkpoint_still_missing_a_part_is_torn(tmp_path: Path) -> None:
+    """accelerate writes ``pytorch_model_fsdp_0/`` before ``optimizer_0/``: a
+    ``checkpoint_1/`` holding the model's folder alone is checkpoint_1, torn, never a
+    checkpoint of its own (its ``_0`` is a model's index, no step), which ``load_state``
+    could not resume from."""
+    import torch.distributed.checkpoint as dcp
+
+    for step, parts in (
+        (0, ("pytorch_model_fsdp_0", "optimizer_0")),
+        (1, ("pytorch_model_fsdp_0",)),
+    ):
+        folder = tmp_path / "checkpoints" / f"checkpoint_{step}"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for part in parts:
+                dcp.save({"w": torch.zeros(4)}, checkpoint_id=str(folder / part), no_dist=True)
+    _save(tmp_path / "checkpoints" / "checkpoint_0" / "random_states_0.pkl", {"step": 0})
+    choice = choose_from(tmp_path)
+    assert (choice.format, choice.name, choice.step) == ("dcp", "checkpoints/checkpoint_0", 0)
+    assert [s.name for s in choice.skipped] == ["checkpoints/checkpoint_1"]
+    with pytest.raises(ManifestError):
+        choose_from(tmp_path, "checkpoints/checkpoint_1/pytorch_model_fsdp_0")
+
+
 def test_a_dcp_run_saved_in_checkpoint_n_folders_is_a_dcp_run(tmp_path: Path) -> None:
     """``dcp.save`` into ``checkpoint-<step>/`` (no Trainer file in them) is a DCP run, not a
     Trainer run refused for want of ``trainer_state.json``."""

@@ -2184,6 +2184,13 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
         "an empty DeepSpeed latest or Megatron tracker blocks a checkpoint asked for by name",
     ),
+    Mutant(
+        "lone-part-is-a-step",
+        "shardsync/training.py",
+        (("and posixpath.basename(d) in parts.get(posixpath.dirname(p), ())", "and False"),),
+        ("tests/test_training.py::test_a_save_state_checkpoint_still_missing_a_part_is_torn",),
+        "a save_state checkpoint with its model's DCP folder alone is chosen as latest",
+    ),
 )
 
 
