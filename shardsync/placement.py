@@ -304,8 +304,14 @@ def fill_model(
     name of the checkpoint when the headers told them before the download; ``strict`` then
     raises ``LoadError`` on a mismatch before a single shard is downloaded."""
     expected = set(model.state_dict().keys())
+    aliases = _aliases(model)
+
+    def filled(names: set[str]) -> set[str]:
+        """``names`` and the other names of their tied parameters (saved once)."""
+        return names | {a for n in names & aliases.keys() for a in aliases[n]}
+
     if known is not None:
-        _compare_keys(expected, known, strict=strict)
+        _compare_keys(expected, filled(known), strict=strict)
     seen: set[str] = set()
     batch: dict[str, torch.Tensor] = {}
     current: str | None = None
@@ -313,15 +319,24 @@ def fill_model(
         seen.add(name)
         shard = shard_of.get(name, "")
         if batch and shard != current:
-            _assign(model, batch)
+            _assign(model, batch, aliases)
             batch = {}
         current = shard
         if name in expected:
             batch[name] = tensor
-    missing, unexpected = _compare_keys(expected, seen, strict=strict)
+    missing, unexpected = _compare_keys(expected, filled(seen), strict=strict)
     if batch:
-        _assign(model, batch)
+        _assign(model, batch, aliases)
     return missing, unexpected
+
+
+def _aliases(model: torch.nn.Module) -> dict[str, tuple[str, ...]]:
+    """Every name of a parameter that several names share (tied weights: an embedding and
+    the output head), mapped to all of them."""
+    names: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(parameter), []).append(name)
+    return {n: tuple(group) for group in names.values() if len(group) > 1 for n in group}
 
 
 def _compare_keys(
@@ -337,11 +352,22 @@ def _compare_keys(
     return missing, unexpected
 
 
-def _assign(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> None:
+def _assign(
+    model: torch.nn.Module,
+    batch: Mapping[str, torch.Tensor],
+    aliases: Mapping[str, tuple[str, ...]],
+) -> None:
+    """Assign ``batch`` in place; a tied parameter's other names then get the very parameter
+    assigned (``assign=True`` gives each name a parameter of its own: the tie would break)."""
     try:
         model.load_state_dict(batch, strict=False, assign=True)
     except RuntimeError as exc:
         raise LoadError(f"checkpoint does not fit the model: {exc}") from exc
+    for name in batch.keys() & aliases.keys():
+        parameter = model.get_parameter(name)
+        for other in aliases[name]:
+            owner, _, leaf = other.rpartition(".")
+            setattr(model.get_submodule(owner), leaf, parameter)
 
 
 def _few(names: Sequence[str], n: int = 5) -> str:

@@ -156,6 +156,49 @@ def test_fill_a_meta_model_and_match_forward(tmp_path: Path) -> None:
         assert torch.equal(model(ids), original(ids))
 
 
+class _Tied(torch.nn.Module):
+    """An embedding and an output head sharing one weight (``tie_word_embeddings=True``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 8)
+        self.head = torch.nn.Linear(8, 16, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(ids))
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_tied_weights_saved_once_fill_both_names_and_stay_tied(
+    tmp_path: Path, strict: bool
+) -> None:
+    """safetensors (and transformers) save a tied weight once: both names are filled from it,
+    as ``safetensors.torch.load_model`` does, and stay one parameter. The other name was
+    "missing" (``strict`` refused the load) and stayed on the meta device."""
+    from safetensors.torch import save_model
+
+    torch.manual_seed(0)
+    original = _Tied().eval()
+    (tmp_path / "tied").mkdir()
+    save_model(original, str(tmp_path / "tied" / "model.safetensors"))
+    with torch.device("meta"):
+        model = _Tied()
+    result = shardsync.load(
+        str(tmp_path / "tied"),
+        model=model,
+        device_map="cpu",
+        strict=strict,
+        config=fast_config(tmp_path / "cache"),
+    )
+    assert isinstance(result, LoadResult)
+    assert result.missing_keys == () and result.unexpected_keys == ()
+    assert model.head.weight is model.embed.weight
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        assert torch.equal(model.eval()(ids), original(ids))
+
+
 def test_strict_mismatch_fails_before_downloading(hub: FakeHub, tmp_path: Path) -> None:
     with torch.device("meta"):
         model = TinyTransformer()

@@ -2191,6 +2191,30 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_training.py::test_a_save_state_checkpoint_still_missing_a_part_is_torn",),
         "a save_state checkpoint with its model's DCP folder alone is chosen as latest",
     ),
+    Mutant(
+        "tied-name-missing",
+        "shardsync/placement.py",
+        (
+            (
+                "        return names | {a for n in names & aliases.keys() for a in aliases[n]}\n",
+                "        return names\n",
+            ),
+        ),
+        ("tests/test_loader.py::test_tied_weights_saved_once_fill_both_names_and_stay_tied",),
+        "a tied weight saved once leaves its other name missing (strict refuses the load)",
+    ),
+    Mutant(
+        "tie-broken-by-assign",
+        "shardsync/placement.py",
+        (
+            (
+                "            setattr(model.get_submodule(owner), leaf, parameter)\n",
+                "            pass\n",
+            ),
+        ),
+        ("tests/test_loader.py::test_tied_weights_saved_once_fill_both_names_and_stay_tied",),
+        "assign=True gives each name of a tied weight a parameter of its own",
+    ),
 )
 
 
