@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from types import MappingProxyType
-from typing import Final, Protocol
+from typing import Any, Final, Protocol
 
 from shardsync.errors import ConfigError
 
@@ -31,6 +31,7 @@ __all__ = [
     "DevicePlan",
     "DeviceSpec",
     "DeviceUsage",
+    "MaxMemory",
     "TensorSize",
     "TorchDevice",
     "detect_blocks",
@@ -42,6 +43,11 @@ __all__ = [
 
 Device = str
 """A normalised device: ``"cpu"``, ``"disk"`` or ``"<accelerator>:<index>"``."""
+
+MaxMemory = Mapping[Any, int | str]
+"""``max_memory``: a budget (bytes, or ``"20GiB"``) per device name (``"cuda:0"``, ``"cpu"``) or
+GPU index, as accelerate takes it. Keys are checked when a plan is made, so a ``dict[str, str]``
+or ``dict[int, str]`` of the caller's types as well (``Mapping`` fixes its key type)."""
 
 MODES: Final = frozenset({"auto", "balanced", "balanced_low_0", "sequential"})
 """The automatic planning modes accelerate and transformers accept as ``device_map``."""
@@ -332,7 +338,7 @@ def _normalize_accelerators(devices: Sequence[str]) -> tuple[Device, ...]:
 
 
 def _normalize_budgets(
-    max_memory: Mapping[str | int, int | str] | None, accelerators: tuple[Device, ...]
+    max_memory: MaxMemory | None, accelerators: tuple[Device, ...]
 ) -> dict[Device, int] | None:
     if max_memory is None:
         return None
@@ -505,7 +511,7 @@ def plan_device_map(
     device_map: DeviceSpec | Mapping[str, DeviceSpec],
     *,
     devices: Sequence[str] = (),
-    max_memory: Mapping[str | int, int | str] | None = None,
+    max_memory: MaxMemory | None = None,
     no_split: Sequence[str] | None = None,
     allow_disk: bool = True,
 ) -> DevicePlan:

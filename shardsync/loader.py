@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from shardsync.cache import CacheStore
 from shardsync.config import Config, check_endpoint, load_config
-from shardsync.devicemap import MODES, DevicePlan, parse_memory
+from shardsync.devicemap import MODES, DevicePlan, MaxMemory, parse_memory
 from shardsync.errors import ConfigError, HeaderError, LoadError, raise_first
 from shardsync.events import Verified
 from shardsync.manifest import Manifest, ManifestEntry
@@ -94,7 +94,7 @@ class _Request:
     config: Config
     revision: str | None
     device_map: DeviceMap
-    max_memory: Mapping[str | int, int | str] | None
+    max_memory: MaxMemory | None
     token: str | None
     no_split: Sequence[str] | None
     allow_pickle: bool
@@ -517,7 +517,7 @@ def stream(
     *,
     revision: str | None = None,
     device_map: DeviceMap = "auto",
-    max_memory: Mapping[str | int, int | str] | None = None,
+    max_memory: MaxMemory | None = None,
     dtype: torch.dtype | None = None,
     endpoint: str | None = None,
     cache_dir: str | Path | None = None,
@@ -589,7 +589,7 @@ def _open(
     *,
     revision: str | None,
     device_map: DeviceMap,
-    max_memory: Mapping[str | int, int | str] | None,
+    max_memory: MaxMemory | None,
     dtype: torch.dtype | None,
     endpoint: str | None,
     cache_dir: str | Path | None,
@@ -633,7 +633,7 @@ def load(
     *,
     revision: str | None = None,
     device_map: DeviceMap = "auto",
-    max_memory: Mapping[str | int, int | str] | None = None,
+    max_memory: MaxMemory | None = None,
     dtype: torch.dtype | None = None,
     model: torch.nn.Module | None = None,
     strict: bool = True,

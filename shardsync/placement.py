@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from shardsync.devicemap import (
     DevicePlan,
     DeviceSpec,
+    MaxMemory,
     TensorSize,
     is_module_path,
     plan_device_map,
@@ -75,7 +76,7 @@ _CUDA_RESERVE = 1 << 30  # left free on each GPU for activations, CUDA context, 
 
 
 def find_devices(
-    max_memory: Mapping[str | int, int | str] | None, *, automatic: bool
+    max_memory: MaxMemory | None, *, automatic: bool
 ) -> tuple[tuple[str, ...], Mapping[str | int, int | str]]:
     """The accelerators and their budgets: ``max_memory``, else, for an ``automatic`` map
     (the only kind that plans by them), ``_default_budgets``. Asking a GPU for its free
