@@ -445,6 +445,25 @@ def _budget_chain(
     return chain
 
 
+def _in_block_order(groups: list[str]) -> list[str]:
+    """Groups in checkpoint order, but the numbered blocks of one stack in their numbers'
+    order, in the places the stack's blocks took: transformers writes an index's keys sorted
+    as text (``layers.10`` before ``layers.2``), and a stack fills devices in the order it
+    runs, or its steps go back and forth between them."""
+
+    def numbered(group: str) -> tuple[str, int] | None:
+        head, _, tail = group.rpartition(".")
+        return (head, int(tail)) if head and tail.isascii() and tail.isdigit() else None
+
+    stacks: dict[str, list[tuple[int, str]]] = {}
+    for group in groups:
+        found = numbered(group)
+        if found is not None:
+            stacks.setdefault(found[0], []).append((found[1], group))
+    turns = {head: iter([g for _, g in sorted(blocks)]) for head, blocks in stacks.items()}
+    return [g if (found := numbered(g)) is None else next(turns[found[0]]) for g in groups]
+
+
 def _fill(
     group_names: Sequence[str], group_sizes: Sequence[int], chain: list[tuple[Device, int | None]]
 ) -> list[Device]:
@@ -518,10 +537,10 @@ def plan_device_map(
     """Plan a device for every tensor, with accelerate's ``device_map`` semantics.
 
     ``tensors`` come in checkpoint order; groups are filled in order of first
-    appearance. ``devices`` are the accelerators present, in order (empty on a
-    CPU-only host). Automatic modes need a ``max_memory`` budget per accelerator
-    to use, and use only the accelerators it lists; the cpu is unbounded
-    unless budgeted; overflow goes to ``"disk"`` (memory-mapped from the cache)
+    appearance, a stack's numbered blocks in their numbers' order. ``devices`` are the
+    accelerators present, in order (empty on a CPU-only host). Automatic modes need a
+    ``max_memory`` budget per accelerator to use, and use only the accelerators it lists;
+    the cpu is unbounded unless budgeted; overflow goes to ``"disk"`` (memory-mapped from the cache)
     when ``allow_disk``. A single device or an explicit ``{prefix: device}``
     map is followed as given, without capacity checks. ``no_split`` replaces
     block detection with explicit prefixes (``*`` matches one component);
@@ -546,11 +565,10 @@ def plan_device_map(
         group_sizes: dict[str, int] = {}
         for key, size in zip(keys, sizes, strict=True):
             group_sizes[key] = group_sizes.get(key, 0) + size
-        chain = _budget_chain(
-            device_map, list(group_sizes.values()), accelerators, budgets, allow_disk
-        )
-        filled = _fill(list(group_sizes), list(group_sizes.values()), chain)
-        group_device = dict(zip(group_sizes, filled, strict=True))
+        groups = _in_block_order(list(group_sizes))
+        in_order = [group_sizes[g] for g in groups]
+        chain = _budget_chain(device_map, in_order, accelerators, budgets, allow_disk)
+        group_device = dict(zip(groups, _fill(groups, in_order, chain), strict=True))
         placed = [group_device[key] for key in keys]
     else:
         device = normalize_device(device_map)

@@ -155,6 +155,20 @@ def test_auto_modes(
     assert [u.device for u in plan.usage] == [d for d in order if d in set(expected)]
 
 
+@pytest.mark.parametrize("device_map", ["sequential", "balanced"])
+def test_blocks_fill_devices_in_their_numbers_order_whatever_the_index_order(
+    device_map: str,
+) -> None:
+    """transformers writes an index's keys sorted as text, so a checkpoint lists
+    ``layers.10`` before ``layers.2``: a stack split in that order runs back and forth
+    between devices at every step. Blocks go to devices in their numbers' order."""
+    as_text = sorted(DECODER, key=lambda t: t.name)
+    plan = plan_device_map(as_text, device_map, devices=GPU2, max_memory=G2)
+    device_of = {i: plan.device_of(f"model.layers.{i}.mlp.up_proj.weight") for i in range(12)}
+    order = [device_of[i] for i in range(12)]
+    assert order == sorted(order) and len(set(order)) == 2  # one cut, between two blocks
+
+
 def test_balanced_spreads_roughly_evenly() -> None:
     for devices in (GPU2, GPU3, GPU4):
         plan = plan_device_map(

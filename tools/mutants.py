@@ -2215,6 +2215,20 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_loader.py::test_tied_weights_saved_once_fill_both_names_and_stay_tied",),
         "assign=True gives each name of a tied weight a parameter of its own",
     ),
+    Mutant(
+        "blocks-in-text-order",
+        "shardsync/devicemap.py",
+        (
+            (
+                "        groups = _in_block_order(list(group_sizes))\n",
+                "        groups = list(group_sizes)\n",
+            ),
+        ),
+        (
+            "tests/test_devicemap.py::test_blocks_fill_devices_in_their_numbers_order_whatever_the_index_order",
+        ),
+        "blocks fill devices in the index's text order (layers.10 before layers.2)",
+    ),
 )
 
 
