@@ -607,8 +607,8 @@ class Tier:
             upload.claim.phase = "upload"
         key = blob_key(self.location.prefix, upload.sha256)
         try:
-            if not self._usable():
-                return
+            if not self._usable() and (upload.claim is None or upload.claim.lost):
+                return  # down; but a claim its renewals keep is a promise to its waiters
             done = await self._quietly(
                 "write",
                 self._client.put_file(

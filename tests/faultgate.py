@@ -143,6 +143,9 @@ class FaultGate:
     # that many claim renewals (a PUT to ``claims/`` with ``If-Match``) are taken and never
     # answered (a tier that hangs on one request); each is in ``seen`` as it arrives
     stall_renewals: int = 0
+    # each claim's first that many renewals are answered 503 SlowDown (a blip of the tier)
+    fail_renewals: int = 0
+    _failed_renewals: Counter[str] = field(default_factory=Counter)
     # the store's region: a request signed for another is refused as S3 refuses it (a 400
     # naming this region, in ``x-amz-bucket-region`` and, but for a HEAD, in the body)
     home_region: str | None = None
@@ -264,6 +267,10 @@ class FaultGate:
             self.stall_renewals -= 1
             record("stall", 0)
             await asyncio.sleep(3600)
+        if renewal and self._failed_renewals[path] < self.fail_renewals:
+            self._failed_renewals[path] += 1
+            record("status", 503)
+            return _s3_error(503, "SlowDown", target)
         if self.slow_puts and request.method == "PUT" and self.slow_puts[0] in target:
             await asyncio.sleep(self.slow_puts[1])
         if self.gone_at_head and request.method == "HEAD" and self.gone_at_head in target:

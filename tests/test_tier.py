@@ -35,6 +35,7 @@ from helpers import (
     s3_keys,
     serving,
     tmpfs,
+    until,
 )
 
 from shardsync.client import Client
@@ -1022,6 +1023,38 @@ async def test_a_claim_renewal_the_tier_never_answers_is_given_up_and_renewals_g
     assert len(stalled) == 1
     assert [s for s in renewals if s.at > stalled[0] + 4 and s.status == 200], "renewals ended"
     assert result.tier is not None and result.tier.errors >= 1
+
+
+async def test_a_blip_at_the_holder_still_serves_its_waiters_from_the_tier(
+    s3server: S3Server,
+    s3bucket: str,
+    model: Checkpoint,
+    hub: FakeHub,
+    aws_env: None,
+    tmp_path: Path,
+) -> None:
+    """A claim's first renewal answered 503 twice (a tier that blips, then answers): the
+    holder takes the tier for down a while (its next files go to the origin alone), yet its
+    later renewals keep its claims, so it must still upload what they promise. It gave the
+    uploads up instead: the waiters waited out the whole download, then took each claim
+    over and fetched a second copy."""
+    hub.faults.add(Bandwidth(500_000))  # about 2 s a shard: the waiter comes while it runs
+    async with FaultGate(s3server.endpoint, fail_renewals=2) as gate:
+        via = S3Server(**{**s3server.__dict__, "endpoint": gate.endpoint})
+        holder = asyncio.create_task(prefetch(REPO, host(tmp_path / "a", hub, via, s3bucket)))
+
+        def blipped() -> int:  # renewals answered 503: each claim's two, its holder's own
+            return sum(1 for s in gate.seen if "/claims/" in s.target and s.status == 503)
+
+        await until(lambda: blipped() >= 2 or holder.done())  # a claim's two: the tier is down
+        waiter = await prefetch(REPO, host(tmp_path / "b", hub, s3server, s3bucket))
+        held = await holder
+    assert [s.status for s in gate.seen if s.status == 503]  # the blip happened
+    assert held.tier is not None and held.tier.claims_won >= 1  # more, if won before the blip
+    assert held.tier.uploads == held.tier.claims_won  # what its live claims promised
+    assert waiter.tier is not None and waiter.tier.claims_taken_over == 0
+    assert waiter.tier.hits >= held.tier.claims_won  # read from the tier, not fetched again
+    assert_snapshot_matches(waiter.snapshot_path, model)
 
 
 @pytest.mark.parametrize(

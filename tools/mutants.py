@@ -2229,6 +2229,18 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
         "blocks fill devices in the index's text order (layers.10 before layers.2)",
     ),
+    Mutant(
+        "blip-drops-promised-upload",
+        "shardsync/tier.py",
+        (
+            (
+                "not self._usable() and (upload.claim is None or upload.claim.lost):",
+                "not self._usable():",
+            ),
+        ),
+        ("tests/test_tier.py::test_a_blip_at_the_holder_still_serves_its_waiters_from_the_tier",),
+        "a holder that saw the tier blip gives up the upload its renewed claim promises",
+    ),
 )
 
 
