@@ -255,12 +255,12 @@ def check_endpoint(source: str, endpoint: object, example: str = "https://huggin
     ``hub.endpoint``, ``s3.endpoint``) in the error, which never quotes a credential."""
     try:
         parts = urlsplit(endpoint) if isinstance(endpoint, str) else None
-        port_ok = parts is not None and (parts.port is None or parts.port >= 0)
+        if parts is not None:
+            parts.port  # noqa: B018  (a port that is no number raises here)
     except ValueError:  # "http://h:port", "http://[::1"
-        parts, port_ok = None, False
+        parts = None
     if (
         parts is None
-        or not port_ok
         or parts.scheme not in ("http", "https")
         or not parts.hostname
         or (parts.query or parts.fragment)

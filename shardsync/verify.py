@@ -221,12 +221,12 @@ def _link_problem(cache: CacheStore, dirname: str, commit: str, f: FileRecord) -
         return f"{link} points to {found!r}, not {target!r}"
     try:
         seen = os.stat(link)
-    except FileNotFoundError:
-        return f"{link} points to a missing blob"
-    try:
         verified = os.stat(cache.blob_path(f.sha256))
-    except FileNotFoundError:
-        return None  # the store blob's own check says it is missing
+    except FileNotFoundError as exc:
+        # a missing store blob is its own check's to report
+        return f"{link} points to a missing blob" if exc.filename == str(link) else None
+    except OSError as exc:
+        raise disk_error(exc, f"stat {link}") from exc
     if (seen.st_dev, seen.st_ino) != (verified.st_dev, verified.st_ino):
         # a copy of the cache without its hard links: readers read bytes no hash checks
         return f"{link} reads a copy of its blob, not the store's verified file"
