@@ -1121,7 +1121,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "hidden-holder-taken-for-dead",
-        "shardsync/snapshot_use.py",
+        "shardsync/layout.py",
         (
             (
                 "        try:\n            os.kill(pid, 0)",
@@ -1196,7 +1196,12 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "pointer-fallback-without-pointer",
         "shardsync/training.py",
-        (('    if wanted == "latest":\n', '    if wanted == "latest" and False:\n'),),
+        (
+            (
+                '    if wanted == "latest":\n        if target is None',
+                '    if wanted == "latest" and False:\n        if target is None',
+            ),
+        ),
         (f"{TRAINING}::test_a_deepspeed_pointer_outside_the_prefix_or_at_a_torn_tag",),
         "a pointer naming a torn checkpoint gives an older one without the pointer",
     ),
