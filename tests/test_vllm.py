@@ -85,12 +85,21 @@ def generate(model: str, load_format: str, env: Mapping[str, str], extra: str = 
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
-    """A tiny Llama (head size 32, which CPU attention needs) in 10 shards, and a tokenizer."""
+def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Checkpoint, object]:
+    """A tiny Llama (head size 32, which CPU attention needs) in 10 shards, and a tokenizer;
+    and the reference: vLLM's own loader reading its directory (one vLLM process for both)."""
     directory = tmp_path_factory.mktemp("tiny-llama")
-    done = child("build", str(directory), env=vllm_env(directory))
+    work = tmp_path_factory.mktemp("reference")
+    done = child("build", str(directory), env=vllm_env(work))
     assert done.returncode == 0, done.stderr[-3000:]
-    return Checkpoint.scan(directory)
+    marked = [line for line in done.stdout.splitlines() if line.startswith(RESULT)]
+    assert len(marked) == 1, done.stdout[-2000:]
+    return Checkpoint.scan(directory), json.loads(marked[0].removeprefix(RESULT))["tokens"]
+
+
+@pytest.fixture(scope="module")
+def tiny(built: tuple[Checkpoint, object]) -> Checkpoint:
+    return built[0]
 
 
 @pytest.fixture(scope="module")
@@ -100,10 +109,9 @@ def hub(tiny: Checkpoint) -> Iterator[FakeHub]:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny: Checkpoint, tmp_path_factory: pytest.TempPathFactory) -> object:
-    """vLLM's own loader, reading the checkpoint's directory."""
-    work = tmp_path_factory.mktemp("reference")
-    return generate(str(tiny.directory), "auto", vllm_env(work))
+def reference(built: tuple[Checkpoint, object]) -> object:
+    """Greedy tokens of vLLM's own loader, reading the checkpoint's directory."""
+    return built[1]
 
 
 def test_load_format_shardsync_gives_the_default_loaders_tokens_from_the_hub(
@@ -121,20 +129,23 @@ def test_load_format_shardsync_gives_the_default_loaders_tokens_from_the_hub(
     assert not (tmp_path / "hf").exists() or not list((tmp_path / "hf").rglob("*.safetensors"))
 
 
-def test_the_download_goes_on_while_vllm_builds_the_model(
-    tiny: Checkpoint, hub: FakeHub, reference: object, tmp_path: Path
+def test_the_download_goes_on_while_vllm_builds_the_model_with_the_options_given(
+    hub: FakeHub, reference: object, tmp_path: Path
 ) -> None:
     """vLLM builds the model (allocation, initialization) before it asks for weights; the
-    stream opens as its ``load_model`` starts, so a
-    shard is verified while vLLM is still building (the child holds the building until one
-    is, at most 15 s)."""
-    done = child("early", REPO, env=vllm_env(tmp_path, hub))
+    stream opens as its ``load_model`` starts, so a shard is verified while vLLM is still
+    building (the child holds the building until one is, at most 15 s). The loader's
+    options come from ``model_loader_extra_config``: the cache it names is filled."""
+    extra = json.dumps({"shardsync": {"cache_dir": str(tmp_path / "named"), "priority": 3}})
+    done = child("early", REPO, extra, env=vllm_env(tmp_path, hub))
     assert done.returncode == 0, done.stderr[-3000:]
     marked = [line for line in done.stdout.splitlines() if line.startswith(RESULT)]
     assert len(marked) == 1, done.stdout[-2000:]
     answer = json.loads(marked[0].removeprefix(RESULT))
     assert answer["shard_before_model"] is True
     assert answer["tokens"] == reference
+    assert list((tmp_path / "named").glob("store/sha256/*/*"))
+    assert not (tmp_path / "cache").exists()  # not the environment's cache
 
 
 def test_download_model_prefetches_and_registering_twice_is_harmless(
@@ -148,14 +159,6 @@ def test_download_model_prefetches_and_registering_twice_is_harmless(
     assert_store_verified(tmp_path / "cache", tiny)
     refs = list((tmp_path / "cache").glob("hub/models--acme--tiny-llama/refs/main"))
     assert refs, "no complete snapshot"
-
-
-def test_loader_options_come_from_the_extra_config(
-    hub: FakeHub, reference: object, tmp_path: Path
-) -> None:
-    extra = json.dumps({"shardsync": {"cache_dir": str(tmp_path / "named"), "priority": 3}})
-    assert generate(REPO, "shardsync", vllm_env(tmp_path, hub), extra) == reference
-    assert list((tmp_path / "named").glob("store/sha256/*/*"))
 
 
 def test_vllm_through_the_daemon_downloads_once_per_host(

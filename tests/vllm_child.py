@@ -3,14 +3,15 @@ venv: it pins its own torch and transformers).
 
     python tests/vllm_child.py build DIR
         a tiny sharded Llama (hidden 128, 4 heads, 2 layers, vocab 512) and a byte-level
-        BPE tokenizer, saved as ``transformers`` saves them
+        BPE tokenizer, saved as ``transformers`` saves them; then ``generate DIR auto``,
+        vLLM's own loader reading it (the reference), in the same process
     python tests/vllm_child.py generate MODEL LOAD_FORMAT [EXTRA_CONFIG_JSON]
         greedy tokens from ``vllm.LLM``: one line, ``RESULT`` + ``{"tokens": [[...], ...]}``
     python tests/vllm_child.py server MODEL LOAD_FORMAT PORT
         vLLM's OpenAI server (``vllm serve`` is broken in this repackaging)
     python tests/vllm_child.py download MODEL
         vLLM's plugins loaded twice, then the ``shardsync`` loader's ``download_model``
-    python tests/vllm_child.py early MODEL
+    python tests/vllm_child.py early MODEL [EXTRA_CONFIG_JSON]
         ``generate`` with ``shardsync``, vLLM's model building held until a shard is in
         the cache (15 s at most): ``RESULT`` + ``{"tokens": ..., "shard_before_model": ...}``
 
@@ -81,15 +82,17 @@ def generate(
     print(RESULT + json.dumps({"tokens": tokens, **(also or {})}), flush=True)
 
 
-def early(model: str) -> None:
+def early(model: str, extra: str | None) -> None:
     """Whether the download runs while vLLM builds the model: its building waits for a
-    verified shard in the snapshot, which only a stream opened before it can bring."""
+    verified shard in the snapshot, which only a stream opened before it can bring (in the
+    cache the options name, else ``$SHARDSYNC_CACHE_DIR``)."""
     import os
     import time
 
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
-    snapshots = Path(os.environ["SHARDSYNC_CACHE_DIR"]) / "hub"
+    named = (json.loads(extra) if extra else {}).get("shardsync", {}).get("cache_dir")
+    snapshots = Path(named or os.environ["SHARDSYNC_CACHE_DIR"]) / "hub"
     build = BaseModelLoader.create_model
     seen: dict[str, object] = {}
 
@@ -103,7 +106,7 @@ def early(model: str) -> None:
         return build(self, *args, **kwargs)  # type: ignore[arg-type]
 
     BaseModelLoader.create_model = create_model  # type: ignore[method-assign]
-    generate(model, "shardsync", None, seen)
+    generate(model, "shardsync", extra, seen)
 
 
 def download(model: str) -> None:
@@ -136,6 +139,7 @@ if __name__ == "__main__":  # vLLM spawns: nothing may run on import
     command, *args = sys.argv[1:]
     if command == "build":
         build(Path(args[0]))
+        generate(args[0], "auto", None)
     elif command == "generate":
         generate(args[0], args[1], args[2] if len(args) > 2 else None)
     elif command == "server":
@@ -143,6 +147,6 @@ if __name__ == "__main__":  # vLLM spawns: nothing may run on import
     elif command == "download":
         download(args[0])
     elif command == "early":
-        early(args[0])
+        early(args[0], args[1] if len(args) > 1 else None)
     else:
         raise SystemExit(f"unknown command {command!r}")
