@@ -224,6 +224,40 @@ async def test_a_corrupt_part_costs_one_download_and_never_a_wrong_blob(
     )
 
 
+async def test_a_wrong_seeded_partial_never_costs_the_tier_a_good_object(
+    s3server: S3Server, s3bucket: str, model: Checkpoint, aws_env: None, tmp_path: Path
+) -> None:
+    """A taker killed after seeding from a dead holder's wrong part leaves that partial; by its
+    next run another host has uploaded the good blob. The tier read resumes from the partial,
+    and its mismatch is the partial's: the read starts again from zero, and the good object,
+    which every host of the fleet reads, is not deleted as corrupt."""
+    shard = model.shards[0]
+    data = model.path(shard).read_bytes()
+    sha = dead_holder(s3server, s3bucket, data, parts=2, flip=True)
+    cache = tmp_path / "taker"
+    where = S3Location(s3bucket, PREFIX)
+    client = S3Client(
+        S3Config(endpoint=s3server.endpoint, region=s3server.region, addressing="path")
+    )
+    try:  # the seeding of the killed run, which got no further
+        seeded = await seed_from_parts(client, where, sha, len(data), Slot(CacheStore(cache), sha))
+    finally:
+        await client.aclose()
+    assert seeded.total() == 2 * PART
+    for key in s3_keys(s3server, s3bucket, PREFIX):  # another host finished the blob
+        s3(s3server).delete_object(Bucket=s3bucket, Key=key)
+    s3(s3server).put_object(Bucket=s3bucket, Key=blob_key(PREFIX, sha), Body=data)
+    async with FakeHub() as hub:
+        hub.add_checkpoint(REPO, model)
+        result = await prefetch(REPO, host(cache, hub, s3server, s3bucket))
+        served = hub.bytes_served(shard)
+    assert_snapshot_matches(result.snapshot_path, model)
+    assert served == 0  # every byte of the shard came from the tier
+    assert result.tier is not None and result.tier.corrupt_objects == 0
+    body = s3(s3server).get_object(Bucket=s3bucket, Key=blob_key(PREFIX, sha))["Body"].read()
+    assert body == data
+
+
 @pytest.mark.parametrize("part_size", ["1MiB", "16MiB"])
 def test_a_holder_killed_mid_download_leaves_parts_the_taker_resumes_from(
     s3server: S3Server,

@@ -2246,6 +2246,24 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_tier.py::test_a_blip_at_the_holder_still_serves_its_waiters_from_the_tier",),
         "a holder that saw the tier blip gives up the upload its renewed claim promises",
     ),
+    Mutant(
+        "resumed-mismatch-blames-origin",
+        "shardsync/fetch/fetcher.py",
+        (("if tally.resumed and not request.seeded:", "if False:"),),
+        (
+            "tests/test_tier_parts.py::test_a_wrong_seeded_partial_never_costs_the_tier_a_good_object",
+        ),
+        "a mismatch after a resume is the origin's: a wrong seed deletes a good tier object",
+    ),
+    Mutant(
+        "seeded-mismatch-forgiven",
+        "shardsync/fetch/fetcher.py",
+        (("if tally.resumed and not request.seeded:", "if tally.resumed:"),),
+        (
+            "tests/test_tier_parts.py::test_a_corrupt_part_costs_one_download_and_never_a_wrong_blob",
+        ),
+        "a mismatch after seeding from the tier's parts is retried afresh: the bad parts stay",
+    ),
 )
 
 

@@ -307,7 +307,9 @@ class Fetcher:
         Returns only when every byte is on disk and the hash matched (or was
         recorded, for origins that publish none); the caller commits the slot. The
         partial is kept on error so the next run can resume. In its ``turn`` the file may
-        take the connections of several.
+        take the connections of several. A mismatch after resuming an earlier run's partial
+        is the partial's (a bad disk, a wrong seed): the file starts once more from zero
+        without counting it against ``verify_attempts``, unless the request is ``seeded``.
         """
         verify_failures = 0
         single_stream = request.direct
@@ -353,9 +355,13 @@ class Fetcher:
                 if result is not None:
                     self._files += 1
                     return result
-                verify_failures += 1
                 self._verify_failures += 1
                 slot.abandon()
+                if tally.resumed and not request.seeded:
+                    tally.resumed = 0  # the partial's bytes, not the origin's: once from zero
+                    progress(-shown)
+                    continue
+                verify_failures += 1
                 tally.resumed = 0
                 progress(-shown)
                 attempts = request.verify_attempts or self.config.max_verify_attempts
@@ -479,7 +485,7 @@ class IntoSlot:
         if self._pace is not None:
             request = dataclasses.replace(request, pace=self._pace)
         if self._once:
-            request = dataclasses.replace(request, verify_attempts=1)
+            request = dataclasses.replace(request, verify_attempts=1, seeded=True)
         return await self._fetcher.fetch(request, self._slot, progress, turn=self._turn)
 
     async def copy(self, source: Path, version: str | None) -> VerifiedFile:

@@ -95,6 +95,7 @@ class BlobRequest:
     locator: Locator | None = None
     validator: Validator = "If-Range"
     verify_attempts: int | None = None  # full downloads after a mismatch (None: the config's)
+    seeded: bool = False  # the partial holds another source's bytes: a mismatch is theirs
     direct: bool = False
     connections: int | None = None  # most connections (an origin's own cap; None: the config's)
     chunk_size: int | None = None  # most bytes per Range, none cut at the tail (an origin's own)
