@@ -191,20 +191,9 @@ class Tier:
         n = self._n if counters is None else counters
         return TierStatistics(
             url=self.location.url,
-            hits=n.hits,
-            misses=n.misses,
-            bytes_from_tier=n.bytes_from_tier,
-            uploads=n.uploads,
-            bytes_uploaded=n.bytes_uploaded,
-            claims_won=n.claims_won,
-            claims_waited=n.claims_waited,
-            claims_taken_over=n.claims_taken_over,
-            stalled_fallbacks=n.stalled_fallbacks,
-            corrupt_objects=n.corrupt_objects,
-            errors=n.errors,
             disabled=self._disabled,
             read_only=self._read_only,
-            bytes_from_parts=n.bytes_from_parts,
+            **dataclasses.asdict(n),  # the same fields, named the same
         )
 
     def _counting(self) -> tuple[TierCounters, ...]:
@@ -298,6 +287,11 @@ class Tier:
     def _usable(self) -> bool:
         return not self._disabled and self._clock() >= self._down_until
 
+    def _allowed(self, size: int) -> float:
+        """The longest moving ``size`` bytes to or from the tier may take: the slowest a
+        waiting host tolerates (``upload_floor``), for many requests or one."""
+        return _ANSWER_S + size / self.config.upload_floor
+
     async def _head(self, sha256: str) -> ObjectInfo | None:
         key = blob_key(self.location.prefix, sha256)
         try:
@@ -338,7 +332,7 @@ class Tier:
             connections=client.config.connections_per_file,
             chunk_size=client.config.chunk_size,
         )
-        within = _ANSWER_S + size / self.config.upload_floor  # the slowest a host tolerates
+        within = self._allowed(size)
         try:  # a failed fetch takes its bytes back off the progress it reported
             async with asyncio.timeout(within):  # not the origin's retries of a stalled read
                 fetched = await slot_fetch(request, progress)
@@ -417,7 +411,7 @@ class Tier:
     async def _seed(self, claim: _Claim, slot: Slot) -> RangeSet:
         """What a dead holder left, in our partial: the tier's failure costs a warning and
         what was not seeded yet; the disk's is the job's own error."""
-        allowed = _ANSWER_S + claim.size / self.config.upload_floor  # many requests, not one
+        allowed = self._allowed(claim.size)
         try:
             async with asyncio.timeout(allowed):
                 seeded = await seed_from_parts(
@@ -614,7 +608,7 @@ class Tier:
                 self._client.put_file(
                     self.location.bucket, key, blob, sha256=upload.sha256, size=upload.size
                 ),
-                within=_ANSWER_S + upload.size / self.config.upload_floor,
+                within=self._allowed(upload.size),
             )
             if done is not _FAILED:
                 for n in self._counting():

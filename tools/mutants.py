@@ -1553,7 +1553,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "upload-waits-on-a-hung-tier",
         "shardsync/tier.py",
-        (("within=_ANSWER_S + upload.size / self.config.upload_floor,", "within=1e9,"),),
+        (("within=self._allowed(upload.size),", "within=1e9,"),),
         ("tests/test_tier.py::test_a_tier_that_hangs_during_the_uploads_costs_seconds_at_the_end",),
         "a tier that takes the uploads and never answers holds the exit after the snapshot",
     ),
