@@ -631,7 +631,9 @@ def _ls(args: argparse.Namespace) -> int:
     from shardsync.inventory import inventory_to_json, scan
 
     config = _config(args)
-    inventory = scan(_existing_cache(args, config), pin=config.prune.pin)
+    inventory = scan(
+        _existing_cache(args, config), pin=tuple(_as_stored(p) for p in config.prune.pin)
+    )
     if args.json:
         print(json.dumps(inventory_to_json(inventory), indent=2))
     else:

@@ -61,6 +61,7 @@ class SnapshotInfo:
     commit: str
     refs: tuple[str, ...]
     complete: bool  # a record, and every file linked to a blob of the recorded size
+    recorded: bool  # a record: complete once (a quarantined blob's gap waits for a prefetch)
     files: int
     blobs: frozenset[str]  # store blobs (sha256) it refers to, by record or by link
     etags: frozenset[str]  # the repo's blobs/<etag> its links point to
@@ -255,6 +256,8 @@ def _scan_repo(
         foreign[inode] = nbytes
 
     refs = _refs(repo_dir / "refs")
+    # a repo folder that is a symlink is someone's arrangement, not a folder shardsync made
+    linked = os.path.islink(repo_dir)
     commits = set(_names(repo_dir / "snapshots")) | {c for d, c in records if d == dirname}
     snapshots = []
     sizes = {b.sha256: b.nbytes for b in by_inode.values()}
@@ -268,6 +271,9 @@ def _scan_repo(
         # a name that is no commit (a user's copy, another tool's file) is not ours: kept,
         # with whatever it links to
         foreign_here = is_foreign or any(e in foreign_links for e in etags) or not is_commit(commit)
+        # shardsync writes a ref after the record: a ref to a commit without one is another
+        # tool's (huggingface_hub's, reusing our blobs for a commit that changed a README)
+        foreign_here = foreign_here or linked or (record is None and commit in refs)
         nbytes = sum(sizes[s] for s in shas) + sum(
             foreign_links[e][1] for e in etags if e in foreign_links
         )
@@ -286,6 +292,7 @@ def _scan_repo(
                 commit=commit,
                 refs=tuple(sorted(refs.get(commit, ()))),
                 complete=complete,
+                recorded=record is not None,
                 files=len(record.files) if record is not None else files,
                 blobs=frozenset(shas),
                 etags=frozenset(etags),
@@ -397,7 +404,7 @@ def _junk(directory: Path, kind: str, counted: set[tuple[int, int]]) -> tuple[Le
     for name in _names(directory):
         if kind == "tmp" and layout.is_live_temp(name):
             continue  # a running download's own name for its file: work, not junk
-        if not layout.is_junk_name(name):
+        if not layout.is_junk_name(kind, name):
             continue  # a name shardsync never writes there: not ours to remove
         path = directory / name
         with contextlib.suppress(OSError):

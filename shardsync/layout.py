@@ -28,6 +28,7 @@ import hashlib
 import os
 import re
 import secrets
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,6 +66,7 @@ __all__ = [
     "is_repo_dirname",
     "kind_of_dirname",
     "name_of_dirname",
+    "quarantine_name",
     "record_name",
     "repo_dir",
     "temp_name",
@@ -104,7 +106,7 @@ _DIRNAME_RE = re.compile(
     "(?:" + "|".join(_PREFIX.get(k, k) for k in _KINDS) + r")--[A-Za-z0-9._-]{1,240}"
 )
 _STATE_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
-_JUNK_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,254}")
+_QUARANTINED_RE = re.compile(r"[0-9a-f]{64}\.[0-9]{1,20}")  # <sha256>.<ns>
 
 
 # --------------------------------------------------------------------------- validation
@@ -160,9 +162,20 @@ def file_parts(relpath: str) -> Parts:
     return tuple(validate_name(relpath).split("/"))
 
 
-def is_junk_name(name: str) -> bool:
-    """A name in ``tmp/`` or ``quarantine/`` that removing cannot turn into another path."""
-    return isinstance(name, str) and _JUNK_NAME_RE.fullmatch(name) is not None
+def is_junk_name(area: str, name: str) -> bool:
+    """A name shardsync gives in ``tmp/`` (``temp_name``) or ``quarantine/``
+    (``quarantine_name``): what it may remove there. Another (a core dump, a user's file)
+    is not its own; none of these names can turn into another path."""
+    if not isinstance(name, str):
+        return False
+    if area == "tmp":
+        return temp_purpose(name) in TEMP_BECOMES
+    return area == "quarantine" and _QUARANTINED_RE.fullmatch(name) is not None
+
+
+def quarantine_name(sha256: str) -> str:
+    """The name a corrupt blob is kept under in ``quarantine/``."""
+    return f"{sha256}.{time.time_ns()}"
 
 
 def is_download_lock(name: str) -> bool:

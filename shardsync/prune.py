@@ -380,8 +380,8 @@ def _view(
                     dirname=s.dirname,
                     commit=s.commit,
                     repo=s.repo,
-                    complete=s.complete,
-                    last_used=(s.last_used or 0.0) if s.complete else s.last_activity,
+                    complete=s.recorded,  # once: a quarantine's gap is no abandoned download
+                    last_used=(s.last_used or 0.0) if s.recorded else s.last_activity,
                     blobs=s.blobs,
                     protected=reason,
                 )

@@ -6,7 +6,8 @@ carries the plan out. The rules, in the order they apply:
 1. Protected snapshots are never touched: pinned repos, ``--keep`` repos, anything under a
    live lease, and snapshots holding files shardsync did not write (``foreign``).
 2. Stale leftovers go whatever the limits: partial downloads, ``tmp/`` and ``quarantine/``
-   entries, store blobs no snapshot refers to, and incomplete snapshots, all untouched for
+   entries, store blobs no snapshot refers to, and snapshots that never completed (a
+   quarantine's gap is not one: the next prefetch fills it), all untouched for
    ``stale_age``; a blob no snapshot refers to yet is kept while a lease older than it lives
    (a long job links content-named files only at its end).
 3. ``max_age``: every snapshot not used for that long.
@@ -70,7 +71,7 @@ class Unit:
     dirname: str
     commit: str
     repo: str
-    complete: bool
+    complete: bool  # completed once (a record), whatever a quarantine took from it since
     last_used: float  # the LRU clock: last use, or last activity of an incomplete one
     blobs: frozenset[str]  # ids (sha256) of the store blobs it refers to
     protected: Protection | None = None

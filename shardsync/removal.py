@@ -12,7 +12,6 @@ import contextlib
 import os
 import shutil
 import stat
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,7 +133,7 @@ class CacheRemoval:
 
     def remove_junk(self, area: Literal["tmp", "quarantine"], name: str) -> None:
         """Remove an entry of ``tmp/`` (left by a crash) or ``quarantine/`` (a corrupt blob)."""
-        if area not in ("tmp", "quarantine") or not layout.is_junk_name(name):
+        if not layout.is_junk_name(area, name):
             raise CacheError(f"refusing to remove {area}/{name!r}")
         try:
             fd = self.fs.walk_existing((area,))
@@ -186,7 +185,7 @@ class CacheRemoval:
                     if stat.S_ISREG(st.st_mode) and inode in (None, (st.st_dev, st.st_ino)):
                         target = (st.st_dev, st.st_ino)
                         with self.fs.dir(layout.QUARANTINE) as q_fd:
-                            name = f"{sha256}.{time.time_ns()}"
+                            name = layout.quarantine_name(sha256)
                             os.rename(sha256, name, src_dir_fd=store, dst_dir_fd=q_fd)
                             os.fsync(q_fd)
                             os.fsync(store)

@@ -20,6 +20,7 @@ from helpers import (
     assert_snapshot_matches,
     assert_store_verified,
     fast_config,
+    sha256_file,
     tmpfs,
 )
 from huggingface_hub import hf_hub_download, scan_cache_dir
@@ -40,6 +41,7 @@ from shardsync.prune_plan import Blob, CacheView, Leftover, Limits, Unit, matche
 from shardsync.records import PrefetchResult, RepoRef
 from shardsync.snapshot_use import AccessLog, Leases, prune_gate
 from shardsync.testing import Checkpoint, FakeHub, build_checkpoint, serve_in_thread
+from shardsync.verify import verify_cache
 
 # --------------------------------------------------------------------------- the planner
 
@@ -469,6 +471,9 @@ class _held:
         self.lock.release()
 
 
+TORN = "part.0badc0de.4242-17.0123456789abcdef"  # a download's private file, another host's
+
+
 def test_stale_partials_orphans_and_junk(hub: FakeHub, tmp_path: Path) -> None:
     cache_dir = tmp_path / "cache"
     fill(cache_dir, hub, ("a",))
@@ -477,7 +482,7 @@ def test_stale_partials_orphans_and_junk(hub: FakeHub, tmp_path: Path) -> None:
     for key in ("old", "busy", "fresh"):
         (partial / f"{key}.part").write_bytes(os.urandom(5000))
         (partial / f"{key}.json").write_text("{}")
-    (cache_dir / "tmp" / "write.1.abc").write_bytes(b"torn")
+    (cache_dir / "tmp" / TORN).write_bytes(b"torn")
     orphan = cache_dir / "partial" / "orphan.part"
     orphan.write_bytes(b"no snapshot refers to me")
     orphan_sha = hashlib.sha256(orphan.read_bytes()).hexdigest()
@@ -486,7 +491,7 @@ def test_stale_partials_orphans_and_junk(hub: FakeHub, tmp_path: Path) -> None:
     for key in ("old", "busy"):
         for ext in ("part", "json"):
             os.utime(partial / f"{key}.{ext}", (0, 0))
-    os.utime(cache_dir / "tmp" / "write.1.abc", (0, 0))
+    os.utime(cache_dir / "tmp" / TORN, (0, 0))
     for ext in ("part", "json"):  # written a minute ago, as the clock of this prune reads
         os.utime(partial / f"fresh.{ext}", (later - 60, later - 60))
     busy = cache.lock("busy")
@@ -517,7 +522,9 @@ def test_what_shardsync_did_not_make_a_prune_leaves_and_still_prunes(
     cache_dir = tmp_path / "cache"
     paths = fill(cache_dir, hub, ("a", "b"))
     cache = CacheStore(cache_dir)
-    strays = [cache_dir / "tmp" / "core dump", cache_dir / "quarantine" / "\u00fc.bin"]
+    strays = [
+        cache_dir / "tmp" / name for name in ("core dump", "core", "core.12345", "notes.txt")
+    ] + [cache_dir / "quarantine" / name for name in ("\u00fc.bin", "model.safetensors.bak")]
     for stray in strays:
         stray.parent.mkdir(exist_ok=True)
         stray.write_bytes(b"not ours")
@@ -557,12 +564,84 @@ def test_stale_incomplete_snapshot_is_removed(hub: FakeHub, tmp_path: Path) -> N
     snapshots = fill(cache_dir, hub, ("a", "b"))
     cache = CacheStore(cache_dir)
     record = cache_dir / "state" / "snapshots" / "models--acme--b" / f"{snapshots['b'].name}.json"
-    record.unlink()  # b is now an abandoned, incomplete download
+    record.unlink()  # b is now an abandoned, incomplete download: no record, no ref yet
+    (cache_dir / "hub" / "models--acme--b" / "refs" / "main").unlink()
     assert prune_cache(cache, Limits()).evicted == ()  # not stale yet
     report = prune_cache(cache, Limits(), clock=lambda: time.time() + 2 * DAY)
     assert [(e.repo, e.reason) for e in report.evicted] == [("acme/b", "stale")]
     assert remaining(cache) == ["acme/a"]
     assert_hf_clean(cache_dir)
+
+
+def test_a_quarantined_snapshot_waits_for_its_prefetch_not_for_a_prune(
+    hub: FakeHub, models: dict[str, Checkpoint], tmp_path: Path
+) -> None:
+    """``verify`` quarantines one corrupt shard and says the next prefetch downloads just
+    that; a prune a day later, with no limit set, took the snapshot for an abandoned download
+    and deleted every good blob of it."""
+    cache_dir = tmp_path / "cache"
+    snapshot = fill(cache_dir, hub, ("a",))["a"]
+    cache = CacheStore(cache_dir)
+    shard = models["a"].shards[0]
+    blob = cache.blob_path(sha256_file(snapshot / shard))
+    blob.chmod(0o644)
+    with blob.open("r+b") as f:  # one flipped byte
+        f.seek(100)
+        byte = f.read(1)[0]
+        f.seek(100)
+        f.write(bytes([byte ^ 1]))
+    assert verify_cache(cache).incomplete
+    report = prune_cache(cache, Limits(), clock=lambda: time.time() + 2 * DAY)
+    assert report.evicted == ()
+    assert report.junk == 1 and list((cache_dir / "quarantine").iterdir()) == []
+    before = hub.bytes_served()
+    fill(cache_dir, hub, ("a",))
+    assert hub.bytes_served() - before == models["a"].path(shard).stat().st_size
+    assert_snapshot_matches(snapshot, models["a"])
+
+
+def test_a_snapshot_huggingface_hub_made_from_our_blobs_is_not_ours_to_prune(
+    hub: FakeHub, models: dict[str, Checkpoint], tmp_path: Path
+) -> None:
+    """A commit that changed only a README, fetched by huggingface_hub into the shared cache:
+    it links shardsync's blobs and writes ``refs/main``, and has no record of ours. A prune
+    took it for our abandoned download and deleted it and the ref, and huggingface_hub
+    offline found nothing."""
+    cache_dir = tmp_path / "cache"
+    fill(cache_dir, hub, ("a",))
+    model = models["a"]
+    files: dict[str, bytes | Path] = {rel: model.path(rel) for rel in model.files}
+    files["README.md"] = b"# edited\n"
+    commit = hub.add_repo("acme/a", files)
+    assert model.index is not None
+    for name in ("config.json", model.index, *model.shards):
+        hf_hub_download("acme/a", name, cache_dir=cache_dir / "hub", endpoint=hub.endpoint)
+    later = time.time() + 2 * DAY
+    report = prune_cache(CacheStore(cache_dir), Limits(), clock=lambda: later)
+    assert report.evicted == ()
+    for name in (model.index, *model.shards):
+        offline = hf_hub_download(
+            "acme/a", name, cache_dir=cache_dir / "hub", local_files_only=True
+        )
+        assert commit in offline
+        assert Path(offline).read_bytes() == model.path(name).read_bytes()
+
+
+def test_a_repo_folder_symlinked_from_elsewhere_is_left_and_the_rest_pruned(
+    hub: FakeHub, models: dict[str, Checkpoint], tmp_path: Path
+) -> None:
+    """A repo folder moved to another disk and linked back (to make room) is someone's
+    arrangement: left as it is. Every prune used to stop at it (exit 9) and free nothing."""
+    cache_dir = tmp_path / "cache"
+    paths = fill(cache_dir, hub, ("a", "b"))
+    repo = cache_dir / "hub" / "models--acme--a"
+    moved = tmp_path / "bigdisk" / repo.name
+    moved.parent.mkdir()
+    repo.rename(moved)
+    repo.symlink_to(moved)
+    report = prune_cache(CacheStore(cache_dir), Limits(max_size=1))
+    assert [e.repo for e in report.evicted] == ["acme/b"]
+    assert_snapshot_matches(paths["a"], models["a"])
 
 
 MMAP_READER = r"""
@@ -710,6 +789,14 @@ def test_keep_and_pin_match_a_source_as_it_was_typed(tmp_path: Path) -> None:
         report = json.loads(out.stdout)
         assert report["evicted"] == [], keep
         assert [p["reason"] for p in report["protected"]] == ["keep"], keep
+    (tmp_path / "pin.toml").write_text('[prune]\npin = ["origin/b/"]\n')
+    listed = subprocess.run(
+        [*base[:3], "ls", "--json", "--config", "pin.toml", "--cache-dir", str(cache_dir)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert [r["pinned"] for r in json.loads(listed.stdout)["repos"]] == [True]  # as prune has it
     assert matches(["s3://models/llama"], "s3://models/llama/")
     assert matches(["s3://models/*"], "s3://models/llama/")
     assert not matches(["s3://models/llama"], "s3://models/llama-2/")

@@ -934,7 +934,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "stray-junk-fails-prune",
         "shardsync/inventory.py",
-        (("        if not layout.is_junk_name(name):\n            continue", "        pass"),),
+        (("        if not layout.is_junk_name(kind, name):\n            continue", "        pass"),),
         ("tests/test_prune.py::test_what_shardsync_did_not_make_a_prune_leaves_and_still_prunes",),
         "a file of a name shardsync never writes in tmp/ fails every prune",
     ),
@@ -2263,6 +2263,60 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/test_tier_parts.py::test_a_corrupt_part_costs_one_download_and_never_a_wrong_blob",
         ),
         "a mismatch after seeding from the tier's parts is retried afresh: the bad parts stay",
+    ),
+    Mutant(
+        "quarantined-snapshot-stale",
+        "shardsync/prune.py",
+        (("complete=s.recorded,  # once", "complete=s.complete,  # once"),),
+        (
+            "tests/test_prune.py::test_a_quarantined_snapshot_waits_for_its_prefetch_not_for_a_prune",
+        ),
+        "a snapshot verify quarantined a shard of is pruned a day later as an abandoned download",
+    ),
+    Mutant(
+        "hf-snapshot-taken-for-ours",
+        "shardsync/inventory.py",
+        (
+            (
+                "foreign_here or linked or (record is None and commit in refs)",
+                "foreign_here or linked",
+            ),
+        ),
+        (
+            "tests/test_prune.py::test_a_snapshot_huggingface_hub_made_from_our_blobs_is_not_ours_to_prune",
+        ),
+        "a snapshot huggingface_hub made from our blobs is pruned as stale, with its ref",
+    ),
+    Mutant(
+        "any-plain-name-is-junk",
+        "shardsync/layout.py",
+        (
+            ("return temp_purpose(name) in TEMP_BECOMES", 'return "/" not in name'),
+            ("and _QUARANTINED_RE.fullmatch(name) is not None", 'and "/" not in name'),
+        ),
+        ("tests/test_prune.py::test_what_shardsync_did_not_make_a_prune_leaves_and_still_prunes",),
+        "any plain name in tmp/ or quarantine/ is taken for shardsync's and removed",
+    ),
+    Mutant(
+        "symlinked-repo-is-ours",
+        "shardsync/inventory.py",
+        (("linked = os.path.islink(repo_dir)", "linked = False"),),
+        (
+            "tests/test_prune.py::test_a_repo_folder_symlinked_from_elsewhere_is_left_and_the_rest_pruned",
+        ),
+        "a repo folder linked back from another disk is evicted: every prune stops there, exit 9",
+    ),
+    Mutant(
+        "ls-pins-as-written",
+        "shardsync/cli.py",
+        (
+            (
+                "config), pin=tuple(_as_stored(p) for p in config.prune.pin)",
+                "config), pin=config.prune.pin",
+            ),
+        ),
+        ("tests/test_prune.py::test_keep_and_pin_match_a_source_as_it_was_typed",),
+        "ls matches prune.pin as written: a directory prune spares is listed as not pinned",
     ),
 )
 
