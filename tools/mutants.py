@@ -934,7 +934,12 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "stray-junk-fails-prune",
         "shardsync/inventory.py",
-        (("        if not layout.is_junk_name(kind, name):\n            continue", "        pass"),),
+        (
+            (
+                "        if not layout.is_junk_name(kind, name):\n            continue",
+                "        pass",
+            ),
+        ),
         ("tests/test_prune.py::test_what_shardsync_did_not_make_a_prune_leaves_and_still_prunes",),
         "a file of a name shardsync never writes in tmp/ fails every prune",
     ),
