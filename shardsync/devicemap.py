@@ -453,7 +453,9 @@ def _in_block_order(groups: list[str]) -> list[str]:
 
     def numbered(group: str) -> tuple[str, int] | None:
         head, _, tail = group.rpartition(".")
-        return (head, int(tail)) if head and tail.isascii() and tail.isdigit() else None
+        if not (head and tail.isascii() and tail.isdigit() and len(tail) <= 18):
+            return None  # a name, not a block number (past 18 digits: no model has that many)
+        return head, int(tail)
 
     stacks: dict[str, list[tuple[int, str]]] = {}
     for group in groups:

@@ -22,6 +22,7 @@ from shardsync.errors import ManifestError, UnsafeNameError
 
 __all__ = [
     "DEFAULT_INCLUDE",
+    "MAX_FILE_SIZE",
     "MAX_JSON_BYTES",
     "UNSAFE_NAMES",
     "FileRole",
@@ -147,6 +148,9 @@ def leave_out(names: Sequence[str], where: str, why: str) -> None:
 UNSAFE_NAMES = "whose names are unsafe as paths or URLs"
 
 
+MAX_FILE_SIZE = 1 << 53  # 8 PiB: past any file (and past what a JSON number says exactly)
+
+
 def is_safe_name(name: str) -> bool:
     """Whether ``validate_name`` accepts ``name``."""
     try:
@@ -161,6 +165,8 @@ def _check_size(value: object, where: str) -> int | None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ManifestError(f"{where}: size must be a non-negative integer, got {value!r}")
+    if value > MAX_FILE_SIZE:
+        raise ManifestError(f"{where}: a size of {value} bytes is more than any file holds")
     return value
 
 

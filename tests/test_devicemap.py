@@ -169,6 +169,15 @@ def test_blocks_fill_devices_in_their_numbers_order_whatever_the_index_order(
     assert order == sorted(order) and len(set(order)) == 2  # one cut, between two blocks
 
 
+def test_a_block_number_past_any_model_is_a_name_not_a_crash() -> None:
+    """A header naming ``model.layers.<5000 digits>.weight`` ended the plan in Python's own
+    ``ValueError`` (its int limit), a traceback: such a number is no block's."""
+    huge = f"model.layers.{'7' * 5000}"
+    tensors = [*DECODER, TensorSize(f"{huge}.weight", 25)]
+    plan = plan_device_map(tensors, "sequential", devices=GPU2, max_memory=G2)
+    assert plan.device_of(f"{huge}.weight") in GPU2
+
+
 def test_balanced_spreads_roughly_evenly() -> None:
     for devices in (GPU2, GPU3, GPU4):
         plan = plan_device_map(

@@ -15,13 +15,13 @@ from aiohttp import web
 from helpers import fast_config, handler_at, range_server
 
 from shardsync.cache import CacheStore
-from shardsync.errors import ProtocolError
+from shardsync.errors import ManifestError, ProtocolError
 from shardsync.fetch.answers import follow as _follow
 from shardsync.fetch.fetcher import Fetcher
 from shardsync.fetch.request import BlobRequest, joined
 from shardsync.prefetch import prefetch
 from shardsync.slot import Slot
-from shardsync.testing import Bandwidth, FakeHub, serve_in_thread
+from shardsync.testing import Bandwidth, FakeHub, fakehub, serve_in_thread
 
 
 @pytest.mark.parametrize(
@@ -116,6 +116,22 @@ async def test_a_large_repo_is_listed_through_the_paginated_tree(
     assert len(pages) == 5  # 1201 (or 1202) files and one folder, 250 entries a page
     for name, data in files.items():
         assert (result.snapshot_path / name).read_bytes() == data
+
+
+async def test_a_tree_listing_that_goes_round_is_refused_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A next page that links back to a page already read: each round added its entries
+    again, memory growing for 10 000 pages before any error."""
+    first = fakehub.encode_cursor(0)
+    monkeypatch.setattr(fakehub, "encode_cursor", lambda _offset: first)
+    files = {f"data/{i:04d}.txt": b"row\n" for i in range(1200)}
+    async with FakeHub(siblings_cap=1000, tree_page_size=250) as hub:
+        hub.add_repo("acme/round", files)
+        with pytest.raises(ManifestError):
+            await prefetch("acme/round", fast_config(tmp_path, hub.endpoint))
+        pages = [r for r in hub.log if "/tree/" in r.path]
+    assert len(pages) == 2  # the first page, and the one it linked to, which links to itself
 
 
 async def test_a_next_page_on_another_origin_is_refused(tmp_path: Path) -> None:
@@ -241,6 +257,27 @@ async def test_a_throttle_hold_longer_than_the_timeouts_times_nothing_out(
             verified = await fetcher.fetch(request, slot)
     assert held_until and verified.verified == "sha256" and verified.downloaded == len(data)
     assert fetcher.statistics().retries == {}
+
+
+async def test_a_probed_size_past_any_file_is_the_origins_lie(tmp_path: Path) -> None:
+    """A one-byte GET whose ``Content-Range`` says 10**19 - 1 bytes in all was Python's
+    ``OverflowError`` from ``ftruncate``: a traceback where the origin lied."""
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        if request.method == "HEAD":  # chunked: no Content-Length
+            head = web.StreamResponse(headers={"ETag": '"v1"'})
+            head.enable_chunked_encoding()
+            await head.prepare(request)
+            return head
+        headers = {"ETag": '"v1"', "Content-Range": f"bytes 0-0/{10**19 - 1}"}
+        return web.Response(status=206, body=b"x", headers=headers)
+
+    async with handler_at(handle) as base, aiohttp.ClientSession() as session:
+        fetcher = Fetcher(session, fast_config(tmp_path).fetch)
+        request = BlobRequest(url=base + "model.safetensors", headers={}, label="f")
+        async with Slot(CacheStore(tmp_path), "k" * 64) as slot:
+            with pytest.raises(ProtocolError):
+                await fetcher.fetch(request, slot)
 
 
 async def test_the_size_probe_is_retried_as_every_request_of_a_file(tmp_path: Path) -> None:

@@ -831,6 +831,7 @@ BAD_REVISIONS = [
     ("no-rfilename", hub_revision({"size": 1}), ManifestError, "rfilename"),
     ("negative-size", hub_revision({"rfilename": "a", "size": -1}), ManifestError, "size"),
     ("string-size", hub_revision({"rfilename": "a", "size": "1"}), ManifestError, "size"),
+    ("huge-size", hub_revision({"rfilename": "a", "size": 2**63}), ManifestError, "size"),
     (
         "bad-lfs-sha",
         hub_revision({"rfilename": "a", "lfs": {"sha256": "zz"}}),

@@ -149,8 +149,9 @@ def test_a_pooled_connection_the_server_closed_is_replaced_once() -> None:
         b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n",
         b"HTTP/1.1 200 OK\r\n continued: header\r\n\r\n",
         b"HTTP/1.1 200 OK\r\n" + b"X-Pad: " + b"a" * 70_000 + b"\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nContent-Length: " + b"9" * 5000 + b"\r\n\r\nx",
     ],
-    ids=["http2", "not-http", "bad-code", "no-colon", "folded", "huge-head"],
+    ids=["http2", "not-http", "bad-code", "no-colon", "folded", "huge-head", "huge-length"],
 )
 def test_a_malformed_head_is_a_protocol_error(head: bytes) -> None:
     with raw_server(lambda _req: head) as (url, _):

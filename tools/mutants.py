@@ -2323,6 +2323,44 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_prune.py::test_keep_and_pin_match_a_source_as_it_was_typed",),
         "ls matches prune.pin as written: a directory prune spares is listed as not pinned",
     ),
+    Mutant(
+        "content-length-digits-unbounded",
+        "shardsync/fetch/wire.py",
+        (("if length is not None and len(length) > 19:", "if False:"),),
+        ("tests/test_wire.py::test_a_malformed_head_is_a_protocol_error",),
+        "a Content-Length of 5000 digits is parsed: Python int limit ValueError, a traceback",
+    ),
+    Mutant(
+        "block-number-digits-unbounded",
+        "shardsync/devicemap.py",
+        ((" and len(tail) <= 18):", "):"),),
+        ("tests/test_devicemap.py::test_a_block_number_past_any_model_is_a_name_not_a_crash",),
+        "a tensor named layers.<5000 digits> ends device planning in a ValueError traceback",
+    ),
+    Mutant(
+        "listed-size-unbounded",
+        "shardsync/manifest.py",
+        (("    if value > MAX_FILE_SIZE:\n", "    if False:\n"),),
+        (
+            "tests/test_manifest.py",
+            "tests/adversarial/test_hostile_server.py::test_a_size_past_any_file_is_the_origins_lie_not_the_caches",
+        ),
+        "a listed size of 2**63 reaches ftruncate: OverflowError, a traceback",
+    ),
+    Mutant(
+        "probed-size-unbounded",
+        "shardsync/fetch/transfer.py",
+        (("if size > MAX_FILE_SIZE:", "if False:"),),
+        ("tests/test_fetch.py::test_a_probed_size_past_any_file_is_the_origins_lie",),
+        "a probed Content-Range total of 10**19 - 1 reaches ftruncate: OverflowError",
+    ),
+    Mutant(
+        "tree-pages-go-round",
+        "shardsync/origins/hub.py",
+        (("if page in seen or len(files)", "if len(files)"),),
+        ("tests/test_fetch.py::test_a_tree_listing_that_goes_round_is_refused_at_once",),
+        "a tree page linking back to a read one is read again: memory grows for 10 000 pages",
+    ),
 )
 
 

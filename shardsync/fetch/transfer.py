@@ -33,6 +33,7 @@ from shardsync.fetch.answers import (
 from shardsync.fetch.body import Body, FileWork, Landing, OpenBody, Traffic
 from shardsync.fetch.disk import start_writeback
 from shardsync.fetch.request import BlobRequest, Located, ProgressFn, Turn
+from shardsync.manifest import MAX_FILE_SIZE
 from shardsync.ramp import ConnectionRamp
 from shardsync.ranges import RangeSet, is_strong_etag, split_ranges, split_tail
 from shardsync.records import FetchConfig, Verification, VerifiedFile
@@ -144,6 +145,8 @@ class FileDownload:
             raise ProtocolError(
                 f"{request.label}: origin reports {size} bytes, manifest says {request.size}"
             )
+        if size > MAX_FILE_SIZE:  # a lie: the cache cannot be blamed for not holding it
+            raise ProtocolError(f"{request.label}: origin reports {size} bytes")
         etag = located.etag if is_strong_etag(located.etag) else None
         opened = slot.open(Resumable(request.url, etag, size, request.sha256))
         fd, done, record = opened.fd, opened.done, opened.record

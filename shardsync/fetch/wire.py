@@ -262,6 +262,8 @@ class Stream:
             # two lengths, or a length beside Transfer-Encoding (RFC 9112 6.3: the encoding
             # wins, and such an answer is the classic smuggling vector): never trusted
             raise ProtocolError(f"conflicting body framing: Content-Length {length[:40]!r}")
+        if length is not None and len(length) > 19:  # past 2**63 (and Python's int limit)
+            raise ProtocolError(f"Content-Length of {len(length)} characters")
         self.length = int(length) if length is not None and _is_digits(length) else None
         self._left = self.length
 

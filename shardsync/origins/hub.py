@@ -32,6 +32,7 @@ _MAX_API_ANSWER = 64 << 20
 # lists large repos with the paginated tree API.
 _SIBLINGS_COMPLETE_BELOW = 1000
 _MAX_TREE_PAGES = 10_000
+_MAX_TREE_FILES = 200_000  # twice the 100k files the Hub asks a repo to stay under
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,9 +88,13 @@ class HubOrigin(RequestOrigin):
         page: str | None = (
             f"{self.endpoint}/api/models/{self.repo_id}/tree/{listing.commit}?recursive=true"
         )
+        seen: set[str] = set()
         for _ in range(_MAX_TREE_PAGES):
             if page is None:
                 return replace(listing, files=tuple(files), exhaustive=True)
+            if page in seen or len(files) > _MAX_TREE_FILES:  # a loop, or a listing without end
+                raise ManifestError(f"{label}: the tree listing goes round or has no end")
+            seen.add(page)
             payload, page = await fetcher.get_page(
                 page, self.auth_headers, max_size=_MAX_API_ANSWER, label=f"{label} tree"
             )

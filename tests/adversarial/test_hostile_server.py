@@ -19,7 +19,7 @@ from bodypaths import BodyPath
 from helpers import asked_span, assert_store_verified, fast_config, handler_at, serve_bytes
 
 from shardsync.config import Config
-from shardsync.errors import ProtocolError, ShardsyncError
+from shardsync.errors import CacheError, ProtocolError, ShardsyncError
 from shardsync.prefetch import prefetch
 from shardsync.ranges import parse_content_range
 
@@ -348,3 +348,24 @@ def _published_refs(cache: Path) -> list[Path]:
 def test_content_range_parser_refuses_garbage() -> None:
     with pytest.raises(ProtocolError):
         parse_content_range("bytes 5-2/10")
+
+
+async def test_a_size_past_any_file_is_the_origins_lie_not_the_caches(
+    tmp_path: Path, body_path: BodyPath
+) -> None:
+    """A HEAD saying 2**63 bytes was Python's ``OverflowError`` from ``ftruncate`` (a
+    traceback), and 2**63 - 1 a cache error (exit 9, blaming the disk): the origin lied."""
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        data = FILES.get(request.match_info["name"])
+        if data is None:
+            return web.Response(status=404)
+        if request.method == "HEAD" and data is SHARD:
+            return web.Response(headers={"ETag": ETAG, "Content-Length": str(2**63)})
+        return web.Response(body=data, headers={"ETag": ETAG})
+
+    async with handler_at(handle) as base:
+        with pytest.raises(ShardsyncError) as caught:
+            await prefetch(base, config(tmp_path, body_path))
+    assert not isinstance(caught.value, CacheError)
+    assert _published_refs(tmp_path) == []
