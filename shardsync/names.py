@@ -148,7 +148,9 @@ def parse_s3_url(url: str) -> S3Location:
         raise ConfigError(f"invalid S3 bucket name {bucket!r} in {url!r}")
     if _CONTROL.search(prefix) or "?" in prefix or "#" in prefix or len(prefix) > 900:
         raise ConfigError(f"invalid S3 prefix in {url!r}")
-    parts = [p for p in prefix.split("/") if p]
+    parts = prefix.removesuffix("/").split("/") if prefix else []
+    if "" in parts:  # S3 keys keep an empty segment: runs//llama/ is not runs/llama/
+        raise ConfigError(f"an S3 prefix must not hold an empty segment ('//'): {url!r}")
     if any(p in (".", "..") for p in parts):
         raise ConfigError(f"an S3 prefix must not contain '.' or '..' segments: {url!r}")
     return S3Location(bucket=bucket, prefix="".join(p + "/" for p in parts))

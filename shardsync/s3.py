@@ -312,7 +312,7 @@ class S3Client:
         async def attributes(client: _Client) -> tuple[int, ...]:
             sizes: builtins.list[int] = []
             marker = 0
-            while True:
+            for _ in range(-(-parts // 1000) + 1):  # pages of 1000 parts, and one to spare
                 answer = await client.get_object_attributes(
                     Bucket=bucket,
                     Key=key,
@@ -320,14 +320,19 @@ class S3Client:
                     MaxParts=1000,
                     PartNumberMarker=marker,
                 )
-                if _unquoted(str(answer.get("ETag", ""))) != _unquoted(etag):
+                said = answer.get("ETag")  # absent: the attributes are no proof; ask the parts
+                if said is not None and _unquoted(str(said)) != _unquoted(etag):
                     raise PreconditionFailed(f"{where}: the object changed")
                 listed = answer.get("ObjectParts") or {}
                 for part in listed.get("Parts") or ():
                     sizes.append(int(part["Size"]))
-                if not listed.get("IsTruncated") or len(sizes) >= parts:
-                    return tuple(sizes)
-                marker = int(listed["NextPartNumberMarker"])
+                if said is None or not listed.get("IsTruncated") or len(sizes) >= parts:
+                    return tuple(sizes) if said is not None else ()
+                following = int(listed.get("NextPartNumberMarker") or 0)
+                if following <= marker:  # a page that does not move on would never end
+                    return ()
+                marker = following
+            return ()  # more pages than the parts fill: the part HEADs say
 
         try:
             sizes = await self._call("get attributes", where, attributes)

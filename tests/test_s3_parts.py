@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -61,29 +62,48 @@ async def test_parts_of_unequal_sizes_are_checked_where_attributes_are_refused(
     assert_store_verified(config.cache_dir, {"model.safetensors": data})
 
 
-async def test_attribute_sizes_that_do_not_add_up_are_asked_of_the_parts(
+def one_byte_more(parsed: dict[str, Any]) -> None:
+    for part in (parsed.get("ObjectParts") or {}).get("Parts") or ():
+        part["Size"] = int(part["Size"]) + 1
+
+
+def no_etag(parsed: dict[str, Any]) -> None:
+    parsed.pop("ETag", None)
+
+
+def no_end(parsed: dict[str, Any]) -> None:
+    parsed["ObjectParts"] = {"IsTruncated": True, "NextPartNumberMarker": 0, "Parts": []}
+
+
+@pytest.mark.timeout(60)  # a store's pages without end held the job for ever
+@pytest.mark.parametrize(
+    "lie",
+    [one_byte_more, no_etag, no_end],
+    ids=["sizes-do-not-add-up", "no-etag", "pages-without-end"],
+)
+async def test_attributes_a_store_lies_in_are_asked_of_the_parts(
     s3server: S3Server,
     s3bucket: str,
     aws_env: None,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
+    lie: Callable[[dict[str, Any]], None],
 ) -> None:
     """A store whose ``GetObjectAttributes`` answers part sizes that do not add up to the
     object: the composite it keeps still checks the bytes (the parts' HEADs), where it was
-    dropped and the file reported ``tofu``, unchecked."""
+    dropped and the file reported ``tofu``, unchecked. Without the ``ETag`` asked for, the
+    object was taken for replaced three times over (an ``OriginError``); a truncated page
+    that lists nothing and does not move on was asked again for ever."""
     sizes = (5 * MiB, 5 * MiB, MiB)
     data = safetensors_bytes(b"\xa5", sum(sizes))
     put_in_parts(s3server, s3bucket, KEY, data, sizes, "CRC32")
-
-    def one_byte_more(parsed: dict[str, Any], **_: Any) -> None:
-        for part in (parsed.get("ObjectParts") or {}).get("Parts") or ():
-            part["Size"] = int(part["Size"]) + 1
-
     opened = S3Client._open
 
     async def lying(self: S3Client, region: str | None) -> Any:
         client = await opened(self, region)
-        client.meta.events.register("after-call.s3.GetObjectAttributes", one_byte_more)
+        client.meta.events.register(
+            "after-call.s3.GetObjectAttributes", lambda parsed, **_: lie(parsed)
+        )
         return client
 
     monkeypatch.setattr(S3Client, "_open", lying)

@@ -2361,6 +2361,33 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_fetch.py::test_a_tree_listing_that_goes_round_is_refused_at_once",),
         "a tree page linking back to a read one is read again: memory grows for 10 000 pages",
     ),
+    Mutant(
+        "s3-prefix-empty-segment",
+        "shardsync/names.py",
+        (('    if "" in parts:  # S3 keys', "    if False:  # S3 keys"),),
+        ("tests/test_s3_origin.py::test_hostile_s3_urls_are_refused_before_any_request",),
+        "s3://b/runs//llama/ is read as s3://b/runs/llama/: another prefix, maybe another model",
+    ),
+    Mutant(
+        "attributes-without-etag-replaced",
+        "shardsync/s3.py",
+        (("if said is not None and _unquoted(str(said))", "if _unquoted(str(said))"),),
+        ("tests/test_s3_parts.py::test_attributes_a_store_lies_in_are_asked_of_the_parts",),
+        "attributes without the ETag asked for read as a replaced object, three times",
+    ),
+    Mutant(
+        "attribute-pages-forever",
+        "shardsync/s3.py",
+        (
+            (
+                "for _ in range(-(-parts // 1000) + 1):  # pages of 1000 parts, and one to spare",
+                "while True:",
+            ),
+            ("if following <= marker:", "if False:"),
+        ),
+        ("tests/test_s3_parts.py::test_attributes_a_store_lies_in_are_asked_of_the_parts",),
+        "a truncated attributes page that lists nothing and does not move on is asked for ever",
+    ),
 )
 
 
