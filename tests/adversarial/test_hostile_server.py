@@ -333,9 +333,11 @@ async def test_a_byte_per_request_runs_out_of_attempts(
     with pytest.raises(ShardsyncError, match="short body"):
         await prefetch(base, settings)
     chunks = -(-len(SHARD) // (256 * 1024))
-    # a chunked answer is asked for once more by the aiohttp path: the first of each
-    # connection opened before the file's first such answer came back
-    again = settings.fetch.connections_per_file if body_path.chunked else 0
+    # a chunked answer is asked for once more by the aiohttp path: the first answers of each
+    # connection sent before the file's first such answer came back (on a loaded machine,
+    # 35 against 34 once: a connection's second went out meanwhile); asking every range
+    # twice costs about twice the attempts
+    again = 2 * settings.fetch.connections_per_file if body_path.chunked else 0
     assert state.told <= chunks * settings.fetch.retry.max_attempts + again
     assert_store_verified(tmp_path, FILES)
     assert _published_refs(tmp_path) == []
