@@ -20,6 +20,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, get_args
 
+from shardsync.errors import ProtocolError
+
 __all__ = [
     "STRONGEST_FIRST",
     "ChecksumAlgorithm",
@@ -94,24 +96,38 @@ def parts_fit(sizes: Sequence[int], parts: int, total: int) -> bool:
 
 def from_s3_answer(answer: Mapping[str, object]) -> StoreChecksum | None:
     """The strongest checksum a HeadObject or GetObject answer carries (botocore's keys), or
-    None. A value that is not what its algorithm makes (bad base64, a wrong length, a part
-    count that is no number) is skipped: it checks nothing."""
+    None when it carries none. A value that is not what its algorithm makes (bad base64, a
+    wrong length, a part count that is no number, a type that contradicts it) checks
+    nothing: the next is taken, and where none is left the answer is a ``ProtocolError``,
+    not an object the store keeps no checksum of (``tofu``)."""
     kind = answer.get("ChecksumType")
+    unreadable: list[str] = []
     for algorithm in STRONGEST_FIRST:
         value = answer.get(_ANSWER_KEY[algorithm])
-        if not isinstance(value, str):
+        if value is None:
             continue
-        encoded, dash, count = value.partition("-")
-        if dash and not (count.isdigit() and count.isascii() and 0 < int(count) <= _MAX_PARTS):
-            continue
-        parts = int(count) if dash else 0
-        if (kind == "COMPOSITE") != bool(parts) and kind is not None:
-            continue  # a type that contradicts the value's own form
-        try:
-            digest = base64.b64decode(encoded, validate=True)
-        except (binascii.Error, ValueError):
-            continue
-        if len(digest) != DIGEST_SIZE[algorithm]:
-            continue
-        return StoreChecksum(algorithm, digest, parts)
+        found = _read(algorithm, value, kind)
+        if found is not None:
+            return found
+        unreadable.append(_ANSWER_KEY[algorithm])
+    if unreadable:
+        raise ProtocolError(f"the store answers {', '.join(unreadable)} that no data can match")
     return None
+
+
+def _read(algorithm: ChecksumAlgorithm, value: object, kind: object) -> StoreChecksum | None:
+    if not isinstance(value, str):
+        return None
+    encoded, dash, count = value.partition("-")
+    if dash and not (count.isdigit() and count.isascii() and 0 < int(count) <= _MAX_PARTS):
+        return None
+    parts = int(count) if dash else 0
+    if (kind == "COMPOSITE") != bool(parts) and kind is not None:
+        return None  # a type that contradicts the value's own form
+    try:
+        digest = base64.b64decode(encoded, validate=True)
+    except (binascii.Error, ValueError):
+        return None
+    if len(digest) != DIGEST_SIZE[algorithm]:
+        return None
+    return StoreChecksum(algorithm, digest, parts)

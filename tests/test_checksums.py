@@ -12,6 +12,7 @@ from botocore import httpchecksum
 
 from shardsync.checksums import StoreChecksum, from_s3_answer
 from shardsync.digest import Digest
+from shardsync.errors import ProtocolError
 
 BOTOCORE = {
     "sha256": httpchecksum.Sha256Checksum,
@@ -115,18 +116,18 @@ SHA256 = b64(bytes(32))
         ),
         ({"ChecksumCRC32": CRC32 + "-3", "ChecksumType": "COMPOSITE"}, "composite"),
         ({"ChecksumCRC32": CRC32 + "-3"}, "composite"),  # stores that omit the type
-        # what checks nothing is skipped: bad base64, a wrong length, a bad part count,
-        # a type that contradicts the value
-        ({"ChecksumCRC32": "not base64!"}, None),
-        ({"ChecksumCRC32": b64(b"\1\2\3")}, None),
-        ({"ChecksumSHA256": CRC32}, None),
-        ({"ChecksumCRC32": CRC32 + "-0"}, None),
-        ({"ChecksumCRC32": CRC32 + "-x"}, None),
-        ({"ChecksumCRC32": CRC32 + "-10001"}, None),
-        ({"ChecksumCRC32": CRC32 + "-٣"}, None),
-        ({"ChecksumCRC32": CRC32, "ChecksumType": "COMPOSITE"}, None),
-        ({"ChecksumCRC32": CRC32 + "-3", "ChecksumType": "FULL_OBJECT"}, None),
-        ({"ChecksumCRC32": 12345}, None),
+        # what checks nothing is the store's error, not a checksum it does not keep: bad
+        # base64, a wrong length, a bad part count, a type that contradicts the value
+        ({"ChecksumCRC32": "not base64!"}, ProtocolError),
+        ({"ChecksumCRC32": b64(b"\1\2\3")}, ProtocolError),
+        ({"ChecksumSHA256": CRC32}, ProtocolError),
+        ({"ChecksumCRC32": CRC32 + "-0"}, ProtocolError),
+        ({"ChecksumCRC32": CRC32 + "-x"}, ProtocolError),
+        ({"ChecksumCRC32": CRC32 + "-10001"}, ProtocolError),
+        ({"ChecksumCRC32": CRC32 + "-٣"}, ProtocolError),
+        ({"ChecksumCRC32": CRC32, "ChecksumType": "COMPOSITE"}, ProtocolError),
+        ({"ChecksumCRC32": CRC32 + "-3", "ChecksumType": "FULL_OBJECT"}, ProtocolError),
+        ({"ChecksumCRC32": 12345}, ProtocolError),
         # a bad strongest one leaves the next
         (
             {"ChecksumSHA256": "!!", "ChecksumCRC64NVME": b64(bytes(8))},
@@ -135,6 +136,10 @@ SHA256 = b64(bytes(32))
     ],
 )
 def test_answers_are_read_strictly(answer: dict[str, Any], expected: object) -> None:
+    if expected is ProtocolError:
+        with pytest.raises(ProtocolError):
+            from_s3_answer(answer)
+        return
     found = from_s3_answer(answer)
     if expected == "composite":
         assert found == StoreChecksum("crc32", b"\1\2\3\4", parts=3)

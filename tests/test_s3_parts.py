@@ -15,7 +15,7 @@ from faultgate import FaultGate
 from helpers import assert_store_verified, fast_config, put_in_parts, s3
 
 from shardsync.config import Config, S3Config
-from shardsync.errors import IntegrityError, OriginError
+from shardsync.errors import IntegrityError, OriginError, ProtocolError
 from shardsync.origins.s3 import S3Origin
 from shardsync.prefetch import prefetch
 from shardsync.s3 import S3Client
@@ -176,3 +176,33 @@ async def test_an_object_replaced_since_its_sha256_was_listed_fails_before_its_b
     assert not isinstance(raised.value, IntegrityError)
     assert {seen.status for seen in bodies} <= {412}  # bound to the listed ETag: no byte read
     assert not list(config.cache_dir.glob("hub/*/snapshots/*/model.safetensors"))
+
+
+async def test_a_checksum_the_store_answers_unreadably_is_its_error_not_tofu(
+    s3server: S3Server,
+    s3bucket: str,
+    aws_env: None,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A store (or a box on the way) that mangles the checksum it keeps: every file was
+    published ``verified=tofu``, nothing checked, as if the store kept none."""
+    sizes = (5 * MiB, MiB)
+    data = safetensors_bytes(b"\x3c", sum(sizes))
+    put_in_parts(s3server, s3bucket, KEY, data, sizes, "CRC32")
+
+    def mangled(parsed: dict[str, Any], **_: Any) -> None:
+        if "ChecksumCRC32" in parsed:
+            parsed["ChecksumCRC32"] = parsed["ChecksumCRC32"][1:]
+
+    opened = S3Client._open
+
+    async def lying(self: S3Client, region: str | None) -> Any:
+        client = await opened(self, region)
+        client.meta.events.register("after-call.s3.HeadObject", mangled)
+        return client
+
+    monkeypatch.setattr(S3Client, "_open", lying)
+    with pytest.raises(ProtocolError):
+        await prefetch(f"s3://{s3bucket}/{SOURCE}", config_via(tmp_path / "cache", s3server))
+    assert not list((tmp_path / "cache").glob("store/*/*/*"))

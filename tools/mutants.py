@@ -2388,6 +2388,16 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_s3_parts.py::test_attributes_a_store_lies_in_are_asked_of_the_parts",),
         "a truncated attributes page that lists nothing and does not move on is asked for ever",
     ),
+    Mutant(
+        "unreadable-checksum-tofu",
+        "shardsync/checksums.py",
+        (("    if unreadable:\n", "    if False:\n"),),
+        (
+            "tests/test_checksums.py",
+            "tests/test_s3_parts.py::test_a_checksum_the_store_answers_unreadably_is_its_error_not_tofu",
+        ),
+        "a checksum the store answers mangled is taken for none: verified=tofu, nothing checked",
+    ),
 )
 
 
