@@ -20,8 +20,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from shardsync.errors import ProtocolError
-
 __all__ = [
     "STRONGEST_FIRST",
     "ChecksumAlgorithm",
@@ -98,8 +96,8 @@ def from_s3_answer(answer: Mapping[str, object]) -> StoreChecksum | None:
     """The strongest checksum a HeadObject or GetObject answer carries (botocore's keys), or
     None when it carries none. A value that is not what its algorithm makes (bad base64, a
     wrong length, a part count that is no number, a type that contradicts it) checks
-    nothing: the next is taken, and where none is left the answer is a ``ProtocolError``,
-    not an object the store keeps no checksum of (``tofu``)."""
+    nothing: the next is taken, and where none is left the answer is a ``ValueError`` (the
+    store's error), not an object the store keeps no checksum of (``tofu``)."""
     kind = answer.get("ChecksumType")
     unreadable: list[str] = []
     for algorithm in STRONGEST_FIRST:
@@ -111,7 +109,7 @@ def from_s3_answer(answer: Mapping[str, object]) -> StoreChecksum | None:
             return found
         unreadable.append(_ANSWER_KEY[algorithm])
     if unreadable:
-        raise ProtocolError(f"the store answers {', '.join(unreadable)} that no data can match")
+        raise ValueError(f"the store answers {', '.join(unreadable)} that no data can match")
     return None
 
 

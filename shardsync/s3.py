@@ -290,12 +290,16 @@ class S3Client:
             return dict(await client.head_object(**kwargs))
 
         answer = await self._call("head", f"s3://{bucket}/{key}", run)
+        try:
+            kept = from_s3_answer(answer) if checksum else None
+        except ValueError as exc:
+            raise ProtocolError(f"s3://{bucket}/{key}: {exc}") from None
         return ObjectInfo(
             key=key,
             size=int(answer["ContentLength"]),
             etag=str(answer.get("ETag", "")),
             sha256=_whole_object_sha256(answer),
-            checksum=from_s3_answer(answer) if checksum else None,
+            checksum=kept,
         )
 
     async def part_sizes(
