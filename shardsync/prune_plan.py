@@ -12,8 +12,9 @@ carries the plan out. The rules, in the order they apply:
    (a long job links content-named files only at its end).
 3. ``max_age``: every snapshot not used for that long.
 4. Least recently used first, until the cache is at most ``max_size`` and the filesystem has
-   ``min_free``. A snapshot whose every blob a protected one also holds would free nothing
-   and is skipped here.
+   ``min_free``; before any snapshot, every store blob no snapshot refers to (one a prune
+   killed midway left unlinked), but those newer than the oldest live lease. A snapshot
+   whose every blob a protected one also holds would free nothing and is skipped here.
 
 A blob is freed when the last snapshot referring to it goes, unless a live lease names it (a
 content-named job reusing another repo's blob); sizes are bytes on disk with every blob
@@ -213,6 +214,11 @@ def plan_prune(view: CacheView, limits: Limits) -> PrunePlan:
             missing.append("min_free")
         return tuple(missing)
 
+    if unmet():  # before any snapshot: blobs nothing refers to (a killed prune's), but a job's
+        young = [b for b in view.blobs if refs[b.id] == 0 and b.id not in orphans]
+        young = [b for b in young if view.leased_since is None or b.changed_at < view.leased_since]
+        orphans = tuple(sorted((*orphans, *(b.id for b in young))))
+        freed += sum(b.nbytes for b in young)
     for unit in list(remaining):
         over = unmet()
         if not over:

@@ -39,6 +39,7 @@ from shardsync.prune import (
 )
 from shardsync.prune_plan import Blob, CacheView, Leftover, Limits, Unit, matches, plan_prune
 from shardsync.records import PrefetchResult, RepoRef
+from shardsync.removal import CacheRemoval
 from shardsync.snapshot_use import AccessLog, Leases, prune_gate
 from shardsync.testing import Checkpoint, FakeHub, build_checkpoint, serve_in_thread
 from shardsync.verify import verify_cache
@@ -215,6 +216,28 @@ CASES = [
         Limits(max_size=0),
         [("o/a", "max_size")],
         unmet=("max_size",),
+    ),
+    Case(
+        "a limit takes the blobs nothing refers to before a snapshot: a killed prune's",
+        CacheView(
+            NOW,
+            (unit("a", 1, "x"), unit("b", 2, "y")),
+            (Blob("x", 100, 0), Blob("y", 100, 0), Blob("k", 100, NOW - 60)),
+        ),
+        Limits(max_size=200),
+        [],
+        orphans=("k",),
+    ),
+    Case(
+        "... but not one newer than a live lease: a running job may link it yet",
+        CacheView(
+            NOW,
+            (unit("a", 1, "x"), unit("b", 2, "y")),
+            (Blob("x", 100, 0), Blob("y", 100, 0), Blob("k", 100, NOW - 60)),
+            leased_since=NOW - 120,
+        ),
+        Limits(max_size=200),
+        [("o/a", "max_size")],
     ),
     Case(
         "ties are broken by folder and commit, so plans are reproducible",
@@ -641,6 +664,35 @@ def test_a_repo_folder_symlinked_from_elsewhere_is_left_and_the_rest_pruned(
     repo.symlink_to(moved)
     report = prune_cache(CacheStore(cache_dir), Limits(max_size=1))
     assert [e.repo for e in report.evicted] == ["acme/b"]
+    assert_snapshot_matches(paths["a"], models["a"])
+
+
+class _Killed(BaseException):
+    """Stands in for a ``kill -9`` of a prune: nothing after it runs."""
+
+
+def test_a_prune_killed_before_its_blobs_leaves_the_next_one_the_same_choice(
+    hub: FakeHub, models: dict[str, Checkpoint], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prune killed after it unlinked the evicted snapshots' links, before their store
+    blobs: those blobs, refreshed by the unlinks, were no orphans for a day, and the next
+    prune met its cap by evicting the snapshot used last."""
+    cache_dir = tmp_path / "cache"
+    paths = fill(cache_dir, hub)
+    use(cache_dir, "a")
+    cache = CacheStore(cache_dir)
+    cap = repo_bytes(cache, "a")
+
+    def killed(self: CacheRemoval, sha256: str) -> int:
+        raise _Killed
+
+    with monkeypatch.context() as patched:
+        patched.setattr(CacheRemoval, "remove_blob", killed)
+        with pytest.raises(_Killed):
+            prune_cache(cache, Limits(max_size=cap))
+    report = prune_cache(cache, Limits(max_size=cap))
+    assert report.evicted == () and report.unmet == ()
+    assert remaining(cache) == ["acme/a"]
     assert_snapshot_matches(paths["a"], models["a"])
 
 

@@ -2398,6 +2398,16 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
         "a checksum the store answers mangled is taken for none: verified=tofu, nothing checked",
     ),
+    Mutant(
+        "killed-prune-orphans-wait-a-day",
+        "shardsync/prune_plan.py",
+        (("    if unmet():  # before any snapshot", "    if False:  # before any snapshot"),),
+        (
+            "tests/test_prune.py::test_plan",
+            "tests/test_prune.py::test_a_prune_killed_before_its_blobs_leaves_the_next_one_the_same_choice",
+        ),
+        "blobs a killed prune left unlinked wait a day while the next prune evicts the last used",
+    ),
 )
 
 
