@@ -32,16 +32,20 @@ class Notifier:
     def enabled(self) -> bool:
         return bool(self._address)
 
-    def send(self, **fields: str | int) -> bool:
+    def send(self, *, wait: float = 1.0, **fields: str | int) -> bool:
         """Send ``KEY=VALUE`` lines (``send(READY=1, STATUS="serving")``); False if not sent.
 
         A failure is logged, never raised: the daemon's work does not depend on the manager.
+        A manager that reads nothing (PID 1 busy; its queue holds 10 datagrams) holds the
+        send at most ``wait`` seconds: it runs on the event loop, which a blocking send froze,
+        signal handlers and all.
         """
         if not self._address:
             return False
         message = "\n".join(f"{key}={value}" for key, value in fields.items()).encode()
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+                sock.settimeout(wait)
                 sock.connect(self._address)
                 sock.sendall(message)
         except OSError as exc:
@@ -53,7 +57,8 @@ class Notifier:
         return self.send(READY=1, STATUS=status, MAINPID=os.getpid())
 
     def status(self, status: str) -> bool:
-        return self.send(STATUS=status)
+        """A status line, sent at every job's start and end: dropped rather than waited for."""
+        return self.send(wait=0.0, STATUS=status)
 
     def reloading(self) -> bool:
         """``RELOADING=1`` with the timestamp newer systemd (``Type=notify-reload``) expects."""

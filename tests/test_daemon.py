@@ -563,6 +563,24 @@ async def test_kill_9_mid_job_then_restart_resumes(
     assert await asyncio.to_thread(process.wait) == 0
 
 
+async def test_a_service_manager_that_reads_nothing_holds_no_job_and_no_stop(
+    process: DaemonProcess, workdir: Path
+) -> None:
+    """Every job's start and end sends a status line to ``$NOTIFY_SOCKET``; a manager busy
+    elsewhere (its queue holds 10) made the send block on the event loop: the sixth job got
+    no answer, nor did status, and SIGTERM (a handler on that loop) was never run."""
+    await asyncio.to_thread(process.start)  # READY read; nothing is read from here on
+    async with Client(socket=workdir / "shardsync" / "d.sock", fallback="error") as client:
+        for n in range(12):
+            async with asyncio.timeout(20):
+                job = await client.prefetch(REPO, include=["config.json"], exclude=[f"x{n}"])
+                await job.wait()
+        async with asyncio.timeout(10):
+            await client.status()
+    process.signal(signal.SIGTERM)
+    assert await asyncio.to_thread(process.wait, 15) == 0
+
+
 async def test_sigterm_answers_waiters_and_exits(
     hub: FakeHub, big_checkpoint: Checkpoint, process: DaemonProcess, workdir: Path
 ) -> None:

@@ -2408,6 +2408,21 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
         "blobs a killed prune left unlinked wait a day while the next prune evicts the last used",
     ),
+    Mutant(
+        "notify-blocks-the-loop",
+        "shardsync/notify.py",
+        (
+            (
+                "        return self.send(wait=0.0, STATUS=status)",
+                "        return self.send(wait=None, STATUS=status)  # type: ignore[arg-type]",
+            ),
+            ("                sock.settimeout(wait)\n", ""),
+        ),
+        (
+            "tests/test_daemon.py::test_a_service_manager_that_reads_nothing_holds_no_job_and_no_stop",
+        ),
+        "a status line to a manager that reads nothing blocks the loop: jobs, status and SIGTERM",
+    ),
 )
 
 
