@@ -457,6 +457,7 @@ class TensorStream:
                     devices=devices,
                     budgets=budgets,
                     no_split=request.no_split,
+                    dtype=self._placer.dtype,
                 )
                 self._handoff.go = asyncio.Event()
                 self._handoff.messages.put(("plan", (manifest, headers, raw, plan)))

@@ -98,8 +98,11 @@ def plan_from_headers(
     devices: Sequence[str],
     budgets: Mapping[str | int, int | str],
     no_split: Sequence[str] | None,
+    dtype: torch.dtype | None = None,
 ) -> DevicePlan | None:
-    """The device plan from the headers; None for pickle checkpoints (placed shard by shard)."""
+    """The device plan from the headers; None for pickle checkpoints (placed shard by shard).
+    A floating tensor counts at ``dtype``, what it is cast to before it is placed (as
+    accelerate sizes modules): bf16 weights loaded as float32 take twice their bytes."""
     if not headers:
         return None
     for entry in manifest.shards:
@@ -110,8 +113,14 @@ def plan_from_headers(
                     f"{entry.path}: tensor {info.name!r} is not a dotted module path "
                     "(an empty part between dots): the device map places tensors by module"
                 )
+
+    def planned(t: TensorInfo) -> int:
+        stored = _torch_dtype(t)
+        cast = dtype is not None and stored.is_floating_point and stored != dtype
+        return t.numel * dtype.itemsize if cast and dtype is not None else t.nbytes
+
     sizes = [
-        TensorSize(t.name, t.nbytes)
+        TensorSize(t.name, planned(t))
         for entry in manifest.shards
         for t in headers[entry.path].tensors
     ]
@@ -133,7 +142,7 @@ class ShardPlacer:
     """
 
     def __init__(self, dtype: torch.dtype | None, device_map: DeviceMap) -> None:
-        self._dtype = dtype
+        self.dtype = dtype  # what floating tensors are cast to (None: as stored)
         self._device_map = device_map
         self._placers: dict[str, CudaPlacer] = {}
 
@@ -149,13 +158,11 @@ class ShardPlacer:
                 placer = self._placers.get(device)
                 if placer is None:
                     placer = self._placers[device] = CudaPlacer(device)
-                tensor, event = placer.place(tensor, self._dtype)
+                tensor, event = placer.place(tensor, self.dtype)
             elif (
-                self._dtype is not None
-                and tensor.dtype != self._dtype
-                and tensor.is_floating_point()
+                self.dtype is not None and tensor.dtype != self.dtype and tensor.is_floating_point()
             ):
-                tensor = tensor.to(self._dtype)
+                tensor = tensor.to(self.dtype)
             pending.append((info.name, tensor, event, info.nbytes))
             # in the shard's order, finished copies out while later ones are in flight
             while pending and (len(pending) > 2 or _is_ready(pending[0][2])):
@@ -192,8 +199,8 @@ class ShardPlacer:
             device = plan.device_of(name)
             if device not in ("cpu", "disk"):
                 tensor = tensor.to(device)
-            if self._dtype is not None and tensor.is_floating_point():
-                tensor = tensor.to(self._dtype)
+            if self.dtype is not None and tensor.is_floating_point():
+                tensor = tensor.to(self.dtype)
             yield name, tensor, None, tensor.nbytes
 
 

@@ -120,6 +120,38 @@ def test_a_map_that_names_its_devices_asks_no_gpu_for_its_free_memory(
     _bit_exact(got, load_file(run / SHARD))
 
 
+def test_max_memory_holds_the_tensors_at_the_dtype_they_are_cast_to(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bf16 weights loaded with ``dtype=torch.float32`` take twice their bytes on the GPU:
+    planned at the checkpoint's dtype, a 2.5 MiB budget got two 1 MiB tensors that hold
+    4 MiB once cast (accelerate sizes modules at the dtype they load as). One GPU stands in
+    for a real one: only the plan is read."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    run = tmp_path / "run"
+    run.mkdir()
+    weight_map = {}
+    for i in range(4):  # 1 MiB each as bf16, 2 MiB as float32
+        shard = f"model-0000{i + 1}-of-00004.safetensors"
+        save_file({f"model.layers.{i}.w": torch.zeros(1 << 19, dtype=torch.bfloat16)}, run / shard)
+        weight_map[f"model.layers.{i}.w"] = shard
+    index = {"metadata": {}, "weight_map": weight_map}
+    (run / "model.safetensors.index.json").write_text(json.dumps(index))
+    budget = 5 << 19  # 2.5 MiB
+    with shardsync.stream(
+        str(run),
+        device_map="auto",
+        max_memory={"cuda:0": budget},
+        dtype=torch.float32,
+        config=fast_config(tmp_path / "cache"),
+    ) as tensors:
+        plan = tensors.plan
+        assert plan is not None
+        on_gpu = [name for name, device in plan.assignments.items() if device == "cuda:0"]
+    assert on_gpu  # one fits
+    assert len(on_gpu) * (1 << 19) * torch.float32.itemsize <= budget
+
+
 @pytest.mark.parametrize(
     "device_map",
     [torch.device("cpu"), {"": torch.device("cpu")}, {"x": torch.device("cpu"), "y": "cpu"}],

@@ -2423,6 +2423,15 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
         "a status line to a manager that reads nothing blocks the loop: jobs, status and SIGTERM",
     ),
+    Mutant(
+        "plan-at-stored-dtype",
+        "shardsync/placement.py",
+        (("        TensorSize(t.name, planned(t))", "        TensorSize(t.name, t.nbytes)"),),
+        (
+            "tests/test_loader_inputs.py::test_max_memory_holds_the_tensors_at_the_dtype_they_are_cast_to",
+        ),
+        "max_memory is planned at the stored dtype: bf16 loaded as float32 takes twice the budget",
+    ),
 )
 
 
