@@ -93,6 +93,11 @@ def register() -> None:
 
 def _options(load_config: Any) -> _Options:
     extra = getattr(load_config, "model_loader_extra_config", None) or {}
+    beside = sorted(set(extra) - {LOAD_FORMAT}) if isinstance(extra, Mapping) else []
+    if beside:  # else a source given beside the key loads --model's weights without a word
+        raise ConfigError(
+            f'model_loader_extra_config has {beside}: shardsync\'s options go under "shardsync"'
+        )
     raw = extra.get(LOAD_FORMAT, {}) if isinstance(extra, Mapping) else {}
     if not isinstance(raw, Mapping):
         raise ConfigError('model_loader_extra_config["shardsync"] must be a JSON object')

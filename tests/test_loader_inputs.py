@@ -356,3 +356,25 @@ def test_the_vllm_plugins_options_are_checked_before_anything_runs(options: obje
         "/c",
         True,
     )
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"source": "s3://models/finetuned/"},
+        {"shardsync": {}, "source": "s3://models/finetuned/"},
+        {"shardsync_": {"source": "s3://models/finetuned/"}},
+    ],
+    ids=["unwrapped", "beside", "misspelled"],
+)
+def test_the_vllm_plugins_options_outside_its_key_are_refused(extra: dict[str, Any]) -> None:
+    """Options given beside the ``"shardsync"`` key, or under a misspelled one, were
+    dropped without a word: the weights came from ``--model`` (the base model), not the
+    ``source`` the command line named (a fine-tune)."""
+    from types import SimpleNamespace
+
+    from shardsync.errors import ConfigError
+    from shardsync.vllm_plugin import _options
+
+    with pytest.raises(ConfigError):
+        _options(SimpleNamespace(model_loader_extra_config=extra))

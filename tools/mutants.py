@@ -2432,6 +2432,13 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
         "max_memory is planned at the stored dtype: bf16 loaded as float32 takes twice the budget",
     ),
+    Mutant(
+        "vllm-options-beside-key",
+        "shardsync/vllm_plugin.py",
+        (("    if beside:  # else a source", "    if False:  # else a source"),),
+        ("tests/test_loader_inputs.py::test_the_vllm_plugins_options_outside_its_key_are_refused",),
+        "vLLM loader options beside the shardsync key are dropped: --model weights load instead",
+    ),
 )
 
 
