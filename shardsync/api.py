@@ -19,7 +19,10 @@ from shardsync.names import validate_revision
 from shardsync.records import FileOutcome, PrefetchResult, RepoRef
 from shardsync.training import Format, Skipped
 
+API_VERSION = 1  # the /v1/ paths: fields are only added within a version
+
 __all__ = [
+    "API_VERSION",
     "CheckpointResult",
     "JobRequest",
     "checkpoint_result_from_json",

@@ -47,7 +47,7 @@ from typing import Any
 from aiohttp import web
 
 from shardsync import strict_json
-from shardsync.api import JobRequest, error_json
+from shardsync.api import API_VERSION, JobRequest, error_json
 from shardsync.checkpoint_selection import selection_for
 from shardsync.config import Config, daemon_socket, load_config
 from shardsync.errors import (
@@ -74,7 +74,6 @@ __all__ = ["API_VERSION", "Daemon", "DaemonStatistics", "run_daemon"]
 
 log = logging.getLogger("shardsync.daemon")
 
-API_VERSION = 1
 _MAX_BODY = 64 * 1024
 _STOP_TIMEOUT = 8.0  # the shutdown's own steps; systemd's TimeoutStopSec is longer
 _EXIT_GRACE = 2.0  # then the process leaves whatever still runs (a step that never gives way)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol, Self
 
 from shardsync.api import (
+    API_VERSION,
     CheckpointResult,
     JobRequest,
     checkpoint_result_from_json,
@@ -349,6 +350,11 @@ class JobClient:
                 transport = DaemonTransport(path)
                 try:
                     self.daemon_status = await transport.status()
+                    if self.daemon_status.get("api") != API_VERSION:  # its shapes are not ours
+                        raise DaemonUnavailableError(
+                            f"{path}: a daemon of API {self.daemon_status.get('api')!r}, "
+                            f"not {API_VERSION}"
+                        )
                 except DaemonUnavailableError as exc:
                     await transport.close()
                     tried.append(str(exc))

@@ -277,7 +277,7 @@ async def _fake_daemon(
     """A socket speaking the daemon's HTTP with the answers given ("METHOD /path": JSON
     body, 200) and ``stream`` writing a job's event lines: what a daemon that froze, or
     a hostile one, does."""
-    defaults = {"GET /v1/status": {"cache_dir": "x"}, "POST /v1/jobs": {"id": "j1"}}
+    defaults = {"GET /v1/status": {"cache_dir": "x", "api": 1}, "POST /v1/jobs": {"id": "j1"}}
     answers = {**defaults, **answers}
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -308,6 +308,16 @@ async def _fake_daemon(
         yield path
     finally:
         server.close()
+
+
+async def test_a_daemon_of_another_api_version_is_not_used(workdir: Path) -> None:
+    """A daemon answering ``"api": 2`` took jobs in version 1's shapes and failed them
+    late, with a ``KeyError`` of its result; it is passed over as no daemon at all."""
+    status = {"GET /v1/status": {"cache_dir": "x", "api": 2}}
+    async with _fake_daemon(workdir, status) as path:
+        with pytest.raises(errors.DaemonUnavailableError):
+            async with Client(socket=path, fallback="error"):
+                pass
 
 
 async def test_a_daemon_that_freezes_mid_stream_is_lost_not_waited_for(

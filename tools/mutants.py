@@ -2439,6 +2439,13 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_loader_inputs.py::test_the_vllm_plugins_options_outside_its_key_are_refused",),
         "vLLM loader options beside the shardsync key are dropped: --model weights load instead",
     ),
+    Mutant(
+        "any-api-version-daemon",
+        "shardsync/jobs.py",
+        (('if self.daemon_status.get("api") != API_VERSION:', "if False:"),),
+        ("tests/test_client.py::test_a_daemon_of_another_api_version_is_not_used",),
+        "a daemon of another API version is used: jobs go in, results fail late as KeyError",
+    ),
 )
 
 
