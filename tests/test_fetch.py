@@ -259,16 +259,21 @@ async def test_a_throttle_hold_longer_than_the_timeouts_times_nothing_out(
     assert fetcher.statistics().retries == {}
 
 
+async def _head_without_length(request: web.Request) -> web.StreamResponse:
+    """A ``HEAD`` answered chunked: no ``Content-Length``, so the fetcher probes the size."""
+    head = web.StreamResponse(headers={"ETag": '"v1"'})
+    head.enable_chunked_encoding()
+    await head.prepare(request)
+    return head
+
+
 async def test_a_probed_size_past_any_file_is_the_origins_lie(tmp_path: Path) -> None:
     """A one-byte GET whose ``Content-Range`` says 10**19 - 1 bytes in all was Python's
     ``OverflowError`` from ``ftruncate``: a traceback where the origin lied."""
 
     async def handle(request: web.Request) -> web.StreamResponse:
-        if request.method == "HEAD":  # chunked: no Content-Length
-            head = web.StreamResponse(headers={"ETag": '"v1"'})
-            head.enable_chunked_encoding()
-            await head.prepare(request)
-            return head
+        if request.method == "HEAD":
+            return await _head_without_length(request)
         headers = {"ETag": '"v1"', "Content-Range": f"bytes 0-0/{10**19 - 1}"}
         return web.Response(status=206, body=b"x", headers=headers)
 
@@ -287,11 +292,8 @@ async def test_the_size_probe_is_retried_as_every_request_of_a_file(tmp_path: Pa
     refused: list[str] = []
 
     async def handle(request: web.Request) -> web.StreamResponse:
-        if request.method == "HEAD":  # chunked: no Content-Length
-            head = web.StreamResponse(headers={"ETag": '"v1"'})
-            head.enable_chunked_encoding()
-            await head.prepare(request)
-            return head
+        if request.method == "HEAD":
+            return await _head_without_length(request)
         ranged = request.headers["Range"]
         if ranged == "bytes=0-0" and not refused:
             refused.append(ranged)

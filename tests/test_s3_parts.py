@@ -62,6 +62,20 @@ async def test_parts_of_unequal_sizes_are_checked_where_attributes_are_refused(
     assert_store_verified(config.cache_dir, {"model.safetensors": data})
 
 
+def _answers_edited(
+    monkeypatch: pytest.MonkeyPatch, operation: str, edit: Callable[[dict[str, Any]], None]
+) -> None:
+    """Every client's answers to ``operation`` pass through ``edit``: a store that lies."""
+    opened = S3Client._open
+
+    async def lying(self: S3Client, region: str | None) -> Any:
+        client = await opened(self, region)
+        client.meta.events.register(f"after-call.s3.{operation}", lambda parsed, **_: edit(parsed))
+        return client
+
+    monkeypatch.setattr(S3Client, "_open", lying)
+
+
 def one_byte_more(parsed: dict[str, Any]) -> None:
     for part in (parsed.get("ObjectParts") or {}).get("Parts") or ():
         part["Size"] = int(part["Size"]) + 1
@@ -97,16 +111,7 @@ async def test_attributes_a_store_lies_in_are_asked_of_the_parts(
     sizes = (5 * MiB, 5 * MiB, MiB)
     data = safetensors_bytes(b"\xa5", sum(sizes))
     put_in_parts(s3server, s3bucket, KEY, data, sizes, "CRC32")
-    opened = S3Client._open
-
-    async def lying(self: S3Client, region: str | None) -> Any:
-        client = await opened(self, region)
-        client.meta.events.register(
-            "after-call.s3.GetObjectAttributes", lambda parsed, **_: lie(parsed)
-        )
-        return client
-
-    monkeypatch.setattr(S3Client, "_open", lying)
+    _answers_edited(monkeypatch, "GetObjectAttributes", lie)
     result = await prefetch(f"s3://{s3bucket}/{SOURCE}", config_via(tmp_path / "cache", s3server))
     assert published(result) == data
     assert {f.verified for f in result.files} == {"crc32"}
@@ -191,18 +196,11 @@ async def test_a_checksum_the_store_answers_unreadably_is_its_error_not_tofu(
     data = safetensors_bytes(b"\x3c", sum(sizes))
     put_in_parts(s3server, s3bucket, KEY, data, sizes, "CRC32")
 
-    def mangled(parsed: dict[str, Any], **_: Any) -> None:
+    def mangled(parsed: dict[str, Any]) -> None:
         if "ChecksumCRC32" in parsed:
             parsed["ChecksumCRC32"] = parsed["ChecksumCRC32"][1:]
 
-    opened = S3Client._open
-
-    async def lying(self: S3Client, region: str | None) -> Any:
-        client = await opened(self, region)
-        client.meta.events.register("after-call.s3.HeadObject", mangled)
-        return client
-
-    monkeypatch.setattr(S3Client, "_open", lying)
+    _answers_edited(monkeypatch, "HeadObject", mangled)
     with pytest.raises(ProtocolError):
         await prefetch(f"s3://{s3bucket}/{SOURCE}", config_via(tmp_path / "cache", s3server))
     assert not list((tmp_path / "cache").glob("store/*/*/*"))

@@ -2254,7 +2254,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "resumed-mismatch-blames-origin",
         "shardsync/fetch/fetcher.py",
-        (("if tally.resumed and not request.seeded:", "if False:"),),
+        (("partials = bool(tally.resumed) and not request.seeded", "partials = False"),),
         (
             "tests/test_tier_parts.py::test_a_wrong_seeded_partial_never_costs_the_tier_a_good_object",
         ),
@@ -2263,7 +2263,12 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "seeded-mismatch-forgiven",
         "shardsync/fetch/fetcher.py",
-        (("if tally.resumed and not request.seeded:", "if tally.resumed:"),),
+        (
+            (
+                "partials = bool(tally.resumed) and not request.seeded",
+                "partials = bool(tally.resumed)",
+            ),
+        ),
         (
             "tests/test_tier_parts.py::test_a_corrupt_part_costs_one_download_and_never_a_wrong_blob",
         ),

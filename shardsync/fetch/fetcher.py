@@ -357,13 +357,12 @@ class Fetcher:
                     return result
                 self._verify_failures += 1
                 slot.abandon()
-                if tally.resumed and not request.seeded:
-                    tally.resumed = 0  # the partial's bytes, not the origin's: once from zero
-                    progress(-shown)
-                    continue
-                verify_failures += 1
+                partials = bool(tally.resumed) and not request.seeded  # its bytes, not the origin's
                 tally.resumed = 0
                 progress(-shown)
+                if partials:
+                    continue  # once more, from zero: nothing is resumed now
+                verify_failures += 1
                 attempts = request.verify_attempts or self.config.max_verify_attempts
                 if verify_failures >= attempts:
                     raise IntegrityError(
