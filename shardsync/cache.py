@@ -22,6 +22,7 @@ import errno
 import os
 import shutil
 import stat
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -63,6 +64,14 @@ def _list_names(path: Path) -> list[str]:
         return []
     except OSError as exc:
         raise disk_error(exc, f"list {path}") from exc
+
+
+def _mtime(path: Path) -> float:
+    """When ``path`` was last written (0 when it does not exist yet)."""
+    try:
+        return os.lstat(path).st_mtime
+    except FileNotFoundError:
+        return 0.0
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -391,11 +400,16 @@ class CacheStore:
 
     # -- refs and records ---------------------------------------------------------------
 
-    def write_ref(self, repo: RepoRef, revision: str, commit: str) -> None:
+    def write_ref(
+        self, repo: RepoRef, revision: str, commit: str, resolved_at: float | None = None
+    ) -> None:
         """Point ``refs/<revision>`` at ``commit``; call it after the snapshot links exist.
 
         Hugging Face readers resolve a branch through this file, and ``scan_cache_dir`` flags
         a ref whose snapshot folder is missing, so an unlinked commit is refused.
+        ``resolved_at``: when ``revision`` was found to be ``commit``, kept as the ref's mtime.
+        A ref read later (a job that started after this one and ended before it, the branch
+        moved meanwhile) is left: the last job to end does not set a branch back.
         """
         parts = split_revision(revision)
         check_commit(commit)
@@ -409,9 +423,14 @@ class CacheStore:
         repo_parts = layout.repo_dir(repo.dirname)
         path = self.layout.ref(repo.dirname, revision)
         try:
+            # read later than ours (one in the future is a clock's error: not trusted)
+            if resolved_at is not None and resolved_at < _mtime(path) <= time.time():
+                return
             self.fs.atomic_write(
                 (*repo_parts, "refs", *parts[:-1]), parts[-1], commit.encode(), purpose="ref"
             )
+            if resolved_at is not None:
+                os.utime(path, (resolved_at, resolved_at), follow_symlinks=False)
         except OSError as exc:
             raise disk_error(exc, f"write ref {path}") from exc
 

@@ -274,7 +274,7 @@ class Job:
         self.sink = sink
         self.allow_pickle = allow_pickle
         self.gate: FileGate = gate or _open_gate
-        self.commit = ""
+        self.commit, self._resolved = "", 0.0  # the revision's commit, and when it was read
         self._manifest: Manifest | None = None
         self._hints: dict[str, FileRecord] = {}
         self._records: dict[str, FileRecord] = {}
@@ -419,7 +419,7 @@ class Job:
         await self.store.sweep_orphans()
         # a selection may want hidden files (a DCP checkpoint's ``.metadata``)
         listing = await self._list(hidden=select is not None)
-        self.commit = listing.commit or ""
+        self.commit, self._resolved = listing.commit or "", time.time()
         await self._load_hints()
         if select is not None:
             self._manifest = await select(listing)
@@ -688,7 +688,7 @@ class Job:
                 completed_at=time.time(),
             )
         )
-        await self.store.write_ref(self.origin.repo, self.revision, self.commit)
+        await self.store.write_ref(self.origin.repo, self.revision, self.commit, self._resolved)
 
 
 def _content_id(origin: Origin, files: Sequence[FileRecord]) -> str:

@@ -103,8 +103,10 @@ class AsyncStore:
     async def write_snapshot_record(self, record: SnapshotRecord) -> None:
         await asyncio.to_thread(self.sync.write_snapshot_record, record)
 
-    async def write_ref(self, repo: RepoRef, revision: str, commit: str) -> None:
-        await asyncio.to_thread(self.sync.write_ref, repo, revision, commit)
+    async def write_ref(
+        self, repo: RepoRef, revision: str, commit: str, resolved_at: float | None = None
+    ) -> None:
+        await asyncio.to_thread(self.sync.write_ref, repo, revision, commit, resolved_at)
 
     async def read_ref(self, repo: RepoRef, revision: str) -> str | None:
         return await asyncio.to_thread(self.sync.read_ref, repo, revision)

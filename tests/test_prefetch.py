@@ -22,6 +22,7 @@ from helpers import (
     open_under,
     until,
 )
+from huggingface_hub import snapshot_download
 
 from shardsync.digest import Digest
 from shardsync.errors import (
@@ -634,3 +635,27 @@ async def test_an_engine_keeps_a_bounded_number_of_origins(tmp_path: Path) -> No
             engine.origin(f"acme/model-{i}")
         assert hub_origins() - before <= 100
         assert engine.origin("acme/model-999") is engine.origin("acme/model-999")
+
+
+async def test_a_job_that_read_its_branch_first_and_ends_last_sets_no_branch_back(
+    hub: FakeHub, tmp_path: Path
+) -> None:
+    """Two jobs for ``main``: the first reads it, the branch moves, the second reads the new
+    commit and ends first. The first, ending last, wrote its older commit into ``refs/main``:
+    huggingface_hub offline then read the old model (found through the daemon, whose jobs
+    for one branch with other selections run side by side)."""
+    newer_model = build_checkpoint(tmp_path / "v2", total_bytes=1 << 20, n_shards=2, seed=7)
+    cache = tmp_path / "cache"
+    async with Engine(fast_config(cache, hub.endpoint)) as engine:
+        older = engine.job(engine.origin(REPO))
+        await older.prepare()
+        newer_commit = hub.add_checkpoint(REPO, newer_model)  # main moves
+        newer = engine.job(engine.origin(REPO))
+        await newer.prepare()
+        await newer.download()
+        await older.download()
+    snapshot = await asyncio.to_thread(
+        snapshot_download, REPO, cache_dir=cache / "hub", local_files_only=True
+    )
+    assert Path(snapshot).name == newer_commit
+    assert_snapshot_matches(Path(snapshot), newer_model)

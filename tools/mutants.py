@@ -2451,6 +2451,15 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_client.py::test_a_daemon_of_another_api_version_is_not_used",),
         "a daemon of another API version is used: jobs go in, results fail late as KeyError",
     ),
+    Mutant(
+        "last-job-sets-ref",
+        "shardsync/cache.py",
+        (("resolved_at < _mtime(path) <= time.time():", "False:"),),
+        (
+            "tests/test_prefetch.py::test_a_job_that_read_its_branch_first_and_ends_last_sets_no_branch_back",
+        ),
+        "the job that ends last writes refs/main, though another read the moved branch after it",
+    ),
 )
 
 
