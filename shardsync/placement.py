@@ -105,25 +105,18 @@ def plan_from_headers(
     accelerate sizes modules): bf16 weights loaded as float32 take twice their bytes."""
     if not headers:
         return None
+    sizes = []
     for entry in manifest.shards:
         for info in headers[entry.path].tensors:
-            _torch_dtype(info)  # refused now, before any shard is downloaded
+            stored = _torch_dtype(info)  # refused now, before any shard is downloaded
             if not is_module_path(info.name):
                 raise HeaderError(
                     f"{entry.path}: tensor {info.name!r} is not a dotted module path "
                     "(an empty part between dots): the device map places tensors by module"
                 )
-
-    def planned(t: TensorInfo) -> int:
-        stored = _torch_dtype(t)
-        cast = dtype is not None and stored.is_floating_point and stored != dtype
-        return t.numel * dtype.itemsize if cast and dtype is not None else t.nbytes
-
-    sizes = [
-        TensorSize(t.name, planned(t))
-        for entry in manifest.shards
-        for t in headers[entry.path].tensors
-    ]
+            cast = dtype is not None and stored.is_floating_point and stored != dtype
+            nbytes = info.numel * dtype.itemsize if cast and dtype is not None else info.nbytes
+            sizes.append(TensorSize(info.name, nbytes))
     return plan_device_map(
         sizes,
         device_map,

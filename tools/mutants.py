@@ -914,7 +914,12 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "dtype-refused-after-download",
         "shardsync/placement.py",
-        (("            _torch_dtype(info)  # refused now", "            # refused now"),),
+        (
+            (
+                "            stored = _torch_dtype(info)  # refused now",
+                "            stored = None  # refused now",
+            ),
+        ),
         (
             f"{LOADER_INPUTS}::"
             "test_what_torch_or_a_module_cannot_hold_is_refused_before_the_download",
@@ -2431,7 +2436,12 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "plan-at-stored-dtype",
         "shardsync/placement.py",
-        (("        TensorSize(t.name, planned(t))", "        TensorSize(t.name, t.nbytes)"),),
+        (
+            (
+                "sizes.append(TensorSize(info.name, nbytes))",
+                "sizes.append(TensorSize(info.name, info.nbytes))",
+            ),
+        ),
         (
             "tests/test_loader_inputs.py::test_max_memory_holds_the_tensors_at_the_dtype_they_are_cast_to",
         ),
