@@ -31,6 +31,7 @@ __all__ = [
     "Header",
     "TensorInfo",
     "check_index",
+    "check_start",
     "header_length",
     "parse_header",
 ]
@@ -169,6 +170,18 @@ def header_length(
     if file_size is not None and 8 + size > file_size:
         raise _fail(shard, f"header length {size} is larger than the file ({file_size} bytes)")
     return size
+
+
+def check_start(prefix: bytes, *, shard: str, file_size: int) -> None:
+    """Refuse a file that cannot be a safetensors shard from its first 9 bytes: a header
+    length that fits the file and a header that opens a JSON object. What an unchecked
+    origin answers instead (a login page, an error body) fails here."""
+    try:
+        header_length(prefix, shard=shard, file_size=file_size)
+        if prefix[8:9] != b"{":
+            raise _fail(shard, "the header does not open a JSON object")
+    except HeaderError as exc:
+        raise HeaderError(f"not a safetensors file (no checksum vouches for it): {exc}") from None
 
 
 def _load(header: bytes, shard: str) -> object:

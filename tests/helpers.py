@@ -32,6 +32,19 @@ if TYPE_CHECKING:
     from aiohttp import web
 
 
+def safetensors_bytes(fill: bytes, size: int) -> bytes:
+    """A file of ``size`` bytes shaped as one empty-header safetensors shard, ``fill`` after."""
+    head = b"{}"
+    return len(head).to_bytes(8, "little") + head + fill * (size - 8 - len(head))
+
+
+def random_shard(size: int) -> bytes:
+    """``size`` random bytes after an empty safetensors header: a shard an origin that keeps
+    no checksum may serve (one that does not start as a shard is refused unpublished)."""
+    head = b"{}"
+    return len(head).to_bytes(8, "little") + head + os.urandom(size - 8 - len(head))
+
+
 def fast_config(cache_dir: Path, endpoint: str | None = None, **fetch: object) -> Config:
     """Small chunks (several Range requests per shard) and near-instant retries.
 

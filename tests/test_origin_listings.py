@@ -25,7 +25,7 @@ from aiohttp import web
 from helpers import assert_snapshot_matches, assert_store_verified, fast_config, s3
 
 from shardsync.config import S3Config
-from shardsync.errors import AuthError, ManifestError, UnsafeNameError
+from shardsync.errors import AuthError, HeaderError, ManifestError, UnsafeNameError
 from shardsync.origins import LocalOrigin
 from shardsync.prefetch import prefetch
 from shardsync.testing import Checkpoint, FakeHub
@@ -88,6 +88,25 @@ async def test_hub_files_with_unsafe_names_are_left_out_and_never_requested(
     assert {f.path for f in result.files} == set(checkpoint.files)
     assert_store_verified(config.cache_dir, checkpoint)
     assert warned_of(caplog, NFD_NAME, ODD_NAME)
+
+
+def test_a_local_shard_that_does_not_start_as_one_is_refused_unpublished(
+    checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    """A local directory keeps no checksum either: a shard cut to a stub or overwritten by a
+    text file (a failed ``git lfs pull`` leaves its pointer) is refused as the remote origins'
+    are, and the next run, once the real file is back, copies it."""
+    src = copy_of(checkpoint, tmp_path / "src")
+    shard = src / checkpoint.shards[0]
+    real = shard.read_bytes()
+    shard.write_bytes(b"version https://git-lfs.github.com/spec/v1\noid sha256:" + b"0" * 64)
+    config = fast_config(tmp_path / "cache")
+    with pytest.raises(HeaderError):
+        asyncio.run(prefetch(str(src), config))
+    assert_store_verified(config.cache_dir, checkpoint)  # only the origin's real files, if any
+    shard.write_bytes(real)
+    result = asyncio.run(prefetch(str(src), config))
+    assert_snapshot_matches(result.snapshot_path, checkpoint)
 
 
 def test_local_files_with_unsafe_names_are_left_out(

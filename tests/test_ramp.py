@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from aiohttp import web
-from helpers import SendBody, fast_config, range_server
+from helpers import SendBody, fast_config, random_shard, range_server
 
 from shardsync.prefetch import prefetch
 from shardsync.ramp import ConnectionRamp
@@ -117,7 +117,7 @@ async def test_a_file_starts_with_four_connections_and_climbs_while_each_is_capp
     async def per_connection_cap(n: int) -> None:
         await asyncio.sleep(n / 2e6)
 
-    seen = await download(tmp_path, os.urandom(48 << 20), per_connection_cap)
+    seen = await download(tmp_path, random_shard(48 << 20), per_connection_cap)
     start = seen[0][0]
     assert max(n for t, n in seen if t - start < 0.25) <= 4  # a quarter at first
     assert max(n for _, n in seen) == 16
@@ -131,7 +131,7 @@ async def test_a_file_does_not_climb_when_more_connections_bring_nothing(tmp_pat
         async with link:
             await asyncio.sleep(n / 16e6)
 
-    seen = await download(tmp_path, os.urandom(32 << 20), shared_cap)
+    seen = await download(tmp_path, random_shard(32 << 20), shared_cap)
     assert max(n for _, n in seen) < 16
 
 

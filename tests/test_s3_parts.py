@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from faultgate import FaultGate
-from helpers import assert_store_verified, fast_config, put_in_parts, s3
+from helpers import assert_store_verified, fast_config, put_in_parts, s3, safetensors_bytes
 
 from shardsync.config import Config, S3Config
 from shardsync.errors import IntegrityError, OriginError, ProtocolError
@@ -24,12 +24,6 @@ from shardsync.testing.seaweedfs import S3Server
 MiB = 1 << 20
 KEY = "parts/model.safetensors"
 SOURCE = "parts/"
-
-
-def safetensors_bytes(fill: bytes, size: int) -> bytes:
-    """A file of ``size`` bytes shaped as one empty-header safetensors shard."""
-    head = b"{}"
-    return len(head).to_bytes(8, "little") + head + fill * (size - 8 - len(head))
 
 
 def config_via(cache: Path, server: S3Server, gate: FaultGate | None = None) -> Config:

@@ -30,6 +30,7 @@ from shardsync.safetensors_header import (
     Header,
     TensorInfo,
     check_index,
+    check_start,
     header_length,
     parse_header,
 )
@@ -489,6 +490,32 @@ def test_header_length_rejects(
         header_length(data, shard=SHARD, file_size=file_size, max_header=max_header)
     assert str(info.value).startswith(f"{SHARD}: ")
     assert message in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("start", "file_size"),
+    [
+        (b"<!DOCTYPE html><html>", 4096),  # a login page
+        (b'{"error": "AccessDenied"}', 25),  # a JSON error body
+        (b"version https://git-lfs", 131),  # an LFS pointer left by a failed pull
+        (prefix(2) + b"[]", 10),  # a header that is JSON, not an object
+        (prefix(2) + b" {", 10),
+        (prefix(20) + b"{", 27),  # a header longer than the file
+        (prefix(2)[:7], 7),  # shorter than a length
+        (prefix(2), 8),  # nothing after the length
+    ],
+    ids=["html", "json-error", "lfs-pointer", "array", "space", "past-end", "7-bytes", "8-bytes"],
+)
+def test_check_start_refuses_what_cannot_be_a_shard(start: bytes, file_size: int) -> None:
+    with pytest.raises(HeaderError):
+        check_start(start[:9], shard=SHARD, file_size=file_size)
+
+
+@pytest.mark.parametrize(
+    ("start", "file_size"), [(prefix(2) + b"{", 10), (prefix(96) + b"{", 1 << 20)]
+)
+def test_check_start_takes_what_starts_as_a_shard(start: bytes, file_size: int) -> None:
+    check_start(start, shard=SHARD, file_size=file_size)
 
 
 # --- real files -----------------------------------------------------------------------------

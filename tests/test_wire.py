@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 from aiohttp import web
-from helpers import fast_config, range_server
+from helpers import fast_config, random_shard, range_server
 
 from shardsync.digest import Digest, MappedFile
 from shardsync.errors import ConfigError, ProtocolError
@@ -240,7 +240,7 @@ def test_the_request_carries_host_range_and_headers() -> None:
 async def test_a_chunked_206_goes_through_aiohttp_and_lands_intact(tmp_path: Path) -> None:
     """A 206 without Content-Length is not read by the worker threads: the range is asked
     again on aiohttp's path, which reads any framing, and the file lands intact."""
-    data = bytes(range(256)) * 4096 * 3  # 3 MiB
+    data = random_shard(3 << 20)
     ranges: list[str] = []
 
     async def send(response: web.StreamResponse, first: int, last: int) -> None:
@@ -372,7 +372,7 @@ async def test_a_body_whose_end_trickles_in_is_not_timed_out(tmp_path: Path) -> 
     """The pump asks the kernel to wake it only once a few ms of a connection's data have
     arrived (``SO_RCVLOWAT``). Bytes that then arrive slowly, each well within
     ``read_timeout``, must still wake it: a connection is dropped for silence, not slowness."""
-    data = os.urandom(64 << 20)  # long enough at full speed for its rate to count
+    data = random_shard(64 << 20)  # long enough at full speed for its rate to count
     fast = len(data) - (256 << 10)
 
     async def send(response: web.StreamResponse, first: int, last: int) -> None:
@@ -394,7 +394,7 @@ async def test_an_honest_short_206_is_read_to_its_end_without_a_wait(tmp_path: P
     Content-Length agree) at a steady rate, its last KiB a moment later: the wake-up mark
     follows what the body has left, not the range asked, or that KiB sits in the kernel
     until the read timeout."""
-    data = os.urandom(4 << 20)
+    data = random_shard(4 << 20)
     cap = 700 << 10
 
     async def send(out: web.StreamResponse, first: int, last: int) -> None:
@@ -428,7 +428,7 @@ async def test_writeback_starts_as_the_hash_passes(
         real(fd, start, end)
 
     monkeypatch.setattr(shardsync.fetch.transfer, "start_writeback", spy)
-    data = os.urandom(20 << 20)
+    data = random_shard(20 << 20)
 
     async def send(response: web.StreamResponse, first: int, last: int) -> None:
         await response.write(data[first : last + 1])
@@ -489,7 +489,7 @@ async def test_a_route_that_flaps_is_retried_on_the_pumps_path(
     down, a connect that timed out) is an ``OSError`` of that errno, not a
     ``ConnectionError``: the pump's connections meet it where aiohttp's meet it wrapped,
     and it is retried on both. The first connection the pump opens meets it here."""
-    data = os.urandom(1 << 20)
+    data = random_shard(1 << 20)
     real = socket.create_connection
     failed: list[int] = []
 

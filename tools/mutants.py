@@ -2470,6 +2470,32 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
         "the job that ends last writes refs/main, though another read the moved branch after it",
     ),
+    Mutant(
+        "unchecked-page-published",
+        "shardsync/fetch/fetcher.py",
+        (('if file.verified != "tofu" or not name.endswith(".safetensors"):', "if True:"),),
+        (
+            "tests/adversarial/test_hostile_server.py::test_a_page_served_as_a_shard_is_refused_unpublished_and_not_kept",
+            "tests/test_origin_listings.py::test_a_local_shard_that_does_not_start_as_one_is_refused_unpublished",
+        ),
+        "a .safetensors nothing vouches for is published as served: a login page, an LFS pointer",
+    ),
+    Mutant(
+        "refused-page-kept",
+        "shardsync/fetch/fetcher.py",
+        (("                self._slot.abandon()\n                raise", "                raise"),),
+        (
+            "tests/adversarial/test_hostile_server.py::test_a_page_served_as_a_shard_is_refused_unpublished_and_not_kept",
+        ),
+        "a file refused for its shape stays a resumable partial: the page's bytes are kept",
+    ),
+    Mutant(
+        "shape-without-brace",
+        "shardsync/safetensors_header.py",
+        (('        if prefix[8:9] != b"{":', "        if False:"),),
+        ("tests/test_safetensors_header.py",),
+        "the shape check takes a header that does not open a JSON object",
+    ),
 )
 
 

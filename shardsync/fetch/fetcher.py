@@ -34,6 +34,7 @@ import aiohttp
 
 from shardsync.errors import (
     AuthError,
+    HeaderError,
     IntegrityError,
     ProtocolError,
     ShardsyncError,
@@ -74,6 +75,7 @@ from shardsync.network import NetworkConfig, ssl_context
 from shardsync.ranges import format_range, parse_content_range
 from shardsync.records import FetchConfig, FetchStatistics, VerifiedFile
 from shardsync.retry import Backoff
+from shardsync.safetensors_header import check_start
 from shardsync.slot import Slot
 
 __all__ = ["Fetcher", "IntoSlot"]
@@ -485,18 +487,39 @@ class IntoSlot:
             request = dataclasses.replace(request, pace=self._pace)
         if self._once:
             request = dataclasses.replace(request, verify_attempts=1, seeded=True)
-        return await self._fetcher.fetch(request, self._slot, progress, turn=self._turn)
+        file = await self._fetcher.fetch(request, self._slot, progress, turn=self._turn)
+        return await self._shaped(file, request.label)
 
     async def copy(self, source: Path, version: str | None) -> VerifiedFile:
         copying = asyncio.ensure_future(asyncio.to_thread(self._slot.copy_from, source, version))
         try:
-            return await asyncio.shield(copying)
+            file = await asyncio.shield(copying)
         except asyncio.CancelledError:
             # the thread copies on to its end: what it made then goes (a copy is never
             # resumed), or a job that failed beside it left whole copies in tmp/ for as long
             # as its process lived
             copying.add_done_callback(self._drop_copy)
             raise
+        return await self._shaped(file, source.name)
+
+    async def _shaped(self, file: VerifiedFile, name: str) -> VerifiedFile:
+        """``file``, unless it is a ``.safetensors`` nothing verified (a plain URL, a store
+        keeping no checksum) that does not start as one: a server's login page or error body
+        answered for a shard. That is refused before it is published, and dropped."""
+        if file.verified != "tofu" or not name.endswith(".safetensors"):
+            return file
+
+        def check() -> None:
+            with file.path.open("rb") as f:
+                start = f.read(9)
+            try:
+                check_start(start, shard=name, file_size=file.size)
+            except HeaderError:
+                self._slot.abandon()
+                raise
+
+        await asyncio.to_thread(check)
+        return file
 
     @staticmethod
     def _drop_copy(copying: asyncio.Future[VerifiedFile]) -> None:

@@ -19,7 +19,7 @@ from bodypaths import BodyPath
 from helpers import asked_span, assert_store_verified, fast_config, handler_at, serve_bytes
 
 from shardsync.config import Config
-from shardsync.errors import CacheError, ProtocolError, ShardsyncError
+from shardsync.errors import CacheError, HeaderError, ProtocolError, ShardsyncError
 from shardsync.prefetch import prefetch
 from shardsync.ranges import parse_content_range
 
@@ -49,6 +49,7 @@ class Origin:
 
     lie: Lie | None = None
     times: int | None = 0  # None: forever
+    files: dict[str, bytes] = field(default_factory=lambda: FILES)
     chunked: bool = False  # send every body chunked, without Content-Length
     told: int = 0
     log: list[str] = field(default_factory=list)
@@ -64,7 +65,7 @@ class Origin:
 
     def answer(self, request: web.Request) -> web.StreamResponse:
         name = request.match_info["name"]
-        data = FILES.get(name)
+        data = self.files.get(name)
         if data is None:
             return web.Response(status=404)
         span = None if request.method == "HEAD" else asked_span(request, len(data))
@@ -371,3 +372,28 @@ async def test_a_size_past_any_file_is_the_origins_lie_not_the_caches(
             await prefetch(base, config(tmp_path, body_path))
     assert not isinstance(caught.value, CacheError)
     assert _published_refs(tmp_path) == []
+
+
+LOGIN_PAGE = b"<!DOCTYPE html><html><body><form>Sign in to continue</form></body></html>\n" * 99
+
+
+async def test_a_page_served_as_a_shard_is_refused_unpublished_and_not_kept(
+    origin: tuple[Origin, str], tmp_path: Path, body_path: BodyPath
+) -> None:
+    """A front (an SSO proxy, a captive portal) that answers its login page for the shard,
+    HEAD and Range alike, serves a consistent object: no checksum comes with a plain URL,
+    so nothing but the shard's own shape can tell. It is refused before it is published
+    (as ``load`` would refuse it), and its partial goes: the next run, once the real file
+    is served, downloads that from its first byte."""
+    state, base = origin
+    state.files = {**FILES, "model.safetensors": LOGIN_PAGE}
+    with pytest.raises(HeaderError):
+        await prefetch(base, config(tmp_path, body_path))
+    assert_store_verified(tmp_path, FILES)  # the page's bytes are in no blob
+    kept = [p.read_bytes() for p in (tmp_path / "partial").glob("*.part")]
+    assert LOGIN_PAGE not in kept  # (config.json's, cancelled with the job, may stay)
+    state.files = FILES
+    result = await prefetch(base, config(tmp_path, body_path))
+    assert (result.snapshot_path / "model.safetensors").read_bytes() == SHARD
+    (shard,) = [f for f in result.files if f.path == "model.safetensors"]
+    assert (shard.verified, shard.downloaded, shard.resumed) == ("tofu", len(SHARD), 0)
