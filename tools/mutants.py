@@ -2496,6 +2496,19 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_safetensors_header.py",),
         "the shape check takes a header that does not open a JSON object",
     ),
+    Mutant(
+        "hub-client-at-import",
+        "shardsync/origins/hub.py",
+        (
+            (
+                "from shardsync.errors import ConfigError, ManifestError",
+                "import huggingface_hub  # noqa: F401\n"
+                "from shardsync.errors import ConfigError, ManifestError",
+            ),
+        ),
+        ("tests/test_cli.py::test_a_prefetch_from_elsewhere_than_the_hub_imports_no_hub_client",),
+        "huggingface_hub is imported with the origins: every non-Hub prefetch pays for it",
+    ),
 )
 
 
