@@ -19,6 +19,7 @@ import builtins
 import contextlib
 import logging
 import os
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -183,7 +184,10 @@ class S3Client:
         proxies: dict[str, str] = {"http": proxy.url, "https": proxy.url} if proxy else {}
         if proxy is not None and proxy.username is not None:
             proxies = {k: _with_userinfo(proxy.url, proxy) for k in ("http", "https")}
+        # the system's CAs, as the fetcher trusts them, where no bundle is configured
+        trust = {} if self.network.ca_bundle else {"http_session_cls": _system_trust()}
         client_config = AioConfig(
+            **trust,
             # SigV4 for presigned URLs too (botocore may pick SigV2 for them); none at all, as
             # `aws --no-sign-request`, when there is nothing to sign with
             signature_version=UNSIGNED if self._unsigned else "s3v4",
@@ -529,6 +533,22 @@ def _requester_pays(params: dict[str, Any], model: Any, **_: Any) -> None:
 
 def _unquoted(etag: str) -> str:
     return etag.removeprefix("W/").strip('"')
+
+
+def _system_trust() -> type:
+    """aiobotocore's HTTP session, trusting the system's CA store (``SSL_CERT_FILE`` and
+    ``SSL_CERT_DIR`` too, as OpenSSL reads them) besides botocore's own bundle: with no
+    bundle configured botocore trusts only its bundle, so an on-premises store signed by a
+    CA installed system-wide failed for ``s3://`` and the tier and served plain URLs."""
+    from aiobotocore.httpsession import AIOHTTPSession
+
+    class SystemTrust(AIOHTTPSession):  # type: ignore[misc]
+        def _get_ssl_context(self) -> ssl.SSLContext:
+            context: ssl.SSLContext = super()._get_ssl_context()
+            context.load_default_certs()
+            return context
+
+    return SystemTrust
 
 
 def _with_userinfo(url: str, proxy: Proxy) -> str:

@@ -25,7 +25,13 @@ from helpers import assert_snapshot_matches, assert_store_verified, fast_config
 from squid import Squid, SquidUnavailable, run_squid
 
 from shardsync.config import Config, S3Config, load_config
-from shardsync.errors import AuthError, ConfigError, IntegrityError, TransferError
+from shardsync.errors import (
+    AuthError,
+    ConfigError,
+    IntegrityError,
+    ManifestError,
+    TransferError,
+)
 from shardsync.network import NetworkConfig, NoProxy, Proxy, network_from_env
 from shardsync.prefetch import prefetch
 from shardsync.testing import Checkpoint, FakeHub, FlipByte
@@ -306,6 +312,56 @@ async def test_a_private_ca_from_the_config_file(
         config = replace(fast_config(tmp_path / "c"), network=network)
         result = await prefetch(url, config)
     assert_same_files(result.snapshot_path, checkpoint)
+
+
+_EMPTY_LISTING = (
+    b'<?xml version="1.0" encoding="UTF-8"?><ListBucketResult '
+    b'xmlns="http://s3.amazonaws.com/doc/2006-03-01/"><Name>models-bucket</Name>'
+    b"<Prefix>m/</Prefix><KeyCount>0</KeyCount><MaxKeys>1000</MaxKeys>"
+    b"<IsTruncated>false</IsTruncated></ListBucketResult>"
+)
+
+
+async def test_s3_requests_trust_the_systems_cas_as_the_fetcher_does(
+    ca: tuple[ssl.SSLContext, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An on-premises store whose CA is installed system-wide (here a hashed CA folder, as
+    ``update-ca-certificates`` keeps ``/etc/ssl/certs``, named by ``SSL_CERT_DIR``), with no
+    bundle configured: botocore trusted its own bundle only, so listing it failed (TLS),
+    while a plain URL on the same server was read."""
+    server, ca_file = ca
+    folder = tmp_path / "certs"
+    folder.mkdir()
+    name = subprocess.run(
+        ["openssl", "x509", "-hash", "-noout", "-in", str(ca_file)],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    (folder / f"{name}.0").write_bytes(ca_file.read_bytes())
+    monkeypatch.setenv("SSL_CERT_DIR", str(folder))
+    for var, value in (("AWS_ACCESS_KEY_ID", "AKIDEXAMPLE"), ("AWS_SECRET_ACCESS_KEY", "x" * 40)):
+        monkeypatch.setenv(var, value)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    seen: list[str] = []
+
+    async def listing(request: web.Request) -> web.Response:
+        seen.append(request.path_qs)
+        return web.Response(body=_EMPTY_LISTING, content_type="application/xml")
+
+    app = web.Application()
+    app.router.add_route("GET", "/{path:.*}", listing)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0, ssl_context=server).start()
+    endpoint = f"https://127.0.0.1:{runner.addresses[0][1]}"
+    s3 = S3Config(endpoint=endpoint, region="us-east-1", addressing="path")
+    config = replace(fast_config(tmp_path / "c"), s3=s3, network=network_from_env({}))
+    try:
+        with pytest.raises(ManifestError):  # listed: an empty prefix has no weights
+            await prefetch("s3://models-bucket/m/", config)
+    finally:
+        await runner.cleanup()
+    assert any("list-type=2" in asked for asked in seen)
 
 
 async def test_an_authenticating_squid_passes_plain_http_requests_with_the_credentials(

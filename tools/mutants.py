@@ -2509,6 +2509,13 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_cli.py::test_a_prefetch_from_elsewhere_than_the_hub_imports_no_hub_client",),
         "huggingface_hub is imported with the origins: every non-Hub prefetch pays for it",
     ),
+    Mutant(
+        "s3-trusts-botocore-bundle-only",
+        "shardsync/s3.py",
+        (("            context.load_default_certs()\n", ""),),
+        ("tests/test_network.py::test_s3_requests_trust_the_systems_cas_as_the_fetcher_does",),
+        "S3 requests trust botocore's bundle only, not the system store the fetcher trusts",
+    ),
 )
 
 
