@@ -332,10 +332,12 @@ async def test_s3_requests_trust_the_systems_cas_as_the_fetcher_does(
     server, ca_file = ca
     folder = tmp_path / "certs"
     folder.mkdir()
-    name = subprocess.run(
+    hashed = await asyncio.to_thread(
+        subprocess.run,
         ["openssl", "x509", "-hash", "-noout", "-in", str(ca_file)],
         capture_output=True, text=True, check=True,
-    ).stdout.strip()  # fmt: skip
+    )  # fmt: skip
+    name = hashed.stdout.strip()
     (folder / f"{name}.0").write_bytes(ca_file.read_bytes())
     monkeypatch.setenv("SSL_CERT_DIR", str(folder))
     for var, value in (("AWS_ACCESS_KEY_ID", "AKIDEXAMPLE"), ("AWS_SECRET_ACCESS_KEY", "x" * 40)):
