@@ -55,6 +55,9 @@ class EngineJob(Protocol):
     async def download(self) -> tuple[FileOutcome, ...]:
         """Fetch (or reuse) every file; the snapshot is complete when this returns."""
 
+    async def adopt(self) -> None:
+        """Name the snapshot another job completed by this job's revision too."""
+
     def result(
         self, files: tuple[FileOutcome, ...], elapsed: float, *, counters: bool = True
     ) -> PrefetchResult:

@@ -274,7 +274,7 @@ class Job:
         self.sink = sink
         self.allow_pickle = allow_pickle
         self.gate: FileGate = gate or _open_gate
-        self.commit, self._resolved = "", 0.0  # the revision's commit, and when it was read
+        self.commit, self.resolved_at = "", 0.0  # the revision's commit, and when it was read
         self._manifest: Manifest | None = None
         self._hints: dict[str, FileRecord] = {}
         self._records: dict[str, FileRecord] = {}
@@ -335,8 +335,15 @@ class Job:
                 files = await self._download_all()
             finally:
                 self._forget_ahead()
-            await asyncio.to_thread(AccessLog(self.cache).record, self.origin.repo, self.commit)
+            await self.adopt()
         return files
+
+    async def adopt(self) -> None:
+        """Name the complete snapshot by this job's revision, as read when the job resolved it
+        (after ``download``, or after another job completed the same commit: ``Scheduler``),
+        and log its use."""
+        await self.store.write_ref(self.origin.repo, self.revision, self.commit, self.resolved_at)
+        await asyncio.to_thread(AccessLog(self.cache).record, self.origin.repo, self.commit)
 
     def result(
         self, files: tuple[FileOutcome, ...], elapsed: float, *, counters: bool = True
@@ -419,7 +426,7 @@ class Job:
         await self.store.sweep_orphans()
         # a selection may want hidden files (a DCP checkpoint's ``.metadata``)
         listing = await self._list(hidden=select is not None)
-        self.commit, self._resolved = listing.commit or "", time.time()
+        self.commit, self.resolved_at = listing.commit or "", time.time()
         await self._load_hints()
         if select is not None:
             self._manifest = await select(listing)
@@ -676,7 +683,7 @@ class Job:
     async def _complete(self, manifest: Manifest, records: Mapping[str, FileRecord]) -> None:
         files = tuple(records[e.path] for e in manifest.entries)
         if not self.commit:
-            self.commit = _content_id(self.origin, files)
+            self.commit = self.origin.repo.content_id(files)
             for record in files:
                 await self._link(record)
         await self.store.write_snapshot_record(
@@ -688,13 +695,3 @@ class Job:
                 completed_at=time.time(),
             )
         )
-        await self.store.write_ref(self.origin.repo, self.revision, self.commit, self._resolved)
-
-
-def _content_id(origin: Origin, files: Sequence[FileRecord]) -> str:
-    """Origins without commits get a snapshot id derived from what the snapshot holds."""
-    h = hashlib.sha1(usedforsecurity=False)
-    h.update(f"{origin.repo.kind}\0{origin.repo.name}\0".encode())
-    for f in sorted(files, key=lambda f: f.path):
-        h.update(f"{f.path}\0{f.sha256}\0".encode())
-    return h.hexdigest()

@@ -13,7 +13,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol, get_args
@@ -89,6 +89,14 @@ class RepoRef:
         digest = hashlib.sha256(self.name.encode("utf-8", "surrogateescape")).hexdigest()[:12]
         slug = _SLUG_UNSAFE.sub("-", self.name).strip("-._")[:64].rstrip("-._")
         return f"{self.kind}--{slug}-{digest}" if slug else f"{self.kind}--{digest}"
+
+    def content_id(self, files: Sequence[FileRecord]) -> str:
+        """The snapshot id of an origin without commits: derived from what it holds."""
+        h = hashlib.sha1(usedforsecurity=False)
+        h.update(f"{self.kind}\0{self.name}\0".encode())
+        for f in sorted(files, key=lambda f: f.path):
+            h.update(f"{f.path}\0{f.sha256}\0".encode())
+        return h.hexdigest()
 
 
 Verification = Literal["sha256", "git-sha1", "sha1", "crc64nvme", "crc32c", "crc32", "tofu"]

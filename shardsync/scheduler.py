@@ -561,6 +561,8 @@ class Scheduler:
                 match event:
                     case JobDone():
                         job.selection = other.selection
+                        if job.engine_job is not None:
+                            await job.engine_job.adopt()
                         if other.result is not None:  # the snapshot's, at this job's revision
                             job.result = replace(other.result, revision=job.revision)
                         self._finish_done(job)

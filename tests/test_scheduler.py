@@ -466,6 +466,39 @@ async def test_a_revision_naming_a_running_commit_follows_that_job(
     assert fake_hub.bytes_served("*.safetensors") < 1.1 * _shard_bytes(checkpoint)
 
 
+async def test_a_follower_at_another_revision_names_the_snapshot_by_it_too(
+    fake_hub: FakeHub, checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    """``main`` and a tag on one commit, asked while the first still downloads: the second
+    follows it, and its revision must name the snapshot as its own download would have, or
+    huggingface_hub offline (and ``--offline``) finds no snapshot for the tag."""
+    import huggingface_hub
+
+    commit = fake_hub.add_checkpoint(REPO, checkpoint)
+    fake_hub.add_checkpoint(REPO, checkpoint, revision="v1.0", commit=commit)
+    fake_hub.faults.add(Bandwidth(300_000, times=None))
+    cache = tmp_path / "cache"
+    async with (
+        Engine(fast_config(cache, fake_hub.endpoint)) as engine,
+        scheduled(engine) as scheduler,
+    ):
+        by_branch, _ = await scheduler.submit(JobRequest(REPO))
+        by_tag, _ = await scheduler.submit(JobRequest(REPO, revision="v1.0"))
+        done = [await _done(by_branch), await _done(by_tag)]
+    assert (by_branch.merged_into is None) != (by_tag.merged_into is None)  # one followed
+    store = CacheStore(cache)
+    repo = RepoRef("hub", REPO)
+    assert [store.read_ref(repo, r) for r in ("main", "v1.0")] == [commit, commit]
+    found = await asyncio.to_thread(
+        huggingface_hub.snapshot_download,
+        REPO,
+        revision="v1.0",
+        cache_dir=cache / "hub",
+        local_files_only=True,
+    )
+    assert Path(found) == Path(done[1].result["snapshot_path"])
+
+
 async def test_a_follower_goes_on_alone_when_the_job_it_follows_is_cancelled(
     scheduler: Scheduler, fake_hub: FakeHub, checkpoint: Checkpoint
 ) -> None:

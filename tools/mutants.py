@@ -2516,6 +2516,20 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_network.py::test_s3_requests_trust_the_systems_cas_as_the_fetcher_does",),
         "S3 requests trust botocore's bundle only, not the system store the fetcher trusts",
     ),
+    Mutant(
+        "follower-writes-no-ref",
+        "shardsync/scheduler.py",
+        (
+            (
+                "            await job.engine_job.adopt()\n",
+                "            pass\n",
+            ),
+        ),
+        (
+            "tests/test_scheduler.py::test_a_follower_at_another_revision_names_the_snapshot_by_it_too",
+        ),
+        "a job that followed another to the same commit writes no ref for its own revision",
+    ),
 )
 
 
