@@ -357,13 +357,19 @@ class Slot:
     def commit(self, file: VerifiedFile) -> Path:
         """Publish ``file`` into the store, then forget the download's names: in this order,
         in one call, so a cancellation of its caller cannot split them (run it in a thread).
-        Never resumed from either way: after a failed ``fsync`` its pages may be gone."""
+        Published, or discarded after a failed ``fsync`` (its pages may be gone), the file
+        is never resumed; any other failure (a full disk making the store's folder or link)
+        keeps the partial whole for the next run, as its error says."""
         try:
             if file.path != self._private:
                 raise CacheError(f"{file.path} is not the file this slot wrote")
             return self.cache.publish_blob(file.path, file.sha256, identity=self._inode)
         finally:
-            self._forget()
+            # ``publish_blob`` removes the private name once published or discarded
+            if self._private is not None and os.path.lexists(self._private):
+                self.suspend()
+            else:
+                self._forget()
 
     def drop_leftover(self) -> None:
         """A crash between publishing's link and its unlink leaves the partial of a blob that

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
 import threading
@@ -154,6 +155,35 @@ async def test_a_commit_cancelled_before_its_thread_starts_still_publishes(
             await committing
     assert store.blob_path(SHA).read_bytes() == DATA
     assert list(store.fs.list_area(layout.TMP)) == []
+
+
+def test_a_full_disk_while_publishing_keeps_the_verified_download_to_resume(
+    tmp_path: Path,
+) -> None:
+    """The disk fills (here its inodes) between the last byte and the blob's folder in the
+    store: ``DiskFullError`` says the partial is kept, and it is, whole and resumable, so
+    the next run publishes it without a byte downloaded again. (Only a failed ``fsync``
+    drops it: its pages may be gone.)"""
+    with tmpfs(tmp_path / "small", "size=4m,nr_inodes=64") as small:
+        cache = CacheStore(small / "cache")
+        slot = Slot(cache, "k")
+        _write(slot, len(DATA))
+        fillers = []
+        with contextlib.suppress(OSError):
+            while True:
+                fillers.append(small / f"fill-{len(fillers)}")
+                fillers[-1].touch()
+        with pytest.raises(DiskFullError):
+            slot.commit(_verified(slot))
+        for filler in fillers:
+            filler.unlink(missing_ok=True)
+        again = Slot(cache, "k")
+        partial = again.open(WHAT)
+        os.close(partial.fd)
+        assert partial.done.to_list() == [[0, len(DATA)]]
+        assert partial.record is not None
+        partial.record.close()
+        assert again.commit(_verified(again)).read_bytes() == DATA
 
 
 def test_a_copy_that_fills_the_disk_fails_clearly_and_leaves_nothing(tmp_path: Path) -> None:

@@ -2530,6 +2530,20 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
         "a job that followed another to the same commit writes no ref for its own revision",
     ),
+    Mutant(
+        "full-disk-publish-drops-partial",
+        "shardsync/slot.py",
+        (
+            (
+                "            if self._private is not None and os.path.lexists(self._private):",
+                "            if False:",
+            ),
+        ),
+        (
+            "tests/test_slot.py::test_a_full_disk_while_publishing_keeps_the_verified_download_to_resume",
+        ),
+        "a full disk while publishing deletes the verified download that its error says is kept",
+    ),
 )
 
 
