@@ -90,15 +90,22 @@ async def test_hub_files_with_unsafe_names_are_left_out_and_never_requested(
     assert warned_of(caplog, NFD_NAME, ODD_NAME)
 
 
+@pytest.mark.parametrize("linked", [False, True], ids=["file", "symlink"])
 def test_a_local_shard_that_does_not_start_as_one_is_refused_unpublished(
-    checkpoint: Checkpoint, tmp_path: Path
+    checkpoint: Checkpoint, tmp_path: Path, linked: bool
 ) -> None:
     """A local directory keeps no checksum either: a shard cut to a stub or overwritten by a
     text file (a failed ``git lfs pull`` leaves its pointer) is refused as the remote origins'
-    are, and the next run, once the real file is back, copies it."""
+    are, also where the shard is a link to a file named by its hash (DVC, git-annex), and
+    the next run, once the real file is back, copies it."""
     src = copy_of(checkpoint, tmp_path / "src")
     shard = src / checkpoint.shards[0]
     real = shard.read_bytes()
+    if linked:
+        (src / ".objects").mkdir()
+        target = src / ".objects" / "a1b2c3"
+        shard.rename(target)
+        shard.symlink_to(Path(".objects") / "a1b2c3")
     shard.write_bytes(b"version https://git-lfs.github.com/spec/v1\noid sha256:" + b"0" * 64)
     config = fast_config(tmp_path / "cache")
     with pytest.raises(HeaderError):

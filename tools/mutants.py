@@ -2544,6 +2544,20 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
         "a full disk while publishing deletes the verified download that its error says is kept",
     ),
+    Mutant(
+        "shape-by-link-target",
+        "shardsync/fetch/fetcher.py",
+        (
+            (
+                "        return await self._shaped(file, name)",
+                "        return await self._shaped(file, source.name)",
+            ),
+        ),
+        (
+            "tests/test_origin_listings.py::test_a_local_shard_that_does_not_start_as_one_is_refused_unpublished",
+        ),
+        "a local shard's shape is checked by its link target's name: a hash-named target skips it",
+    ),
 )
 
 

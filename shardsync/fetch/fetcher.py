@@ -490,7 +490,7 @@ class IntoSlot:
         file = await self._fetcher.fetch(request, self._slot, progress, turn=self._turn)
         return await self._shaped(file, request.label)
 
-    async def copy(self, source: Path, version: str | None) -> VerifiedFile:
+    async def copy(self, source: Path, version: str | None, name: str) -> VerifiedFile:
         copying = asyncio.ensure_future(asyncio.to_thread(self._slot.copy_from, source, version))
         try:
             file = await asyncio.shield(copying)
@@ -500,7 +500,7 @@ class IntoSlot:
             # as its process lived
             copying.add_done_callback(self._drop_copy)
             raise
-        return await self._shaped(file, source.name)
+        return await self._shaped(file, name)
 
     async def _shaped(self, file: VerifiedFile, name: str) -> VerifiedFile:
         """``file``, unless it is a ``.safetensors`` nothing verified (a plain URL, a store

@@ -63,8 +63,9 @@ class Into(Protocol):
     async def fetch(self, request: BlobRequest, progress: Progress) -> VerifiedFile:
         """The whole file ``request`` names, resumed where the partial allows, verified."""
 
-    async def copy(self, source: Path, version: str | None) -> VerifiedFile:
-        """``source`` copied in, hashed on the way; ``version`` is the origin's for it."""
+    async def copy(self, source: Path, version: str | None, name: str) -> VerifiedFile:
+        """``source`` copied in, hashed on the way; ``version`` is the origin's for it and
+        ``name`` its path in the repo (what it must be: a symlink's target may be a hash)."""
 
 
 class Origin(Protocol):

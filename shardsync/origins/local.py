@@ -136,7 +136,7 @@ class LocalOrigin:
         place) may have given bytes of both versions, so that copy is refused (its slot
         drops it, unpublished) and the error says to run again."""
         version = await self.version(fetcher, entry)
-        fetched = await into.copy(self.source(entry.path), version)
+        fetched = await into.copy(self.source(entry.path), version, entry.path)
         now = await self.version(fetcher, entry)
         if now != version:
             raise OriginError(
