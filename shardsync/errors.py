@@ -202,7 +202,9 @@ _CREDENTIAL = re.compile(
     r"(?i)\b(x-amz-[a-z0-9-]+|signature|credential|awsaccesskeyid|key-pair-id|policy|"
     r"token|access_token|sig)=[^&\s\"'<>`,;]*"
 )
-_BEARER = re.compile(r"(?i)\b(bearer)\s+[A-Za-z0-9._~+/=-]+")
+_BEARER = re.compile(
+    r"(?i)\b(bearer|(?:proxy-)?authorization\s*:\s*(?:basic|negotiate|ntlm))\s+[A-Za-z0-9._~+/=-]+"
+)
 _REDACTED = "[redacted]"
 
 
@@ -212,16 +214,17 @@ def redact(text: str) -> str:
     A server may quote the request it refused in its error body (some stores and proxies
     do), and a library may name the URL it failed on: a signed URL's query, a
     ``Signature=``/``X-Amz-Credential=`` value or a bearer token in that text is a
-    credential. URLs keep their scheme, host, port and path (no userinfo, query or
-    fragment); a bare query string (``/key?X-Amz-...``) and every credential parameter
-    lose their values. Applied before any truncation, so no prefix of a secret is kept.
+    credential, and so is an ``Authorization:`` header's (``Basic``, a proxy's too). URLs
+    keep their scheme, host, port and path (no userinfo, query or fragment: all before the
+    last ``@`` goes, since a password may hold ``/``, ``?`` or ``#`` unencoded); a bare query
+    string (``/key?X-Amz-...``) and every credential parameter lose their values. Applied
+    before any truncation, so no prefix of a secret is kept.
     """
 
     def bare_url(match: re.Match[str]) -> str:
         scheme, _, rest = match[0].partition("://")
-        rest = re.split(r"[?#]", rest, maxsplit=1)[0]
-        netloc, slash, path = rest.partition("/")
-        return f"{scheme}://{netloc.rpartition('@')[2]}{slash}{path}"
+        rest = re.split(r"[?#]", rest.rpartition("@")[2], maxsplit=1)[0]
+        return f"{scheme}://{rest}"
 
     text = _URL.sub(bare_url, text)
     text = _QUERY.sub("?" + _REDACTED, text)

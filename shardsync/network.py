@@ -65,6 +65,13 @@ class Proxy:
             raise ConfigError(f"{source}: invalid proxy port in {_redact(raw)!r}") from None
         if not parts.hostname:
             raise ConfigError(f"{source}: a proxy URL needs a host, got {_redact(raw)!r}")
+        if parts.path not in ("", "/") or parts.query or parts.fragment:
+            # "http://u:pa/ss@proxy:3128" is host "u", port "pa"... or, with a numeric
+            # password, a proxy that does not exist: a proxy URL has no path
+            raise ConfigError(
+                f"{source}: a proxy URL has no path, query or fragment, got {_redact(raw)!r} "
+                "(percent-encode /, ?, # and @ in a user name or password)"
+            )
         host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
         netloc = f"{host}:{port}" if port else host
         return cls(
@@ -79,10 +86,12 @@ class Proxy:
 
 
 def _redact(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.username is None:
+    """``url`` without its userinfo, cut at the last ``@``: a password holding ``/``, ``?``
+    or ``#`` unencoded is no userinfo to ``urlsplit``, and was shown whole."""
+    scheme, sep, rest = url.partition("://")
+    if "@" not in rest:
         return url
-    return url.replace(parts.netloc, "***@" + parts.netloc.rpartition("@")[2], 1)
+    return f"{scheme}{sep}***@{rest.rpartition('@')[2]}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -57,6 +57,8 @@ def test_redirects_keep_credentials_home(
         ("https://hub.example/a", "http://hub.example/b", "https -> http"),
         ("https://hub.example/a", "file:///etc/passwd", "'file'"),
         ("https://hub.example/a", None, "without Location"),
+        # credentials of its own, same origin: aiohttp raised a bare ValueError beside ours
+        ("https://hub.example/a", "https://u:p@hub.example/b", "user:password@"),
     ],
 )
 def test_dangerous_redirects_are_refused(url: str, location: str | None, message: str) -> None:

@@ -103,6 +103,25 @@ def test_proxy_credentials_are_split_off_and_never_shown() -> None:
     assert Proxy.parse("proxy.corp:3128", source="x").url == "http://proxy.corp:3128"
 
 
+@pytest.mark.parametrize(
+    "text",
+    [
+        "http://alice:Tr0ub4dor/x?y@proxy.corp:3128",  # no port: the error names the URL
+        "http://alice:1234/x@proxy.corp:3128",  # a "port": a proxy named alice, silently
+        "http://alice:pa#ss@proxy.corp:3128",
+    ],
+)
+def test_a_proxy_password_not_percent_encoded_is_refused_and_never_shown(text: str) -> None:
+    """A '/', '?' or '#' in the password ends the userinfo for ``urlsplit``: the rest was
+    echoed in the error (stderr, the daemon's journal), or a numeric password made a proxy
+    of the user name. Refused, with the password nowhere in the message."""
+    with pytest.raises(ConfigError) as caught:
+        Proxy.parse(text, source="HTTPS_PROXY")
+    assert "Tr0ub" not in str(caught.value) and "pa#" not in str(caught.value)
+    assert "x@proxy" not in str(caught.value)
+    assert "proxy.corp:3128" in str(caught.value)
+
+
 @pytest.mark.parametrize("bad", ["socks5://p:1080", "http://", "http://p:notaport"])
 def test_unusable_proxy_urls_name_their_source(bad: str) -> None:
     with pytest.raises(ConfigError) as caught:

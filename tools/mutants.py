@@ -2558,6 +2558,53 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
         "a local shard's shape is checked by its link target's name: a hash-named target skips it",
     ),
+    Mutant(
+        "basic-credentials-shown",
+        "shardsync/errors.py",
+        (("|(?:proxy-)?authorization\\s*:\\s*(?:basic|negotiate|ntlm)", ""),),
+        (
+            "tests/adversarial/test_secrets_sweep.py::test_redact_keeps_the_words_and_drops_the_credentials",
+        ),
+        "an Authorization header's Basic or NTLM credentials quoted in an error body are shown",
+    ),
+    Mutant(
+        "userinfo-cut-at-first-slash",
+        "shardsync/errors.py",
+        (
+            (
+                '        rest = re.split(r"[?#]", rest.rpartition("@")[2], maxsplit=1)[0]\n'
+                '        return f"{scheme}://{rest}"',
+                '        rest = re.split(r"[?#]", rest, maxsplit=1)[0]\n'
+                '        netloc, slash, path = rest.partition("/")\n'
+                "        return f\"{scheme}://{netloc.rpartition('@')[2]}{slash}{path}\"",
+            ),
+        ),
+        (
+            "tests/adversarial/test_secrets_sweep.py::test_redact_keeps_the_words_and_drops_the_credentials",
+        ),
+        "a URL's userinfo is cut where urlsplit ends it: a password with '/', '?' or '#' is shown",
+    ),
+    Mutant(
+        "proxy-url-path-taken",
+        "shardsync/network.py",
+        (
+            (
+                '        if parts.path not in ("", "/") or parts.query or parts.fragment:',
+                "        if False:",
+            ),
+        ),
+        (
+            "tests/test_network.py::test_a_proxy_password_not_percent_encoded_is_refused_and_never_shown",
+        ),
+        "a proxy URL with a path is taken: a numeric password makes a proxy of the user name",
+    ),
+    Mutant(
+        "redirect-userinfo-followed",
+        "shardsync/fetch/answers.py",
+        (('    if "@" in parts.netloc:  # credentials', "    if False:  # credentials"),),
+        ("tests/test_fetch.py::test_dangerous_redirects_are_refused",),
+        "a redirect whose Location carries user:password@ is followed with our Authorization",
+    ),
 )
 
 

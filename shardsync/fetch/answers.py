@@ -357,6 +357,10 @@ def _origin_of(url: str) -> tuple[str, str, int | None]:
         port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
     except ValueError:  # "http://h:99999/", "http://[::1/": a server's Location or Link
         raise ProtocolError(f"a malformed URL from the server: {redact_url(url)}") from None
+    if "@" in parts.netloc:  # credentials of its own: aiohttp refuses them beside ours
+        raise ProtocolError(
+            f"refusing a URL with user:password@ from the server: {redact_url(url)}"
+        )
     return parts.scheme, (parts.hostname or "").lower(), port
 
 

@@ -550,6 +550,12 @@ async def test_a_clean_download_through_each_rig_is_real(
         ('{"x-amz-security-token": "t"} X-Amz-Security-Token=T0KEN/+= tail', "tail", "T0KEN"),
         ("Authorization: Bearer hf_abcdefgh12345", "Authorization: Bearer", "hf_abcdefgh"),
         ("https://u:pw@host/p", "https://host/p", "pw"),
+        # a password with '/', '?' or '#' unencoded is no userinfo to urlsplit
+        ("via http://alice:Tr0ub4dor/x?y@proxy.corp:3128 now", "http://proxy.corp:3128", "Tr0ub"),
+        ("https://u:pa#ss@mirror.example/h", "https://mirror.example/h", "pa#ss"),
+        # a proxy's error page quoting the request it refused
+        ("GET / | Proxy-Authorization: Basic YWxpY2U6aHVudGVyMg==", "Basic", "YWxpY2U6"),
+        ("Authorization: NTLM TlRMTVNTUAABAAAAB4IIog==\r\nHost: h", "NTLM", "TlRMTVNT"),
     ],
 )
 def test_redact_keeps_the_words_and_drops_the_credentials(text: str, kept: str, gone: str) -> None:
@@ -558,7 +564,13 @@ def test_redact_keeps_the_words_and_drops_the_credentials(text: str, kept: str, 
 
 
 @pytest.mark.parametrize(
-    "text", ["HTTP 404: Not Found", "AccessDenied: the URL signature does not match", "why? no"]
+    "text",
+    [
+        "HTTP 404: Not Found",
+        "AccessDenied: the URL signature does not match",
+        "why? no",
+        "authorization: denied by policy",
+    ],
 )
 def test_redact_leaves_plain_messages_alone(text: str) -> None:
     assert redact(text) == text
