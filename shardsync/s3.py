@@ -73,6 +73,10 @@ _AUTH_CODES = frozenset(
     }
 )
 _MISSING_CODES = frozenset({"NoSuchKey", "NotFound", "404"})
+_PROXY_407 = (
+    "the proxy wants credentials, or refused the ones given (HTTP 407); they go in the proxy "
+    "URL, http://USER:PASS@HOST:PORT"
+)
 _PRECONDITION_CODES = frozenset({"PreconditionFailed", "412", "ConditionalRequestConflict"})
 
 
@@ -622,9 +626,13 @@ def _mapped(
                 f"{detail} (the store refused the credentials: check the AWS chain or [s3] "
                 f"profile{payer})"
             )
+        if status == 407:  # a proxy's answer on a plain-http endpoint
+            return AuthError(f"{detail}: {_PROXY_407}")
         if isinstance(status, int) and (status >= 500 or status == 429):
             return TransferError(detail)
         return OriginError(detail)
+    if isinstance(exc, bx.ProxyConnectionError) and _status_of(exc.kwargs.get("error")) == 407:
+        return AuthError(f"{target}S3 {what} failed: {_PROXY_407}")  # CONNECT refused
     if isinstance(exc, bx.ParamValidationError):
         return ConfigError(f"{target}invalid S3 request: {exc}")
     if isinstance(exc, bx.EndpointConnectionError | bx.ConnectionError | bx.HTTPClientError):
@@ -632,3 +640,8 @@ def _mapped(
     if isinstance(exc, bx.BotoCoreError | OSError | asyncio.TimeoutError):
         return TransferError(f"{target}S3 {what} failed ({type(exc).__name__})")
     return OriginError(f"{target}S3 {what} failed ({type(exc).__name__})")
+
+
+def _status_of(error: object) -> object:
+    """The HTTP status an aiohttp proxy error carries (None for others)."""
+    return getattr(error, "status", None)

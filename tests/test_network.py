@@ -473,6 +473,26 @@ async def test_a_proxy_asking_for_credentials_is_one_auth_error_without_them(
     assert "407" in str(caught.value)
 
 
+@pytest.mark.parametrize("scheme", ["http", "https"])
+async def test_a_proxy_asking_for_credentials_of_s3_requests_is_one_auth_error(
+    scheme: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same 407 on the S3 client's requests (a listing): an ``AuthError`` (exit 4), not a
+    store's error (exit 6) on an http endpoint, nor an unreachable endpoint on https."""
+    for var, value in (("AWS_ACCESS_KEY_ID", "AKIDEXAMPLE"), ("AWS_SECRET_ACCESS_KEY", "x" * 40)):
+        monkeypatch.setenv(var, value)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    s3 = S3Config(endpoint=f"{scheme}://127.0.0.1:9", region="us-east-1", addressing="path")
+    async with fake_proxy(_407) as address:
+        proxy = f"http://alice:hunter2@{address}"
+        config = replace(through(fast_config(tmp_path / "c"), {f"{scheme}_proxy": proxy}), s3=s3)
+        with pytest.raises(AuthError) as caught:
+            await prefetch("s3://models-bucket/m/", config)
+    assert "hunter2" not in str(caught.value) and "alice" not in str(caught.value)
+    assert "407" in str(caught.value)
+
+
 async def test_a_proxy_that_drops_connections_gives_up_after_bounded_retries(
     hub: FakeHub, tmp_path: Path
 ) -> None:

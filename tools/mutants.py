@@ -2605,6 +2605,34 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_fetch.py::test_dangerous_redirects_are_refused",),
         "a redirect whose Location carries user:password@ is followed with our Authorization",
     ),
+    Mutant(
+        "s3-407-store-error",
+        "shardsync/s3.py",
+        (
+            (
+                "        if status == 407:  # a proxy's answer",
+                "        if False:  # a proxy's answer",
+            ),
+        ),
+        (
+            "tests/test_network.py::test_a_proxy_asking_for_credentials_of_s3_requests_is_one_auth_error",
+        ),
+        "a proxy's 407 to an S3 request on an http endpoint is the store's error (exit 6)",
+    ),
+    Mutant(
+        "s3-connect-407-unreachable",
+        "shardsync/s3.py",
+        (
+            (
+                'and _status_of(exc.kwargs.get("error")) == 407:',
+                "and False:",
+            ),
+        ),
+        (
+            "tests/test_network.py::test_a_proxy_asking_for_credentials_of_s3_requests_is_one_auth_error",
+        ),
+        "a proxy refusing CONNECT with 407 for an https S3 endpoint reads as an unreachable store",
+    ),
 )
 
 
