@@ -18,7 +18,6 @@ import binascii
 import builtins
 import contextlib
 import logging
-import os
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -176,26 +175,12 @@ class S3Client:
             if found is None:
                 log.info("no AWS credentials found: S3 requests go unsigned (public buckets)")
         session = self._session
-        # the endpoint botocore will use: [s3], else the chain's variables, else AWS
-        endpoint = (
-            cfg.endpoint
-            or os.environ.get("AWS_ENDPOINT_URL_S3")
-            or os.environ.get("AWS_ENDPOINT_URL")
-            or "https://s3.amazonaws.com"
-        )
-        proxy = self.network.proxy_for(endpoint)  # our NO_PROXY rules, not botocore's
-        # {} (not None) when ours says direct, or botocore would apply the variables itself
-        proxies: dict[str, str] = {"http": proxy.url, "https": proxy.url} if proxy else {}
-        if proxy is not None and proxy.username is not None:
-            proxies = {k: _with_userinfo(proxy.url, proxy) for k in ("http", "https")}
-        # the system's CAs, as the fetcher trusts them, where no bundle is configured
-        trust = {} if self.network.ca_bundle else {"http_session_cls": _system_trust()}
         client_config = AioConfig(
-            **trust,
+            http_session_cls=_session_class(self.network),
+            proxies={},  # each request's own, by our rules: ``_session_class``
             # SigV4 for presigned URLs too (botocore may pick SigV2 for them); none at all, as
             # `aws --no-sign-request`, when there is nothing to sign with
             signature_version=UNSIGNED if self._unsigned else "s3v4",
-            proxies=proxies,
             # Bodies carry their SHA-256 in ChecksumSHA256, which the store checks; signing
             # the payload too would make botocore hash each upload again, in the event loop
             # (it does for every http endpoint unless told not to).
@@ -539,20 +524,36 @@ def _unquoted(etag: str) -> str:
     return etag.removeprefix("W/").strip('"')
 
 
-def _system_trust() -> type:
-    """aiobotocore's HTTP session, trusting the system's CA store (``SSL_CERT_FILE`` and
-    ``SSL_CERT_DIR`` too, as OpenSSL reads them) besides botocore's own bundle: with no
-    bundle configured botocore trusts only its bundle, so an on-premises store signed by a
-    CA installed system-wide failed for ``s3://`` and the tier and served plain URLs."""
+def _session_class(network: NetworkConfig) -> type:
+    """aiobotocore's HTTP session as the fetcher connects: each request's proxy chosen by our
+    rules (``NO_PROXY`` with CIDRs) for the URL it goes to, and, with no CA bundle
+    configured, the system's CAs trusted (``SSL_CERT_FILE``, ``SSL_CERT_DIR``) besides
+    botocore's own bundle. botocore's choice was made once, for a guess at the endpoint (not
+    the one an AWS profile names), and trusted its bundle only: a store signed by a CA
+    installed system-wide failed for ``s3://`` and the tier and served plain URLs."""
     from aiobotocore.httpsession import AIOHTTPSession
+    from botocore.httpsession import ProxyConfiguration
 
-    class SystemTrust(AIOHTTPSession):  # type: ignore[misc]
+    class Proxies(ProxyConfiguration):  # type: ignore[misc]
+        def proxy_url_for(self, url: str) -> str | None:
+            proxy = network.proxy_for(url)
+            if proxy is None:
+                return None
+            return proxy.url if proxy.username is None else _with_userinfo(proxy.url, proxy)
+
+    class Session(AIOHTTPSession):  # type: ignore[misc]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            settings = kwargs.get("proxies_config")
+            self._proxy_config = Proxies(proxies_settings=settings)
+
         def _get_ssl_context(self) -> ssl.SSLContext:
             context: ssl.SSLContext = super()._get_ssl_context()
-            context.load_default_certs()
+            if network.ca_bundle is None:
+                context.load_default_certs()
             return context
 
-    return SystemTrust
+    return Session
 
 
 def _with_userinfo(url: str, proxy: Proxy) -> str:

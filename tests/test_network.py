@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import os
 import ssl
 import subprocess
 import sys
@@ -613,13 +614,17 @@ def test_load_goes_through_the_proxy(squid: Squid, checkpoint: Checkpoint, tmp_p
         assert tensors[name].dtype == tensor.dtype and tensors[name].equal(tensor)
 
 
-@pytest.mark.parametrize("endpoint_from", ["config", "AWS_ENDPOINT_URL"])
+@pytest.mark.parametrize(
+    "endpoint_from", ["config", "AWS_ENDPOINT_URL", "profile", "no-http-proxy"]
+)
 async def test_no_proxy_keeps_s3_requests_direct(
     endpoint_from: str, squid: Squid, s3server: S3Server, s3bucket: str, checkpoint: Checkpoint,
     aws_env: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
     """Our NO_PROXY rules (CIDRs too) decide for botocore's requests as well, though it
-    reads the same variables itself (without CIDRs)."""
+    reads the same variables itself (without CIDRs), for the URL each request goes to:
+    also where the endpoint comes from the AWS profile (``endpoint_url``), which botocore
+    reads and we do not (a guess of AWS's https endpoint put its proxy on every request)."""
     import botocore.session
 
     # uploaded before the proxy variables are set: squid logs a request when it ends, so a
@@ -633,6 +638,10 @@ async def test_no_proxy_keeps_s3_requests_direct(
     s3 = S3Config(endpoint=s3server.endpoint, region=s3server.region, addressing="path")
     if endpoint_from == "AWS_ENDPOINT_URL":  # the chain names the endpoint, not [s3]
         monkeypatch.setenv("AWS_ENDPOINT_URL", s3server.endpoint)
+        s3 = replace(s3, endpoint=None)
+    elif endpoint_from == "profile":
+        profile = f"[default]\nendpoint_url = {s3server.endpoint}\n"
+        await asyncio.to_thread(Path(os.environ["AWS_CONFIG_FILE"]).write_text, profile)
         s3 = replace(s3, endpoint=None)
     env = {"HTTP_PROXY": squid.url, "HTTPS_PROXY": squid.url, "NO_PROXY": "127.0.0.0/8"}
     config = replace(fast_config(tmp_path / "c"), s3=s3, network=network_from_env(env))

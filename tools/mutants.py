@@ -2512,7 +2512,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "s3-trusts-botocore-bundle-only",
         "shardsync/s3.py",
-        (("            context.load_default_certs()\n", ""),),
+        (("                context.load_default_certs()\n", "                pass\n"),),
         ("tests/test_network.py::test_s3_requests_trust_the_systems_cas_as_the_fetcher_does",),
         "S3 requests trust botocore's bundle only, not the system store the fetcher trusts",
     ),
@@ -2632,6 +2632,18 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/test_network.py::test_a_proxy_asking_for_credentials_of_s3_requests_is_one_auth_error",
         ),
         "a proxy refusing CONNECT with 407 for an https S3 endpoint reads as an unreachable store",
+    ),
+    Mutant(
+        "s3-proxy-for-a-guessed-endpoint",
+        "shardsync/s3.py",
+        (
+            (
+                "            proxy = network.proxy_for(url)",
+                '            proxy = network.proxy_for("https://s3.amazonaws.com/")',
+            ),
+        ),
+        ("tests/test_network.py::test_no_proxy_keeps_s3_requests_direct",),
+        "S3 requests take the proxy chosen for a guessed endpoint, not for the URL each goes to",
     ),
 )
 
