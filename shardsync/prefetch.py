@@ -557,6 +557,8 @@ class Job:
     async def _cached(self, entry: ManifestEntry) -> tuple[FileRecord, FileOutcome] | None:
         hint = self._hints.get(entry.path)
         sha = entry.sha256
+        if sha is None:  # its last download's note first: newer than the snapshot's record
+            hint = await self.store.remembered(self._blob_key(entry), entry.path) or hint
         if sha is None and hint is not None and await self._hint_matches(entry, hint):
             sha = hint.sha256
         if sha is None:

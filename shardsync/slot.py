@@ -10,7 +10,9 @@ record (``partial/<key>.json``) and the download's private temp name in ``tmp/``
 * ``copy_from`` is ``open``'s counterpart for an origin that copies (a local directory): a
   new private file, hashed on the way, never resumed;
 * ``commit(verified)`` publishes the verified file into the store and forgets the partial;
-  ``suspend`` keeps the partial for a later resume; ``abandon`` discards it.
+  ``suspend`` keeps the partial for a later resume; ``abandon`` discards it. A key that is
+  no sha256 (the file's was unknown before it was read) keeps a note of the blob it became
+  (``partial/<key>.done``, ``remembered``): a later run finds that file again by it.
 
 Prune, ``ls`` and the daemon ask this module what is in progress (``in_progress``), and which
 leftovers may go (``remove_abandoned``, ``sweep_orphans``, ``remove_idle_locks``).
@@ -22,12 +24,13 @@ import contextlib
 import errno
 import json
 import os
+import re
 import stat
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, cast, get_args
 
 import xxhash
 
@@ -37,7 +40,7 @@ from shardsync.errors import CacheError, disk_error
 from shardsync.layout import CacheLayout, temp_name
 from shardsync.locks import BlobLock
 from shardsync.ranges import RangeSet
-from shardsync.records import VerifiedFile
+from shardsync.records import FileRecord, Verification, VerifiedFile
 
 __all__ = [
     "BlobHome",
@@ -48,12 +51,15 @@ __all__ = [
     "Seeding",
     "Slot",
     "in_progress",
+    "remembered",
     "remove_abandoned",
 ]
 
 _RECORD_VERSION = 3
 _MAX_RECORD = 1 << 20
 _SUFFIXES = (".part", ".json")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_HEX32 = re.compile(r"[0-9a-f]{32}")
 _FLAGS = os.O_RDWR | os.O_CLOEXEC
 
 
@@ -363,13 +369,16 @@ class Slot:
         try:
             if file.path != self._private:
                 raise CacheError(f"{file.path} is not the file this slot wrote")
-            return self.cache.publish_blob(file.path, file.sha256, identity=self._inode)
+            published = self.cache.publish_blob(file.path, file.sha256, identity=self._inode)
         finally:
             # ``publish_blob`` removes the private name once published or discarded
             if self._private is not None and os.path.lexists(self._private):
                 self.suspend()
             else:
                 self._forget()
+        if self.key != file.sha256 and file.etag is not None:
+            self._remember(file)
+        return published
 
     def drop_leftover(self) -> None:
         """A crash between publishing's link and its unlink leaves the partial of a blob that
@@ -384,6 +393,26 @@ class Slot:
                 self.lock.release()
 
     # -- inside -------------------------------------------------------------------------
+
+    def _remember(self, file: VerifiedFile) -> None:
+        """Note which blob this key's file became, at which version of the origin's: no
+        sha256 named it before it was read (a plain URL, a local copy, an object store's
+        CRC), so a run killed after publishing it, or failed on another file, had nothing
+        to find it by and downloaded it again. A hint, checked against the origin's version
+        before use: written without fsync, and a note that cannot be written is skipped."""
+        note = {
+            "sha256": file.sha256,
+            "size": file.size,
+            "xxh3_128": file.xxh3_128,
+            "verified": file.verified,
+            "version": file.etag,
+        }
+        temp = self.cache.layout.path(*layout.TMP, temp_name("resume"))
+        with contextlib.suppress(OSError):
+            temp.write_bytes(json.dumps(note).encode())
+            os.replace(temp, _note_path(self.cache.layout, self.key))
+        with contextlib.suppress(OSError):
+            temp.unlink()
 
     def _forget(self) -> None:
         """Remove the download's names but the store's: its private one, and the shared one
@@ -569,6 +598,36 @@ def in_progress(where: CacheLayout) -> dict[str, tuple[Path, ...]]:
         if dot and key and f".{ext}" in _SUFFIXES:
             found[key] = (*found.get(key, ()), directory / name)
     return found
+
+
+def _note_path(where: CacheLayout, key: str) -> Path:
+    return where.partial(key)[0].with_suffix(".done")
+
+
+def remembered(where: CacheLayout, key: str, path: str) -> FileRecord | None:
+    """What ``key``'s last download became (``Slot._remember``), as a record of ``path``
+    whose ``origin_etag`` is the origin's version then; None without a readable note."""
+    try:
+        raw = strict_json.loads(_note_path(where, key).read_bytes()[:_MAX_RECORD])
+    except (OSError, ValueError):
+        return None
+    if not isinstance(raw, dict):
+        return None
+    sha256, xxh, size = raw.get("sha256"), raw.get("xxh3_128"), raw.get("size")
+    verified, version = raw.get("verified"), raw.get("version")
+    if not (
+        isinstance(sha256, str)
+        and _HEX64.fullmatch(sha256)
+        and isinstance(xxh, str)
+        and _HEX32.fullmatch(xxh)
+        and type(size) is int
+        and size >= 0
+        and verified in get_args(Verification)
+        and isinstance(version, str)
+    ):
+        return None
+    how = cast(Verification, verified)
+    return FileRecord(path, size, sha256, xxh, sha256, how, origin_etag=version)
 
 
 def remove_abandoned(cache: BlobHome, key: str, cutoff: float) -> bool:

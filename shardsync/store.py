@@ -16,9 +16,9 @@ from shardsync.cache import CacheStore
 from shardsync.digest import Digest
 from shardsync.layout import CacheLayout
 from shardsync.manifest import ManifestEntry
-from shardsync.records import RepoRef, SnapshotRecord, VerifiedFile
+from shardsync.records import FileRecord, RepoRef, SnapshotRecord, VerifiedFile
 from shardsync.removal import sweep_orphans
-from shardsync.slot import Slot
+from shardsync.slot import Slot, remembered
 from shardsync.tasks import to_the_end
 
 __all__ = ["AsyncStore"]
@@ -72,6 +72,10 @@ class AsyncStore:
                 return Digest(sha256=False).read(f)
 
         return await asyncio.to_thread(digest)
+
+    async def remembered(self, key: str, path: str) -> FileRecord | None:
+        """What ``key``'s last download became (``slot.remembered``)."""
+        return await asyncio.to_thread(remembered, self.sync.layout, key, path)
 
     async def slot(self, key: str) -> Slot:
         """The download slot of ``key`` (making it may create ``locks/`` and fsync the root)."""

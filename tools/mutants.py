@@ -2645,6 +2645,20 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_network.py::test_no_proxy_keeps_s3_requests_direct",),
         "S3 requests take the proxy chosen for a guessed endpoint, not for the URL each goes to",
     ),
+    Mutant(
+        "published-unnamed-file-forgotten",
+        "shardsync/slot.py",
+        (
+            (
+                "            self._remember(file)\n",
+                "            pass\n",
+            ),
+        ),
+        (
+            "tests/adversarial/test_hostile_server.py::test_a_file_published_before_the_job_failed_is_not_downloaded_again",
+        ),
+        "a published file no digest named leaves no note: a failed job's files come again",
+    ),
 )
 
 

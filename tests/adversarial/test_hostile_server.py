@@ -8,9 +8,10 @@ Each case ends byte-exact (a transient lie is retried away) or in one clear erro
 from __future__ import annotations
 
 import gzip
+import json
 import os
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
@@ -397,3 +398,51 @@ async def test_a_page_served_as_a_shard_is_refused_unpublished_and_not_kept(
     assert (result.snapshot_path / "model.safetensors").read_bytes() == SHARD
     (shard,) = [f for f in result.files if f.path == "model.safetensors"]
     assert (shard.verified, shard.downloaded, shard.resumed) == ("tofu", len(SHARD), 0)
+
+
+SHARDS = {
+    f"model-0000{i}-of-00002.safetensors": b"\x02\x00\x00\x00\x00\x00\x00\x00{}" + os.urandom(n)
+    for i, n in ((1, 1 << 20), (2, 1 << 19))
+}
+SHARDED = {
+    "model.safetensors.index.json": json.dumps(
+        {"weight_map": {f"w{i}": name for i, name in enumerate(SHARDS)}}
+    ).encode(),
+    **SHARDS,
+}
+
+
+def refuse_the_second_shard(
+    request: web.Request, data: bytes, start: int, end: int
+) -> web.Response | None:
+    if request.match_info["name"] != "model-00002-of-00002.safetensors":
+        return None
+    return web.Response(status=403, text="denied")
+
+
+async def test_a_file_published_before_the_job_failed_is_not_downloaded_again(
+    origin: tuple[Origin, str], tmp_path: Path, body_path: BodyPath
+) -> None:
+    """No digest names a plain URL's file before it is read, so its blob is found again
+    only by what its download left: the first shard is published, the second is refused
+    and the job fails. The next run must take the first from the store (its ETag is
+    unchanged), not download it again: a failure or a ``kill -9`` costs what was in flight,
+    not what was written."""
+    state, base = origin
+    state.files = SHARDED
+    state.lie, state.times = refuse_the_second_shard, None
+    one_at_a_time = replace(config(tmp_path, body_path), max_files=1)
+    with pytest.raises(ShardsyncError):
+        await prefetch(base, one_at_a_time)
+    state.lie = None
+    result = await prefetch(base, one_at_a_time)
+    for name, data in SHARDS.items():
+        assert (result.snapshot_path / name).read_bytes() == data
+    done = {f.path: (f.source, f.downloaded) for f in result.files if f.path in SHARDS}
+    assert done == {
+        "model-00001-of-00002.safetensors": ("cache", 0),
+        "model-00002-of-00002.safetensors": (
+            "network",
+            len(SHARDS["model-00002-of-00002.safetensors"]),
+        ),
+    }
