@@ -356,6 +356,7 @@ class CacheStore:
         repo_parts = layout.repo_dir(repo.dirname)
         snapshot = self.snapshot_dir(repo, commit).joinpath(*parts)
         try:
+            self._mark_making(repo, commit)
             with (
                 self.fs.dir(layout.TMP) as tmp_fd,
                 self.fs.dir((*repo_parts, "snapshots", commit, *parts[:-1])) as snap_fd,
@@ -374,6 +375,19 @@ class CacheStore:
         except OSError as exc:
             raise disk_error(exc, f"link {snapshot}") from exc
         return snapshot
+
+    def _mark_making(self, repo: RepoRef, commit: str) -> None:
+        """Before a snapshot's first link, mark it shardsync's, being made, until its record
+        replaces the mark: one with neither is another tool's (huggingface_hub makes one for
+        a pinned commit from our blobs, with no ref), never pruned as an abandoned download.
+        No fsync: a mark lost to a power loss leaves a snapshot kept, not one deleted."""
+        where = self.layout
+        if where.record(repo.dirname, commit).exists():
+            return
+        with self.fs.dir((*layout.RECORDS, repo.dirname)) as fd:
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            with contextlib.suppress(FileExistsError):
+                os.close(os.open(layout.pending_name(commit), flags, _FILE_MODE, dir_fd=fd))
 
     def _link_blob(self, tmp_fd: int, repo_parts: Parts, sha256: str, etag: str) -> None:
         with (
@@ -457,6 +471,7 @@ class CacheStore:
         try:
             self._sync_view(record.repo, record.commit)
             self.fs.atomic_write(parts, name, data, purpose="record")
+            self.fs.unlink_at(parts, layout.pending_name(record.commit))  # the record says it
         except OSError as exc:
             raise disk_error(exc, f"write {self.root.joinpath(*parts, name)}") from exc
 

@@ -271,9 +271,12 @@ def _scan_repo(
         # a name that is no commit (a user's copy, another tool's file) is not ours: kept,
         # with whatever it links to
         foreign_here = is_foreign or any(e in foreign_links for e in etags) or not is_commit(commit)
-        # shardsync writes a ref after the record: a ref to a commit without one is another
-        # tool's (huggingface_hub's, reusing our blobs for a commit that changed a README)
+        # shardsync writes a ref after the record, and marks a snapshot it makes before its
+        # first link: one without a record is another tool's unless marked (huggingface_hub's,
+        # reusing our blobs for a commit that changed a README, pinned or named by a ref)
         foreign_here = foreign_here or linked or (record is None and commit in refs)
+        if record is None and not foreign_here:
+            foreign_here = not cache.layout.pending(dirname, commit).exists()
         nbytes = sum(sizes[s] for s in shas) + sum(
             foreign_links[e][1] for e in etags if e in foreign_links
         )

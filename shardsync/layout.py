@@ -66,6 +66,7 @@ __all__ = [
     "is_repo_dirname",
     "kind_of_dirname",
     "name_of_dirname",
+    "pending_name",
     "quarantine_name",
     "record_name",
     "repo_dir",
@@ -198,6 +199,11 @@ def repo_dir(dirname: str) -> Parts:
 def record_name(commit: str) -> str:
     """A snapshot record's file name in ``state/snapshots/<dirname>/``."""
     return f"{check_commit(commit)}.json"
+
+
+def pending_name(commit: str) -> str:
+    """Beside the records: a snapshot shardsync makes and has not recorded yet (its mark)."""
+    return f"{check_commit(commit)}.pending"
 
 
 def blob_target(parts: Sequence[str], etag: str) -> str:
@@ -349,6 +355,9 @@ class CacheLayout:
 
     def record(self, dirname: str, commit: str) -> Path:
         return self.records(dirname) / record_name(commit)
+
+    def pending(self, dirname: str, commit: str) -> Path:
+        return self.records(dirname) / pending_name(commit)
 
     def partial(self, key: str) -> tuple[Path, Path]:
         """(data file, resume record) of an in-progress download."""

@@ -57,6 +57,7 @@ class CacheRemoval:
         try:
             self._remove_refs_to((*repo, "refs"), commit)
             self.fs.unlink_at((*layout.RECORDS, dirname), layout.record_name(commit))
+            self.fs.unlink_at((*layout.RECORDS, dirname), layout.pending_name(commit))
             self.fs.discard((*repo, "snapshots"), commit)
         except OSError as exc:
             raise disk_error(exc, f"evict {path}") from exc

@@ -659,6 +659,22 @@ def test_link_file_never_writes_through_a_planted_symlink(
     assert os.listdir(evil) == []
 
 
+def test_a_snapshot_is_marked_as_being_made_from_its_first_link_to_its_record(
+    store: CacheStore,
+) -> None:
+    """The mark is what tells an abandoned download of shardsync's (prunable once stale)
+    from a snapshot another tool built from our blobs: there from the first link, gone
+    with the record, and with an eviction."""
+    mark = store.root / "state" / "snapshots" / REPO.dirname / f"{COMMIT_A}.pending"
+    sha = publish(store, b"r")
+    store.link_file(REPO, COMMIT_A, "r.bin", sha256=sha, etag=sha)
+    assert mark.exists()
+    store.write_snapshot_record(SnapshotRecord(REPO, "main", COMMIT_A, (), 1.0))
+    assert not mark.exists()
+    store.link_file(REPO, COMMIT_A, "s.bin", sha256=sha, etag=sha)  # recorded: no new mark
+    assert not mark.exists()
+
+
 def test_records_and_refs_never_write_through_a_planted_symlink(
     store: CacheStore, tmp_path: Path
 ) -> None:
@@ -666,7 +682,10 @@ def test_records_and_refs_never_write_through_a_planted_symlink(
     evil.mkdir()
     sha = publish(store, b"r")
     store.link_file(REPO, COMMIT_A, "r.bin", sha256=sha, etag=sha)
-    (store.root / "state" / "snapshots" / REPO.dirname).symlink_to(evil)
+    records = store.root / "state" / "snapshots" / REPO.dirname
+    (records / f"{COMMIT_A}.pending").unlink()  # the mark the link left, and its folder
+    records.rmdir()
+    records.symlink_to(evil)
     (store.layout.repo(REPO.dirname) / "refs").symlink_to(evil)
     record = SnapshotRecord(REPO, "main", COMMIT_A, (), 1.0)
     with pytest.raises(CacheError, match="symlink"):

@@ -582,17 +582,31 @@ def test_a_prune_on_a_full_disk_reports_what_it_could_not_meet(
     assert report.evicted == () and report.unmet == ("max_size",)
 
 
-def test_stale_incomplete_snapshot_is_removed(hub: FakeHub, tmp_path: Path) -> None:
+@pytest.mark.parametrize("marked", [True, False], ids=["abandoned", "another-tools"])
+def test_stale_incomplete_snapshot_is_removed_if_shardsync_made_it(
+    hub: FakeHub, tmp_path: Path, marked: bool
+) -> None:
+    """A download killed before its record leaves its snapshot marked as being made: stale
+    after a day, it goes. One with no mark is another tool's: huggingface_hub, asked for a
+    pinned commit whose files shardsync's blobs hold, builds its snapshot from them and
+    writes no ref. That one is kept (a reader offline needs it)."""
     cache_dir = tmp_path / "cache"
     snapshots = fill(cache_dir, hub, ("a", "b"))
     cache = CacheStore(cache_dir)
     record = cache_dir / "state" / "snapshots" / "models--acme--b" / f"{snapshots['b'].name}.json"
-    record.unlink()  # b is now an abandoned, incomplete download: no record, no ref yet
+    record.unlink()  # b has no record and no ref
+    if marked:  # as a download killed before its record leaves it
+        record.with_suffix(".pending").touch()
     (cache_dir / "hub" / "models--acme--b" / "refs" / "main").unlink()
     assert prune_cache(cache, Limits()).evicted == ()  # not stale yet
     report = prune_cache(cache, Limits(), clock=lambda: time.time() + 2 * DAY)
-    assert [(e.repo, e.reason) for e in report.evicted] == [("acme/b", "stale")]
-    assert remaining(cache) == ["acme/a"]
+    if marked:
+        assert [(e.repo, e.reason) for e in report.evicted] == [("acme/b", "stale")]
+        assert remaining(cache) == ["acme/a"]
+    else:
+        assert report.evicted == ()
+        assert sorted(remaining(cache)) == ["acme/a", "acme/b"]
+        assert snapshots["b"].is_dir() and any(snapshots["b"].iterdir())
     assert_hf_clean(cache_dir)
 
 
@@ -623,19 +637,23 @@ def test_a_quarantined_snapshot_waits_for_its_prefetch_not_for_a_prune(
     assert_snapshot_matches(snapshot, models["a"])
 
 
+@pytest.mark.parametrize("begun_by_us", [False, True], ids=["hf-alone", "hf-finished-ours"])
 def test_a_snapshot_huggingface_hub_made_from_our_blobs_is_not_ours_to_prune(
-    hub: FakeHub, models: dict[str, Checkpoint], tmp_path: Path
+    hub: FakeHub, models: dict[str, Checkpoint], tmp_path: Path, begun_by_us: bool
 ) -> None:
     """A commit that changed only a README, fetched by huggingface_hub into the shared cache:
     it links shardsync's blobs and writes ``refs/main``, and has no record of ours. A prune
     took it for our abandoned download and deleted it and the ref, and huggingface_hub
-    offline found nothing."""
+    offline found nothing. So too where a shardsync download of that commit was killed
+    (its mark stays) and huggingface_hub then finished the snapshot: the ref says whose."""
     cache_dir = tmp_path / "cache"
     fill(cache_dir, hub, ("a",))
     model = models["a"]
     files: dict[str, bytes | Path] = {rel: model.path(rel) for rel in model.files}
     files["README.md"] = b"# edited\n"
     commit = hub.add_repo("acme/a", files)
+    if begun_by_us:
+        (cache_dir / "state" / "snapshots" / "models--acme--a" / f"{commit}.pending").touch()
     assert model.index is not None
     for name in ("config.json", model.index, *model.shards):
         hf_hub_download("acme/a", name, cache_dir=cache_dir / "hub", endpoint=hub.endpoint)

@@ -2659,6 +2659,27 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
         "a published file no digest named leaves no note: a failed job's files come again",
     ),
+    Mutant(
+        "unmarked-snapshot-is-ours",
+        "shardsync/inventory.py",
+        (
+            (
+                "            foreign_here = not cache.layout.pending(dirname, commit).exists()",
+                "            foreign_here = False",
+            ),
+        ),
+        ("tests/test_prune.py::test_stale_incomplete_snapshot_is_removed_if_shardsync_made_it",),
+        "a record-less snapshot shardsync did not mark counts as its own abandoned download",
+    ),
+    Mutant(
+        "snapshot-left-unmarked",
+        "shardsync/cache.py",
+        (("            self._mark_making(repo, commit)\n", ""),),
+        (
+            "tests/test_cache.py::test_a_snapshot_is_marked_as_being_made_from_its_first_link_to_its_record",
+        ),
+        "a snapshot is linked without its mark: a killed download's is kept as another tool's",
+    ),
 )
 
 
