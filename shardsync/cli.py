@@ -53,6 +53,7 @@ EXIT_CODES: dict[type[errors.ShardsyncError], int] = {
     errors.OfflineError: 10,
     errors.DaemonError: 11,
     errors.JobCancelledError: 12,
+    errors.LoadError: 1,  # the checkpoint does not fit the model, or a load stopped
 }
 
 
