@@ -202,9 +202,15 @@ _CREDENTIAL = re.compile(
     r"(?i)\b(x-amz-[a-z0-9-]+|signature|credential|awsaccesskeyid|key-pair-id|policy|"
     r"token|access_token|sig)=[^&\s\"'<>`,;]*"
 )
-_BEARER = re.compile(
-    r"(?i)\b(bearer|(?:proxy-)?authorization\s*:\s*(?:basic|negotiate|ntlm))\s+[A-Za-z0-9._~+/=-]+"
+_BEARER = re.compile(r"(?i)\b(bearer)\s+[A-Za-z0-9._~+/=-]+")
+# a Basic (NTLM, Negotiate) credential however its header is quoted (a header line, JSON,
+# an HTML table): base64 of 8 or more, with a digit, a capital after its first letter or
+# +/= in it (so "Basic authentication required" stays as it is)
+_SCHEME_TOKEN = re.compile(
+    r"\b(Basic|NTLM|Negotiate)\s+(?=[A-Za-z0-9+/]*(?:[0-9+/=]|(?<=[A-Za-z0-9+/])[A-Z]))"
+    r"[A-Za-z0-9+/]{8,}={0,2}"
 )
+_PORT = re.compile(r"[0-9]*")
 _REDACTED = "[redacted]"
 
 
@@ -223,10 +229,16 @@ def redact(text: str) -> str:
 
     def bare_url(match: re.Match[str]) -> str:
         scheme, _, rest = match[0].partition("://")
-        rest = re.split(r"[?#]", rest.rpartition("@")[2], maxsplit=1)[0]
-        return f"{scheme}://{rest}"
+        authority = re.split(r"[/?#]", rest, maxsplit=1)[0]
+        if "@" in authority:
+            rest = rest[len(authority.rpartition("@")[0]) + 1 :]
+        elif "@" in rest and not _PORT.fullmatch(authority.partition(":")[2]):
+            # "user:pa/ss@host": no port, but a password with '/', '?' or '#' unencoded
+            rest = rest.rpartition("@")[2]
+        return f"{scheme}://{re.split(r'[?#]', rest, maxsplit=1)[0]}"
 
     text = _URL.sub(bare_url, text)
     text = _QUERY.sub("?" + _REDACTED, text)
     text = _CREDENTIAL.sub(lambda m: f"{m[1]}={_REDACTED}", text)
-    return _BEARER.sub(lambda m: f"{m[1]} {_REDACTED}", text)
+    text = _BEARER.sub(lambda m: f"{m[1]} {_REDACTED}", text)
+    return _SCHEME_TOKEN.sub(lambda m: f"{m[1]} {_REDACTED}", text)

@@ -43,7 +43,7 @@ from shardsync.prune_plan import (
     plan_prune,
 )
 from shardsync.removal import CacheRemoval, remove_idle_locks
-from shardsync.slot import remove_abandoned
+from shardsync.slot import forget_gone_blobs, remove_abandoned
 from shardsync.snapshot_use import AccessLog, Clock, Leases, prune_gate, wait_lock
 from shardsync.store import AsyncStore
 
@@ -445,6 +445,7 @@ def _execute(
         else:
             removal.remove_junk(leftover.kind, leftover.name)
     remove_idle_locks(cache)
+    forget_gone_blobs(cache.layout)
     return kept_bytes
 
 

@@ -56,9 +56,14 @@ class CacheRemoval:
         path = self.fs.layout.snapshot(dirname, commit)
         try:
             self._remove_refs_to((*repo, "refs"), commit)
-            self.fs.unlink_at((*layout.RECORDS, dirname), layout.record_name(commit))
-            self.fs.unlink_at((*layout.RECORDS, dirname), layout.pending_name(commit))
+            # marked shardsync's first: a prune killed between the record and the folder
+            # leaves an abandoned snapshot of ours, which the next prune removes, not one
+            # that looks like another tool's and is kept for ever
+            records = (*layout.RECORDS, dirname)
+            self.fs.atomic_write(records, layout.pending_name(commit), b"", purpose="record")
+            self.fs.unlink_at(records, layout.record_name(commit))
             self.fs.discard((*repo, "snapshots"), commit)
+            self.fs.unlink_at(records, layout.pending_name(commit))
         except OSError as exc:
             raise disk_error(exc, f"evict {path}") from exc
 

@@ -50,6 +50,7 @@ __all__ = [
     "ResumeRecord",
     "Seeding",
     "Slot",
+    "forget_gone_blobs",
     "in_progress",
     "remembered",
     "remove_abandoned",
@@ -628,6 +629,24 @@ def remembered(where: CacheLayout, key: str, path: str) -> FileRecord | None:
         return None
     how = cast(Verification, verified)
     return FileRecord(path, size, sha256, xxh, sha256, how, origin_etag=version)
+
+
+def forget_gone_blobs(where: CacheLayout) -> None:
+    """Drop the notes (``Slot._remember``) whose blob the store no longer holds, or that
+    cannot be read: a note is worth only its blob, and a prune is what removes blobs."""
+    directory = where.path(*layout.PARTIAL)
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        key, dot, ext = name.rpartition(".")
+        if not (dot and ext == "done"):
+            continue
+        note = remembered(where, key, name)
+        if note is None or not where.blob(note.sha256).exists():
+            with contextlib.suppress(OSError):
+                (directory / name).unlink()
 
 
 def remove_abandoned(cache: BlobHome, key: str, cutoff: float) -> bool:

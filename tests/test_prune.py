@@ -637,6 +637,41 @@ def test_a_quarantined_snapshot_waits_for_its_prefetch_not_for_a_prune(
     assert_snapshot_matches(snapshot, models["a"])
 
 
+def test_a_prune_killed_between_a_record_and_its_folder_is_finished_by_the_next(
+    hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An eviction drops the record, then moves the folder away: killed between the two, it
+    left a snapshot with neither record nor mark, which counts as another tool's and was
+    kept for ever, its blobs with it. The snapshot is marked shardsync's before its record
+    goes, so the next prune finishes the eviction."""
+    cache_dir = tmp_path / "cache"
+    fill(cache_dir, hub, ("a",))
+    cache = CacheStore(cache_dir)
+
+    def killed(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt  # where a SIGKILL would stop the process
+
+    with monkeypatch.context() as patched:
+        patched.setattr(type(CacheRemoval(cache).fs), "discard", killed)
+        with pytest.raises(KeyboardInterrupt):
+            prune_cache(cache, Limits(max_size=0))
+    report = prune_cache(cache, Limits(max_size=0))
+    assert [e.repo for e in report.evicted] == ["acme/a"]
+    assert remaining(cache) == [] and not list((cache_dir / "store").rglob("*/*/*"))
+
+
+def test_notes_of_files_found_again_go_with_their_blobs(
+    checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    """A file no digest named leaves a note of the blob it became (``partial/<key>.done``):
+    once a prune removed that blob, the note goes too, not left one per file for ever."""
+    cache = CacheStore(tmp_path / "cache")
+    asyncio.run(prefetch(str(checkpoint.directory), fast_config(tmp_path / "cache")))
+    assert list((tmp_path / "cache" / "partial").glob("*.done"))
+    prune_cache(cache, Limits(max_size=0))
+    assert list((tmp_path / "cache" / "partial").glob("*.done")) == []
+
+
 @pytest.mark.parametrize("begun_by_us", [False, True], ids=["hf-alone", "hf-finished-ours"])
 def test_a_snapshot_huggingface_hub_made_from_our_blobs_is_not_ours_to_prune(
     hub: FakeHub, models: dict[str, Checkpoint], tmp_path: Path, begun_by_us: bool

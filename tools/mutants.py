@@ -2559,24 +2559,12 @@ MUTANTS: tuple[Mutant, ...] = (
         "a local shard's shape is checked by its link target's name: a hash-named target skips it",
     ),
     Mutant(
-        "basic-credentials-shown",
-        "shardsync/errors.py",
-        (("|(?:proxy-)?authorization\\s*:\\s*(?:basic|negotiate|ntlm)", ""),),
-        (
-            "tests/adversarial/test_secrets_sweep.py::test_redact_keeps_the_words_and_drops_the_credentials",
-        ),
-        "an Authorization header's Basic or NTLM credentials quoted in an error body are shown",
-    ),
-    Mutant(
         "userinfo-cut-at-first-slash",
         "shardsync/errors.py",
         (
             (
-                '        rest = re.split(r"[?#]", rest.rpartition("@")[2], maxsplit=1)[0]\n'
-                '        return f"{scheme}://{rest}"',
-                '        rest = re.split(r"[?#]", rest, maxsplit=1)[0]\n'
-                '        netloc, slash, path = rest.partition("/")\n'
-                "        return f\"{scheme}://{netloc.rpartition('@')[2]}{slash}{path}\"",
+                '        elif "@" in rest and not _PORT.fullmatch(authority.partition(":")[2]):',
+                "        elif False:",
             ),
         ),
         (
@@ -2679,6 +2667,56 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/test_cache.py::test_a_snapshot_is_marked_as_being_made_from_its_first_link_to_its_record",
         ),
         "a snapshot is linked without its mark: a killed download's is kept as another tool's",
+    ),
+    Mutant(
+        "eviction-unmarked-first",
+        "shardsync/removal.py",
+        (
+            (
+                "            self.fs.atomic_write(records, layout.pending_name(commit), "
+                'b"", purpose="record")\n',
+                "",
+            ),
+        ),
+        (
+            "tests/test_prune.py::test_a_prune_killed_between_a_record_and_its_folder_is_finished_by_the_next",
+        ),
+        "an eviction drops the record unmarked: a killed prune leaves the snapshot for ever",
+    ),
+    Mutant(
+        "notes-outlive-blobs",
+        "shardsync/prune.py",
+        (("    forget_gone_blobs(cache.layout)\n", ""),),
+        ("tests/test_prune.py::test_notes_of_files_found_again_go_with_their_blobs",),
+        "a prune leaves the notes of blobs it removed: one file per path for ever",
+    ),
+    Mutant(
+        "at-in-path-taken-for-userinfo",
+        "shardsync/errors.py",
+        (
+            (
+                '        elif "@" in rest and not _PORT.fullmatch(authority.partition(":")[2]):',
+                '        elif "@" in rest:',
+            ),
+        ),
+        (
+            "tests/adversarial/test_secrets_sweep.py::test_redact_keeps_the_words_and_drops_the_credentials",
+        ),
+        "an '@' in a URL's path or query is taken for userinfo: messages name a host that is not",
+    ),
+    Mutant(
+        "quoted-basic-shown",
+        "shardsync/errors.py",
+        (
+            (
+                '    return _SCHEME_TOKEN.sub(lambda m: f"{m[1]} {_REDACTED}", text)',
+                "    return text",
+            ),
+        ),
+        (
+            "tests/adversarial/test_secrets_sweep.py::test_redact_keeps_the_words_and_drops_the_credentials",
+        ),
+        "a Basic credential quoted in JSON or HTML (not after 'Authorization:') is shown",
     ),
 )
 

@@ -556,6 +556,15 @@ async def test_a_clean_download_through_each_rig_is_real(
         # a proxy's error page quoting the request it refused
         ("GET / | Proxy-Authorization: Basic YWxpY2U6aHVudGVyMg==", "Basic", "YWxpY2U6"),
         ("Authorization: NTLM TlRMTVNTUAABAAAAB4IIog==\r\nHost: h", "NTLM", "TlRMTVNT"),
+        ('{"Proxy-Authorization": "Basic YWxpY2U6VHIwdWI0ZG9y"}', "Basic", "YWxpY2U6"),
+        ("<td>Proxy-Authorization</td><td>Basic dXNlcjpwYXNz</td>", "Basic", "dXNlcjpw"),
+        # an '@' in a path or a query is no userinfo: the host stays
+        ("GET https://cdn.example.com/m/llama@v2/x failed", "cdn.example.com/m/llama@v2/x", "?"),
+        (
+            "403 from https://f.example.com/get?owner=bob@corp.com",
+            "https://f.example.com/get",
+            "bob",
+        ),
     ],
 )
 def test_redact_keeps_the_words_and_drops_the_credentials(text: str, kept: str, gone: str) -> None:
@@ -570,6 +579,8 @@ def test_redact_keeps_the_words_and_drops_the_credentials(text: str, kept: str, 
         "AccessDenied: the URL signature does not match",
         "why? no",
         "authorization: denied by policy",
+        "HTTP 401: Basic authentication required",
+        'Basic realm="corp"',
     ],
 )
 def test_redact_leaves_plain_messages_alone(text: str) -> None:
