@@ -51,6 +51,7 @@ __all__ = [
 _DIR_MODE = 0o755
 _FILE_MODE = 0o644
 _BLOB_MODE = 0o444
+_STATE_THEN = "nothing downloaded is lost: free space (`shardsync prune`) and run again"
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _MAX_SMALL_FILE = 64 * 1024 * 1024
 _MISSING_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EINVAL, errno.ELOOP})
@@ -562,7 +563,8 @@ class CacheStore:
         try:
             self.fs.atomic_write((*layout.STATE, *names[:-1]), names[-1], data, purpose="state")
         except OSError as exc:
-            raise disk_error(exc, f"write {self.layout.state(*names)}") from exc
+            # a lease, the journal, the access log: no download's bytes are in question
+            raise disk_error(exc, f"write {self.layout.state(*names)}", then=_STATE_THEN) from exc
 
     def append_state_file(self, *parts: str, data: bytes) -> int:
         """Append ``data`` to ``state/<parts...>`` with one ``O_APPEND`` write; returns the new

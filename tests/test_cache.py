@@ -27,6 +27,7 @@ from shardsync.layout import is_live_temp, temp_name
 from shardsync.locks import BlobLock
 from shardsync.records import FileRecord, RepoRef, SnapshotRecord
 from shardsync.removal import remove_idle_locks, sweep_orphans
+from shardsync.snapshot_use import Leases
 
 COMMIT_A = "a" * 40
 COMMIT_B = "b" * 40
@@ -734,6 +735,16 @@ def test_full_disk_maps_to_disk_full_error(tiny_fs: Path) -> None:
         store.write_ref(REPO, "main", COMMIT_A)
     assert os.listdir(store.root / "tmp") == []
     assert store.find_complete(REPO, "main") is None
+
+
+def test_a_lease_on_a_full_disk_does_not_speak_of_a_partial(tiny_fs: Path) -> None:
+    """Loading a model complete in the cache takes a lease first: on a full disk that write
+    fails, and its error said "the partial download is kept", of a download there was not."""
+    store = CacheStore(tiny_fs / "cache")
+    _exhaust(tiny_fs, inodes=False)
+    with pytest.raises(DiskFullError) as info:
+        Leases(store).hold(REPO, owner="a load")
+    assert "partial" not in str(info.value) and "prune" in str(info.value)
 
 
 def test_full_disk_on_publish_keeps_a_writable_partial(tiny_fs: Path) -> None:

@@ -2718,6 +2718,13 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
         "a Basic credential quoted in JSON or HTML (not after 'Authorization:') is shown",
     ),
+    Mutant(
+        "full-state-write-speaks-of-partial",
+        "shardsync/cache.py",
+        ((", then=_STATE_THEN) from exc", ") from exc"),),
+        ("tests/test_cache.py::test_a_lease_on_a_full_disk_does_not_speak_of_a_partial",),
+        "a lease or journal write on a full disk says a partial download is kept, where none was",
+    ),
 )
 
 
