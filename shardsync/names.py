@@ -11,7 +11,7 @@ import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeGuard
 
 from shardsync.errors import CacheError, ConfigError
 
@@ -48,12 +48,12 @@ def is_commit(value: object) -> bool:
     return isinstance(value, str) and _COMMIT.fullmatch(value) is not None
 
 
-def is_sha256(value: object) -> bool:
+def is_sha256(value: object) -> TypeGuard[str]:
     """A lowercase sha256 hex digest: the name of a blob in the store."""
     return isinstance(value, str) and _SHA256.fullmatch(value) is not None
 
 
-def is_xxh3_128(value: object) -> bool:
+def is_xxh3_128(value: object) -> TypeGuard[str]:
     """A lowercase xxh3-128 hex digest (the fast re-check hash of a file)."""
     return isinstance(value, str) and _XXH3_128.fullmatch(value) is not None
 

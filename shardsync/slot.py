@@ -24,7 +24,6 @@ import contextlib
 import errno
 import json
 import os
-import re
 import stat
 import threading
 from collections.abc import Callable
@@ -39,6 +38,7 @@ from shardsync.digest import Digest
 from shardsync.errors import CacheError, disk_error
 from shardsync.layout import CacheLayout, temp_name
 from shardsync.locks import BlobLock
+from shardsync.names import is_sha256, is_xxh3_128
 from shardsync.ranges import RangeSet
 from shardsync.records import FileRecord, Verification, VerifiedFile
 
@@ -59,8 +59,6 @@ __all__ = [
 _RECORD_VERSION = 3
 _MAX_RECORD = 1 << 20
 _SUFFIXES = (".part", ".json")
-_HEX64 = re.compile(r"[0-9a-f]{64}")
-_HEX32 = re.compile(r"[0-9a-f]{32}")
 _FLAGS = os.O_RDWR | os.O_CLOEXEC
 
 
@@ -617,10 +615,8 @@ def remembered(where: CacheLayout, key: str, path: str) -> FileRecord | None:
     sha256, xxh, size = raw.get("sha256"), raw.get("xxh3_128"), raw.get("size")
     verified, version = raw.get("verified"), raw.get("version")
     if not (
-        isinstance(sha256, str)
-        and _HEX64.fullmatch(sha256)
-        and isinstance(xxh, str)
-        and _HEX32.fullmatch(xxh)
+        is_sha256(sha256)
+        and is_xxh3_128(xxh)
         and type(size) is int
         and size >= 0
         and verified in get_args(Verification)
