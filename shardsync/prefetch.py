@@ -92,9 +92,7 @@ class Engine:
         self._session: aiohttp.ClientSession | None = None
         self._fetcher: Fetcher | None = None
         self._origins: dict[tuple[str, str | None], Origin] = {}
-        self.s3 = S3Client(
-            config.s3, config.network
-        )  # opened on first use: by S3 origins and the tier
+        self.s3 = S3Client(config.s3, config.network, sleep=sleep)  # opened on first use
         self.tier: Tier | None = None
         self._tier_s3: S3Client | None = None
 
@@ -120,8 +118,9 @@ class Engine:
         if self.config.tier.url is not None:
             # its own client, retrying a request once after 0.1 s (botocore waited up to 1 s):
             # a dead tier cost a 95 MB job 2.0 s; the job (and its exit) must not wait on it
+            s3, network = self.config.s3, self.config.network
             self._tier_s3 = S3Client(
-                self.config.s3, self.config.network, attempts=2, retry_wait=_TIER_RETRY_S
+                s3, network, attempts=2, retry_wait=_TIER_RETRY_S, sleep=self._sleep
             )
             tier = Tier(self.config.tier, self._tier_s3)
             self.tier = await tier.__aenter__()

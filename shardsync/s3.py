@@ -1,8 +1,11 @@
-"""S3 access through aiobotocore: list, head, presign, put, conditional put, delete.
+"""S3 access: list, head, presign, put, conditional put, delete.
 
-The only module that imports aiobotocore. It never streams large objects itself: an S3
-origin (or the shared tier) hands the fetcher a presigned GET, so S3 downloads get the
-same Range connections, validated resume and streaming hashes as every other origin.
+The only module that imports aiobotocore. Reads go without it where ``s3_direct`` can
+resolve the store as botocore would (an endpoint and credentials from the settings and the
+environment): its import and client cost 0.19 s of every run's start. It never streams
+large objects itself: an S3 origin (or the shared tier) hands the fetcher a presigned GET,
+so S3 downloads get the same Range connections, validated resume and streaming hashes as
+every other origin.
 
 Credentials come from the standard AWS chain (environment, ``AWS_PROFILE``, the shared
 config and credentials files, instance metadata), with ``[s3]`` overriding endpoint,
@@ -18,13 +21,13 @@ import binascii
 import builtins
 import contextlib
 import logging
-import ssl
+import os
+import random
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
-from urllib.parse import quote
 
 from shardsync.checksums import StoreChecksum, from_s3_answer, parts_fit
 from shardsync.errors import (
@@ -40,7 +43,9 @@ from shardsync.errors import (
     raise_first,
 )
 from shardsync.names import S3Location
-from shardsync.network import NetworkConfig, Proxy, S3Config
+from shardsync.network import NetworkConfig, S3Config
+from shardsync.s3_botocore import presign_for_own_region, requester_pays, session_class
+from shardsync.s3_direct import DirectReads, StoreRefused, direct_target
 
 _Client = Any  # aiobotocore's client is typed at run time only
 
@@ -52,6 +57,7 @@ __all__ = [
 ]
 
 _T = TypeVar("_T")
+Sleep = Callable[[float], Awaitable[None]]
 log = logging.getLogger(__name__)
 MAX_SINGLE_PUT = 5 << 30  # S3's limit for one PutObject; larger objects go multipart
 _PART_SIZE = 512 << 20
@@ -76,6 +82,7 @@ _PROXY_407 = (
     "the proxy wants credentials, or refused the ones given (HTTP 407); they go in the proxy "
     "URL, http://USER:PASS@HOST:PORT"
 )
+_CHAIN = "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or ~/.aws/credentials"
 _PRECONDITION_CODES = frozenset({"PreconditionFailed", "412", "ConditionalRequestConflict"})
 
 
@@ -116,11 +123,13 @@ class S3Client:
         *,
         attempts: int = 4,
         retry_wait: float | None = None,
+        sleep: Sleep = asyncio.sleep,
     ) -> None:
         self.config = config or S3Config()
         self.network = network or NetworkConfig()
         self.attempts = attempts
         self.retry_wait = retry_wait
+        self._sleep = sleep  # what our retries wait with (tests record it)
         self._stack: contextlib.AsyncExitStack | None = None
         self._session: Any = None
         self._unsigned = False  # the chain found no credentials: requests go unsigned
@@ -128,6 +137,16 @@ class S3Client:
         self._opening = asyncio.Lock()
         self._regions: dict[str, str] = {}  # bucket -> the region botocore signs it for
         self._regional: dict[str, _Client] = {}  # region -> a client that presigns for it
+        self._direct: DirectReads | None = None
+        self._direct_known = False  # whether ``direct_target`` was asked
+
+    def _reads(self) -> DirectReads | None:
+        """Reads without botocore where the settings allow them (made once)."""
+        if not self._direct_known:
+            target = direct_target(self.config, os.environ)
+            self._direct = None if target is None else DirectReads(target, self.network)
+            self._direct_known = True
+        return self._direct
 
     async def _get(self) -> _Client:
         if self._client is not None:
@@ -176,8 +195,8 @@ class S3Client:
                 log.info("no AWS credentials found: S3 requests go unsigned (public buckets)")
         session = self._session
         client_config = AioConfig(
-            http_session_cls=_session_class(self.network),
-            proxies={},  # each request's own, by our rules: ``_session_class``
+            http_session_cls=session_class(self.network),
+            proxies={},  # each request's own, by our rules: ``s3_botocore.session_class``
             # SigV4 for presigned URLs too (botocore may pick SigV2 for them); none at all, as
             # `aws --no-sign-request`, when there is nothing to sign with
             signature_version=UNSIGNED if self._unsigned else "s3v4",
@@ -212,15 +231,18 @@ class S3Client:
             raise _mapped(exc, "open an S3 client", "") from None
         client.meta.events.register_last(
             "before-endpoint-resolution.s3",
-            partial(_presign_for_own_region, region=client.meta.region_name),
+            partial(presign_for_own_region, region=client.meta.region_name),
         )
         if cfg.requester_pays:
-            client.meta.events.register("before-parameter-build.s3", _requester_pays)
+            client.meta.events.register("before-parameter-build.s3", requester_pays)
         return client
 
     async def aclose(self) -> None:
         stack, self._stack, self._client = self._stack, None, None
+        direct, self._direct, self._direct_known = self._direct, None, False
         self._session = None
+        if direct is not None:
+            await direct.aclose()
         self._regional.clear()
         self._regions.clear()
         if stack is not None:
@@ -228,10 +250,32 @@ class S3Client:
 
     async def _call(self, what: str, where: str, call: Callable[[_Client], Awaitable[_T]]) -> _T:
         client = await self._get()
-        left = 0 if self.retry_wait is None else self.attempts - 1  # botocore's are inside
+        return await self._tried(what, where, partial(call, client), botocore=True)
+
+    async def _read(
+        self,
+        what: str,
+        where: str,
+        direct: Callable[[DirectReads], Awaitable[_T]],
+        call: Callable[[_Client], Awaitable[_T]],
+    ) -> _T:
+        """A read sent by ``s3_direct`` where it may be (``direct``), else by botocore."""
+        reads = self._reads()
+        if reads is None:
+            return await self._call(what, where, call)
+        return await self._tried(what, where, partial(direct, reads), botocore=False)
+
+    async def _tried(
+        self, what: str, where: str, attempt: Callable[[], Awaitable[_T]], *, botocore: bool
+    ) -> _T:
+        """``attempt`` until it succeeds, ``attempts`` times in all where it fails in the
+        transport or the store: by botocore's backoff inside (``botocore``), else ours (up to
+        1 s before the first retry, doubling), or ``retry_wait`` apart where that is given."""
+        left = 0 if botocore and self.retry_wait is None else self.attempts - 1
+        retry = 0
         while True:
             try:
-                return await call(client)
+                return await attempt()
             except ShardsyncError as exc:
                 error = exc
             except Exception as exc:
@@ -241,13 +285,45 @@ class S3Client:
             if not left or not isinstance(error, TransferError):
                 raise error from None
             left -= 1
-            await asyncio.sleep(self.retry_wait or 0.0)
+            wait = self.retry_wait
+            await self._sleep(random.uniform(0.0, 2.0**retry) if wait is None else wait)
+            retry += 1
 
     # ------------------------------------------------------------------ reading
 
     async def list(self, where: S3Location, *, max_keys: int) -> list[ObjectInfo]:
         """Every object under the prefix (recursively), at most ``max_keys``."""
         found: list[ObjectInfo] = []
+
+        def add(obj: dict[str, Any]) -> None:
+            if len(found) >= max_keys:
+                raise OriginError(f"{where.url}: more than {max_keys} objects")
+            algorithms = obj.get("ChecksumAlgorithm") or ()
+            found.append(
+                ObjectInfo(
+                    key=str(obj["Key"]),
+                    size=int(obj["Size"]),
+                    etag=str(obj.get("ETag", "")),
+                    sha256_listed="SHA256" in algorithms
+                    and obj.get("ChecksumType", "FULL_OBJECT") == "FULL_OBJECT",
+                )
+            )
+
+        direct = self._reads()
+        if direct is not None:
+
+            async def pages() -> None:
+                found.clear()  # a retry lists from the start
+                token: str | None = None
+                while True:
+                    objects, token = await direct.list_page(where.bucket, where.prefix, token)
+                    for obj in objects:
+                        add(obj)
+                    if token is None:
+                        return
+
+            await self._tried("list", where.url, pages, botocore=False)
+            return found
 
         async def run(client: _Client) -> None:
             found.clear()  # a retry lists from the start
@@ -257,18 +333,7 @@ class S3Client:
             )
             async for page in pages:
                 for obj in page.get("Contents", ()):
-                    if len(found) >= max_keys:
-                        raise OriginError(f"{where.url}: more than {max_keys} objects")
-                    algorithms = obj.get("ChecksumAlgorithm") or ()
-                    found.append(
-                        ObjectInfo(
-                            key=str(obj["Key"]),
-                            size=int(obj["Size"]),
-                            etag=str(obj.get("ETag", "")),
-                            sha256_listed="SHA256" in algorithms
-                            and obj.get("ChecksumType", "FULL_OBJECT") == "FULL_OBJECT",
-                        )
-                    )
+                    add(obj)
 
         await self._call("list", where.url, run)
         return found
@@ -282,7 +347,10 @@ class S3Client:
                 kwargs["ChecksumMode"] = "ENABLED"
             return dict(await client.head_object(**kwargs))
 
-        answer = await self._call("head", f"s3://{bucket}/{key}", run)
+        def direct(reads: DirectReads) -> Awaitable[dict[str, Any]]:
+            return reads.head_object(bucket, key, checksum=checksum)
+
+        answer = await self._read("head", f"s3://{bucket}/{key}", direct, run)
         try:
             kept = from_s3_answer(answer) if checksum else None
         except ValueError as exc:
@@ -306,17 +374,11 @@ class S3Client:
         when the sizes cannot be learned or the parts do not add up to the object."""
         where = f"s3://{bucket}/{key}"
 
-        async def attributes(client: _Client) -> tuple[int, ...]:
+        async def attributes(ask: Callable[[int], Awaitable[Any]]) -> tuple[int, ...]:
             sizes: builtins.list[int] = []
             marker = 0
             for _ in range(-(-parts // 1000) + 1):  # pages of 1000 parts, and one to spare
-                answer = await client.get_object_attributes(
-                    Bucket=bucket,
-                    Key=key,
-                    ObjectAttributes=["ObjectParts", "ETag"],
-                    MaxParts=1000,
-                    PartNumberMarker=marker,
-                )
+                answer = await ask(marker)
                 said = answer.get("ETag")  # absent: the attributes are no proof; ask the parts
                 if said is not None and _unquoted(str(said)) != _unquoted(etag):
                     raise PreconditionFailed(f"{where}: the object changed")
@@ -331,8 +393,22 @@ class S3Client:
                 marker = following
             return ()  # more pages than the parts fill: the part HEADs say
 
+        def pages(client: _Client) -> Awaitable[tuple[int, ...]]:
+            return attributes(
+                lambda marker: client.get_object_attributes(
+                    Bucket=bucket,
+                    Key=key,
+                    ObjectAttributes=["ObjectParts", "ETag"],
+                    MaxParts=1000,
+                    PartNumberMarker=marker,
+                )
+            )
+
+        def direct_pages(direct: DirectReads) -> Awaitable[tuple[int, ...]]:
+            return attributes(partial(direct.get_object_attributes, bucket, key, max_parts=1000))
+
         try:
-            sizes = await self._call("get attributes", where, attributes)
+            sizes = await self._read("get attributes", where, direct_pages, pages)
         except PreconditionFailed:
             raise
         except ShardsyncError:  # not implemented, not allowed, or failing: ask the parts
@@ -348,12 +424,22 @@ class S3Client:
                 )
             return int(answer["ContentLength"])
 
+        async def direct_part(direct: DirectReads, number: int) -> int:
+            async with limit:
+                answer = await direct.head_object(bucket, key, part=number, if_match=etag)
+            return int(answer["ContentLength"])
+
+        async def head_part(number: int) -> int:
+            return await self._read(
+                "head part",
+                where,
+                partial(direct_part, number=number),
+                partial(part, number=number),
+            )
+
         try:
             async with asyncio.TaskGroup() as tg:
-                heads = [
-                    tg.create_task(self._call("head part", where, partial(part, number=n)))
-                    for n in range(1, parts + 1)
-                ]
+                heads = [tg.create_task(head_part(n)) for n in range(1, parts + 1)]
         except BaseExceptionGroup as group:
             raise_first(group)
         sizes = tuple(t.result() for t in heads)
@@ -368,6 +454,9 @@ class S3Client:
         """A GET URL that carries its own signature (valid for an hour), signed for the
         bucket's own region once a listing or ``HEAD`` has learned it, and the headers it
         was signed with, which each request of it must send."""
+        reads = self._reads()
+        if reads is not None:  # signed here: no request, nothing to retry
+            return reads.presign_get(bucket, key, expires=_PRESIGN_SECONDS)
         signed = {"x-amz-request-payer": "requester"} if self.config.requester_pays else {}
 
         async def run(client: _Client) -> str:
@@ -395,7 +484,10 @@ class S3Client:
                 data = await body.read()
             return bytes(data), str(answer.get("ETag", ""))
 
-        return await self._call("get", f"s3://{bucket}/{key}", run)
+        def direct(reads: DirectReads) -> Awaitable[tuple[bytes, str]]:
+            return reads.get_object(bucket, key, max_size=max_size)
+
+        return await self._read("get", f"s3://{bucket}/{key}", direct, run)
 
     # ------------------------------------------------------------------ writing
 
@@ -502,65 +594,8 @@ class S3Client:
             await self._call("delete", f"s3://{bucket}/{batch[0]['Key']}", run)
 
 
-def _presign_for_own_region(
-    builtins: dict[str, Any], context: dict[str, Any], region: str | None, **_: Any
-) -> None:
-    """Point a presigned URL at its region's own host. botocore points it at the global
-    one (``BUCKET.s3.amazonaws.com``), which refuses buckets in the regions opened since
-    2019 (``me-south-1``, ``ap-east-1``, ...); every region's own host serves its buckets."""
-    if context.get("is_presign_request") and region and builtins.get("AWS::Region") == "aws-global":
-        builtins["AWS::Region"] = region
-
-
-def _requester_pays(params: dict[str, Any], model: Any, **_: Any) -> None:
-    """Every operation that can say so says the reader pays (``[s3] requester_pays``); a
-    presigned GET then signs the header, and its requests must send it (``presign_get``)."""
-    shape = model.input_shape
-    if shape is not None and "RequestPayer" in shape.members:
-        params.setdefault("RequestPayer", "requester")
-
-
 def _unquoted(etag: str) -> str:
     return etag.removeprefix("W/").strip('"')
-
-
-def _session_class(network: NetworkConfig) -> type:
-    """aiobotocore's HTTP session as the fetcher connects: each request's proxy chosen by our
-    rules (``NO_PROXY`` with CIDRs) for the URL it goes to, and, with no CA bundle
-    configured, the system's CAs trusted (``SSL_CERT_FILE``, ``SSL_CERT_DIR``) besides
-    botocore's own bundle. botocore's choice was made once, for a guess at the endpoint (not
-    the one an AWS profile names), and trusted its bundle only: a store signed by a CA
-    installed system-wide failed for ``s3://`` and the tier and served plain URLs."""
-    from aiobotocore.httpsession import AIOHTTPSession
-    from botocore.httpsession import ProxyConfiguration
-
-    class Proxies(ProxyConfiguration):  # type: ignore[misc]
-        def proxy_url_for(self, url: str) -> str | None:
-            proxy = network.proxy_for(url)
-            if proxy is None:
-                return None
-            return proxy.url if proxy.username is None else _with_userinfo(proxy.url, proxy)
-
-    class Session(AIOHTTPSession):  # type: ignore[misc]
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            settings = kwargs.get("proxies_config")
-            self._proxy_config = Proxies(proxies_settings=settings)
-
-        def _get_ssl_context(self) -> ssl.SSLContext:
-            context: ssl.SSLContext = super()._get_ssl_context()
-            if network.ca_bundle is None:
-                context.load_default_certs()
-            return context
-
-    return Session
-
-
-def _with_userinfo(url: str, proxy: Proxy) -> str:
-    """botocore takes proxy credentials inside the URL (it never logs the URL)."""
-    user = quote(proxy.username or "", safe="")
-    password = quote(proxy.password or "", safe="")
-    return url.replace("://", f"://{user}:{password}@", 1)
 
 
 def _open_local(path: Path) -> BinaryIO:
@@ -597,41 +632,19 @@ def _mapped(
     never a credential (botocore puts none in ``Error.Code``/``Message``). ``unsigned``:
     the request went without credentials, so a refusal says where they would come from;
     ``pays``: it said the reader pays, else an AccessDenied names that setting too."""
+    target = f"{where}: " if where else ""
+    if isinstance(exc, StoreRefused):  # s3_direct's, without botocore's import
+        return _refused(exc.code, exc.status, f"{target}S3 {what}", unsigned=False, pays=pays)
     from botocore import exceptions as bx
 
-    target = f"{where}: " if where else ""
-    chain = "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or ~/.aws/credentials"
     if isinstance(exc, bx.NoCredentialsError | bx.PartialCredentialsError):
-        return AuthError(f"{target}no AWS credentials found for S3 ({chain})")
+        return AuthError(f"{target}no AWS credentials found for S3 ({_CHAIN})")
     if isinstance(exc, bx.ProfileNotFound):
         return ConfigError(f"AWS profile not found: {exc.kwargs.get('profile')!r}")
     if isinstance(exc, bx.ClientError):
-        error = exc.response.get("Error", {})
-        code = str(error.get("Code", ""))
+        code = str(exc.response.get("Error", {}).get("Code", ""))
         status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        codes = {code, str(status)}
-        detail = f"{target}S3 {what} failed: HTTP {status} {code}".rstrip()
-        if codes & _PRECONDITION_CODES:
-            return PreconditionFailed(detail)
-        if code == "NoSuchBucket":
-            return RepoNotFoundError(detail)
-        if codes & _MISSING_CODES:
-            return EntryNotFoundError(detail)
-        if codes & _AUTH_CODES and unsigned:
-            return AuthError(
-                f"{detail} (no AWS credentials found, so the request went unsigned: {chain})"
-            )
-        if codes & _AUTH_CODES:
-            payer = "" if pays or code != "AccessDenied" else "; or set [s3] requester_pays = true"
-            return AuthError(
-                f"{detail} (the store refused the credentials: check the AWS chain or [s3] "
-                f"profile{payer})"
-            )
-        if status == 407:  # a proxy's answer on a plain-http endpoint
-            return AuthError(f"{detail}: {_PROXY_407}")
-        if isinstance(status, int) and (status >= 500 or status == 429):
-            return TransferError(detail)
-        return OriginError(detail)
+        return _refused(code, status, f"{target}S3 {what}", unsigned=unsigned, pays=pays)
     if isinstance(exc, bx.ProxyConnectionError) and _status_of(exc.kwargs.get("error")) == 407:
         return AuthError(f"{target}S3 {what} failed: {_PROXY_407}")  # CONNECT refused
     if isinstance(exc, bx.ParamValidationError):
@@ -641,6 +654,35 @@ def _mapped(
     if isinstance(exc, bx.BotoCoreError | OSError | asyncio.TimeoutError):
         return TransferError(f"{target}S3 {what} failed ({type(exc).__name__})")
     return OriginError(f"{target}S3 {what} failed ({type(exc).__name__})")
+
+
+def _refused(
+    code: str, status: object, request: str, *, unsigned: bool, pays: bool
+) -> ShardsyncError:
+    """A store's refusal (its error code and HTTP status) in our tree."""
+    codes = {code, str(status)}
+    detail = f"{request} failed: HTTP {status} {code}".rstrip()
+    if codes & _PRECONDITION_CODES:
+        return PreconditionFailed(detail)
+    if code == "NoSuchBucket":
+        return RepoNotFoundError(detail)
+    if codes & _MISSING_CODES:
+        return EntryNotFoundError(detail)
+    if codes & _AUTH_CODES and unsigned:
+        return AuthError(
+            f"{detail} (no AWS credentials found, so the request went unsigned: {_CHAIN})"
+        )
+    if codes & _AUTH_CODES:
+        payer = "" if pays or code != "AccessDenied" else "; or set [s3] requester_pays = true"
+        return AuthError(
+            f"{detail} (the store refused the credentials: check the AWS chain or [s3] "
+            f"profile{payer})"
+        )
+    if status == 407:  # a proxy's answer on a plain-http endpoint
+        return AuthError(f"{detail}: {_PROXY_407}")
+    if isinstance(status, int) and (status >= 500 or status == 429):
+        return TransferError(detail)
+    return OriginError(detail)
 
 
 def _status_of(error: object) -> object:

@@ -85,3 +85,26 @@ def aws_env(s3server: S3Server, monkeypatch: pytest.MonkeyPatch, tmp_path: Path)
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+
+
+@pytest.fixture(params=["direct", "botocore"])
+def aws_reads(
+    request: pytest.FixtureRequest,
+    aws_env: None,
+    s3server: S3Server,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> str:
+    """``aws_env``, read both ways ``S3Client`` reads: signed by ``s3_direct`` (credentials in
+    the environment), and by botocore (the same credentials in the shared credentials file,
+    which only botocore reads)."""
+    if request.param == "botocore":
+        credentials = tmp_path / "aws-credentials"
+        credentials.write_text(
+            f"[default]\naws_access_key_id = {s3server.access_key}\n"
+            f"aws_secret_access_key = {s3server.secret_key}\n"
+        )
+        monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(credentials))
+        monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+        monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    return str(request.param)

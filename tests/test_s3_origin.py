@@ -328,7 +328,7 @@ async def test_a_bucket_in_another_region_gets_urls_signed_for_its_region(
     s3server: S3Server,
     s3bucket: str,
     s3_checkpoint: Checkpoint,
-    aws_env: None,
+    aws_reads: str,
     tmp_path: Path,
     client_region: str | None,
 ) -> None:
@@ -355,7 +355,7 @@ async def test_a_requester_pays_bucket_is_read_when_the_config_says_so(
     s3server: S3Server,
     s3bucket: str,
     s3_checkpoint: Checkpoint,
-    aws_env: None,
+    aws_reads: str,
     tmp_path: Path,
     via: str,
 ) -> None:

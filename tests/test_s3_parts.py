@@ -19,6 +19,7 @@ from shardsync.errors import IntegrityError, OriginError, ProtocolError
 from shardsync.origins.s3 import S3Origin
 from shardsync.prefetch import prefetch
 from shardsync.s3 import S3Client
+from shardsync.s3_direct import DirectReads
 from shardsync.testing.seaweedfs import S3Server
 
 MiB = 1 << 20
@@ -38,7 +39,7 @@ def published(result: Any) -> bytes:
 
 
 async def test_parts_of_unequal_sizes_are_checked_where_attributes_are_refused(
-    s3server: S3Server, s3bucket: str, aws_env: None, tmp_path: Path
+    s3server: S3Server, s3bucket: str, aws_reads: str, tmp_path: Path
 ) -> None:
     """Parts of 6, 5, 7 and 6 MiB add up as four of 6 MiB would (S3 asks only that each but
     the last be 5 MiB or more). With ``GetObjectAttributes`` refused, first and last part
@@ -59,7 +60,8 @@ async def test_parts_of_unequal_sizes_are_checked_where_attributes_are_refused(
 def _answers_edited(
     monkeypatch: pytest.MonkeyPatch, operation: str, edit: Callable[[dict[str, Any]], None]
 ) -> None:
-    """Every client's answers to ``operation`` pass through ``edit``: a store that lies."""
+    """Every client's answers to ``operation`` pass through ``edit``: a store that lies,
+    to botocore's clients and to ``s3_direct``'s reads alike."""
     opened = S3Client._open
 
     async def lying(self: S3Client, region: str | None) -> Any:
@@ -68,6 +70,15 @@ def _answers_edited(
         return client
 
     monkeypatch.setattr(S3Client, "_open", lying)
+    method = {"HeadObject": "head_object", "GetObjectAttributes": "get_object_attributes"}
+    asked = getattr(DirectReads, method[operation])
+
+    async def told(self: DirectReads, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        answer: dict[str, Any] = await asked(self, *args, **kwargs)
+        edit(answer)
+        return answer
+
+    monkeypatch.setattr(DirectReads, method[operation], told)
 
 
 def one_byte_more(parsed: dict[str, Any]) -> None:
@@ -92,7 +103,7 @@ def no_end(parsed: dict[str, Any]) -> None:
 async def test_attributes_a_store_lies_in_are_asked_of_the_parts(
     s3server: S3Server,
     s3bucket: str,
-    aws_env: None,
+    aws_reads: str,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     lie: Callable[[dict[str, Any]], None],
@@ -114,7 +125,7 @@ async def test_attributes_a_store_lies_in_are_asked_of_the_parts(
 async def test_an_object_replaced_before_its_parts_are_asked_is_located_again(
     s3server: S3Server,
     s3bucket: str,
-    aws_env: None,
+    aws_reads: str,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -144,7 +155,7 @@ async def test_an_object_replaced_before_its_parts_are_asked_is_located_again(
 async def test_an_object_replaced_since_its_sha256_was_listed_fails_before_its_body(
     s3server: S3Server,
     s3bucket: str,
-    aws_env: None,
+    aws_reads: str,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -180,7 +191,7 @@ async def test_an_object_replaced_since_its_sha256_was_listed_fails_before_its_b
 async def test_a_checksum_the_store_answers_unreadably_is_its_error_not_tofu(
     s3server: S3Server,
     s3bucket: str,
-    aws_env: None,
+    aws_reads: str,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

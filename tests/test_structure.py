@@ -28,6 +28,7 @@ PURE = [
     "shardsync.ranges",
     "shardsync.records",
     "shardsync.retry",
+    "shardsync.s3_sigv4",
     "shardsync.safetensors_header",
     "shardsync.strict_json",
 ]
@@ -137,7 +138,7 @@ LAYERS: dict[str, set[str]] = {
         "checksums", "devicemap", "safetensors_header", "prepared", "training", "prune_plan",
         "dcp_metadata",
         "events", "layout", "version", "limits", "api", "network", "config", "config_access",
-        "tasks",
+        "tasks", "s3_sigv4",
     },
     "cache": {
         "digest", "cache", "removal", "slot", "store", "snapshot_use", "inventory", "verify",
@@ -148,6 +149,7 @@ LAYERS: dict[str, set[str]] = {
         "fetch.body_wire", "fetch.disk", "fetch.pump", "fetch.wire", "fetch.transfer",
         "fetch.fetcher", "fetch.session", "s3", "tier", "tier_claims", "tier_parts", "origins",
         "origins.base", "origins.http", "origins.hub", "origins.local", "origins.s3",
+        "s3_botocore", "s3_direct",
     },
     "engine": {"engine_api", "prefetch", "shard_headers", "checkpoint", "checkpoint_selection"},
     "service": {

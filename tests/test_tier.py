@@ -166,7 +166,7 @@ async def _fill_then_read(
 
 
 async def test_a_tier_bucket_in_another_region_is_filled_and_read(
-    s3server: S3Server, s3bucket: str, model: Checkpoint, hub: FakeHub, aws_env: None,
+    s3server: S3Server, s3bucket: str, model: Checkpoint, hub: FakeHub, aws_reads: str,
     tmp_path: Path,
 ) -> None:  # fmt: skip
     """The tier's bucket lives in another region than the hosts' client: its claims and
@@ -181,7 +181,7 @@ async def test_a_tier_bucket_in_another_region_is_filled_and_read(
 
 
 async def test_a_requester_pays_tier_bucket_is_filled_and_read(
-    s3server: S3Server, s3bucket: str, model: Checkpoint, hub: FakeHub, aws_env: None,
+    s3server: S3Server, s3bucket: str, model: Checkpoint, hub: FakeHub, aws_reads: str,
     tmp_path: Path,
 ) -> None:  # fmt: skip
     """With ``[s3] requester_pays`` the tier's claims, uploads, HEADs and presigned GETs
@@ -334,16 +334,22 @@ async def test_a_dead_tier_is_asked_at_most_twice_per_request(
         await reader.read(1)
         writer.transport.abort()
 
+    waits: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        waits.append(seconds)
+
     listener = await asyncio.start_server(reset, "127.0.0.1", 0)
     port = listener.sockets[0].getsockname()[1]
     try:
         dead = S3Server(**{**s3server.__dict__, "endpoint": f"http://127.0.0.1:{port}"})
-        result = await prefetch(REPO, host(tmp_path / "h", hub, dead, "nobucket"))
+        result = await prefetch(REPO, host(tmp_path / "h", hub, dead, "nobucket"), sleep=sleep)
     finally:
         listener.close()
     assert_snapshot_matches(result.snapshot_path, model)
     assert sources(result, model) == ["network"] * len(model.shards)
     assert 1 <= tries <= 2 * 2 * len(model.shards)  # the files' first looks, and no more
+    assert set(waits) <= {0.1}  # each retry 0.1 s after its try, none after a backoff
 
 
 async def test_a_tier_refusing_every_put_with_503_costs_one_warning(

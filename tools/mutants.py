@@ -616,7 +616,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "presigned-for-the-global-host",
-        "shardsync/s3.py",
+        "shardsync/s3_botocore.py",
         (('builtins["AWS::Region"] = region', "pass"),),
         ("tests/test_s3_origin.py::test_presigned_urls_point_at_the_buckets_own_region",),
         "presigned URLs name the global host, which refuses the regions opened since 2019",
@@ -655,7 +655,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "requester-pays-not-said",
         "shardsync/s3.py",
-        (('register("before-parameter-build.s3", _req', 'register("never-emitted", _req'),),
+        (('register("before-parameter-build.s3", req', 'register("never-emitted", req'),),
         (
             "tests/test_s3_origin.py::test_a_requester_pays_bucket_is_read_when_the_config_says_so",
             "tests/test_tier.py::test_a_requester_pays_tier_bucket_is_filled_and_read",
@@ -1375,7 +1375,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "attribute-sizes-trusted",
         "shardsync/s3.py",
         (("        if parts_fit(sizes, parts, size):", "        if len(sizes) == parts:"),),
-        ("tests/test_s3_parts.py::test_attribute_sizes_that_do_not_add_up_are_asked_of_the_parts",),
+        ("tests/test_s3_parts.py::test_attributes_a_store_lies_in_are_asked_of_the_parts",),
         "part sizes that do not add up drop the store's composite checksum: the file is tofu",
     ),
     Mutant(
@@ -2511,7 +2511,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "s3-trusts-botocore-bundle-only",
-        "shardsync/s3.py",
+        "shardsync/s3_botocore.py",
         (("                context.load_default_certs()\n", "                pass\n"),),
         ("tests/test_network.py::test_s3_requests_trust_the_systems_cas_as_the_fetcher_does",),
         "S3 requests trust botocore's bundle only, not the system store the fetcher trusts",
@@ -2598,8 +2598,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "shardsync/s3.py",
         (
             (
-                "        if status == 407:  # a proxy's answer",
-                "        if False:  # a proxy's answer",
+                "    if status == 407:  # a proxy's answer",
+                "    if False:  # a proxy's answer",
             ),
         ),
         (
@@ -2623,7 +2623,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "s3-proxy-for-a-guessed-endpoint",
-        "shardsync/s3.py",
+        "shardsync/s3_botocore.py",
         (
             (
                 "            proxy = network.proxy_for(url)",
@@ -2724,6 +2724,122 @@ MUTANTS: tuple[Mutant, ...] = (
         ((", then=_STATE_THEN) from exc", ") from exc"),),
         ("tests/test_cache.py::test_a_lease_on_a_full_disk_does_not_speak_of_a_partial",),
         "a lease or journal write on a full disk says a partial download is kept, where none was",
+    ),
+    Mutant(
+        "direct-region-not-learned",
+        "shardsync/s3_direct.py",
+        (
+            (
+                "                self.regions[bucket] = home\n                continue",
+                "                raise StoreRefused(status, code)",
+            ),
+        ),
+        (
+            "tests/test_s3_origin.py::test_a_bucket_in_another_region_gets_urls_signed_for_its_region",
+            "tests/test_tier.py::test_a_tier_bucket_in_another_region_is_filled_and_read",
+        ),
+        'reads without botocore ignore the store\'s "wrong region": a bucket elsewhere fails',
+    ),
+    Mutant(
+        "direct-presigned-for-clients-region",
+        "shardsync/s3_direct.py",
+        (
+            (
+                "self.regions.get(bucket, self.target.region),\n            self._clock(),",
+                "self.target.region,\n            self._clock(),",
+            ),
+        ),
+        (
+            "tests/test_s3_origin.py::test_a_bucket_in_another_region_gets_urls_signed_for_its_region",
+            "tests/test_tier.py::test_a_tier_bucket_in_another_region_is_filled_and_read",
+        ),
+        "presigned GETs made without botocore are signed for the client's region (S3: 400)",
+    ),
+    Mutant(
+        "direct-payer-not-presigned",
+        "shardsync/s3_direct.py",
+        (
+            (
+                "        headers = self._payer()\n        url = presign(",
+                "        headers: dict[str, str] = {}\n        url = presign(",
+            ),
+        ),
+        (
+            "tests/test_s3_origin.py::test_a_requester_pays_bucket_is_read_when_the_config_says_so",
+            "tests/test_tier.py::test_a_requester_pays_tier_bucket_is_filled_and_read",
+        ),
+        "presigned GETs made without botocore do not say the reader pays (the store: 403)",
+    ),
+    Mutant(
+        "sigv4-token-not-presigned",
+        "shardsync/s3_sigv4.py",
+        (
+            (
+                "    if credentials.token is not None:\n        params.append(",
+                "    if False:\n        params.append(",
+            ),
+        ),
+        ("tests/test_s3_direct.py::test_presigned_urls_are_botocores",),
+        "a presigned URL leaves out the session token: temporary credentials are refused",
+    ),
+    Mutant(
+        "sigv4-query-unsorted",
+        "shardsync/s3_sigv4.py",
+        (
+            (
+                "sorted((_quote(k), _quote(v)) for k, v in params)",
+                "((_quote(k), _quote(v)) for k, v in params)",
+            ),
+        ),
+        ("tests/test_s3_direct.py::test_signed_headers_are_botocores",),
+        "the canonical query is not sorted: a listing's signature does not match (403)",
+    ),
+    Mutant(
+        "direct-config-region-ignored",
+        "shardsync/s3_direct.py",
+        (
+            (
+                "        if Path(config_file).expanduser().exists():\n            return None",
+                "        if False:\n            return None",
+            ),
+        ),
+        (
+            "tests/test_s3_direct.py::test_a_config_file_that_may_name_the_region_is_left_to_botocore",
+        ),
+        "reads without botocore sign for us-east-1 where the AWS config file names the region",
+    ),
+    Mutant(
+        "direct-listing-one-page",
+        "shardsync/s3.py",
+        (
+            (
+                "                    if token is None:\n                        return",
+                "                    return",
+            ),
+        ),
+        ("tests/test_s3_direct.py::test_a_listing_of_more_than_a_page_is_read_to_its_end",),
+        "a listing read without botocore stops after its first 1000 keys",
+    ),
+    Mutant(
+        "direct-retry-backs-off",
+        "shardsync/s3.py",
+        (("            wait = self.retry_wait\n", "            wait = None\n"),),
+        ("tests/test_tier.py::test_a_dead_tier_is_asked_at_most_twice_per_request",),
+        "the tier's requests back off up to a second before their one retry, not 0.1 s",
+    ),
+    Mutant(
+        "direct-small-get-first-read",
+        "shardsync/s3_direct.py",
+        (
+            (
+                "            async for chunk in resp.content.iter_any():\n",
+                "            for chunk in [await resp.content.read(cap)]:\n",
+            ),
+        ),
+        (
+            "tests/test_tier_parts.py::test_a_wrong_seeded_partial_never_costs_the_tier_a_good_object",
+        ),
+        "a small GET keeps what its first read returned: a 5 MiB tier part arrives cut",
     ),
 )
 
