@@ -2841,6 +2841,18 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
         "a small GET keeps what its first read returned: a 5 MiB tier part arrives cut",
     ),
+    Mutant(
+        "ca-bundle-cached-forever",
+        "shardsync/network.py",
+        (
+            (
+                "(seen.st_mtime_ns, seen.st_size, seen.st_ino))",
+                "None)",
+            ),
+        ),
+        ("tests/test_network.py::test_a_ca_bundle_is_loaded_once_until_it_changes_on_disk",),
+        "a CA bundle is loaded once per process: a rotated private CA is never trusted",
+    ),
 )
 
 
