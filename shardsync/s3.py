@@ -270,19 +270,24 @@ class S3Client:
     ) -> _T:
         """``attempt`` until it succeeds, ``attempts`` times in all where it fails in the
         transport or the store: by botocore's backoff inside (``botocore``), else ours (up to
-        1 s before the first retry, doubling), or ``retry_wait`` apart where that is given."""
+        1 s before the first retry, doubling), or ``retry_wait`` apart where that is given.
+        A store's answer is asked again only where botocore's standard mode would."""
         left = 0 if botocore and self.retry_wait is None else self.attempts - 1
         retry = 0
         while True:
             try:
                 return await attempt()
             except ShardsyncError as exc:
-                error = exc
+                error, again = exc, isinstance(exc, TransferError)
             except Exception as exc:
                 error = _mapped(
                     exc, what, where, unsigned=self._unsigned, pays=self.config.requester_pays
                 )
-            if not left or not isinstance(error, TransferError):
+                if isinstance(exc, StoreRefused):
+                    again = exc.transient
+                else:
+                    again = isinstance(error, TransferError)
+            if not left or not again:
                 raise error from None
             left -= 1
             wait = self.retry_wait

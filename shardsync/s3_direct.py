@@ -41,6 +41,22 @@ _CHECKSUM_HEADERS = {
     "x-amz-checksum-type": "ChecksumType",
 }
 _CONNECT_S, _READ_S = 10.0, 60.0  # botocore's, as the client had
+_AWS_FILES = (
+    ("AWS_CONFIG_FILE", "~/.aws/config"),
+    ("AWS_SHARED_CREDENTIALS_FILE", "~/.aws/credentials"),
+)
+_TOKEN_VARIABLES = ("AWS_SECURITY_TOKEN", "AWS_SESSION_TOKEN")
+# what botocore's standard retry mode asks again: its transient statuses and error codes
+_TRANSIENT_STATUSES = frozenset({500, 502, 503, 504})
+_TRANSIENT_CODES = frozenset(
+    {
+        "RequestTimeout", "RequestTimeoutException", "PriorRequestNotComplete", "Throttling",
+        "ThrottlingException", "ThrottledException", "RequestThrottledException",
+        "TooManyRequestsException", "ProvisionedThroughputExceededException",
+        "TransactionInProgressException", "RequestLimitExceeded", "BandwidthLimitExceeded",
+        "LimitExceededException", "RequestThrottled", "SlowDown", "EC2ThrottledException",
+    }
+)  # fmt: skip
 
 
 class StoreRefused(Exception):
@@ -52,25 +68,35 @@ class StoreRefused(Exception):
         self.status = status
         self.code = code
 
+    @property
+    def transient(self) -> bool:
+        """Whether botocore's standard retry mode would ask again."""
+        return self.status in _TRANSIENT_STATUSES or self.code in _TRANSIENT_CODES
+
 
 @dataclass(frozen=True, slots=True)
 class DirectTarget:
     """Where and as whom reads go, as botocore would resolve it from the same settings."""
 
-    endpoint: str  # scheme://host[:port][/path], no trailing slash
+    endpoint: str  # scheme://host[:port][/path], no trailing slash; buckets in the path
     region: str
-    path_style: bool
     credentials: Credentials
     requester_pays: bool = False
 
 
 def direct_target(config: S3Config, environ: Mapping[str, str]) -> DirectTarget | None:
-    """The target botocore would read, or None where only botocore can tell (a profile, a
-    config file that may name a region, credentials outside the environment, AWS's own
-    hosts, a CA bundle only botocore reads, host-style addressing it would choose)."""
+    """The target botocore would read, or None where only botocore can tell: a profile, an
+    AWS config or credentials file (either may name a region, a CA bundle, an endpoint
+    rule), credentials outside the environment, AWS's own hosts, a CA bundle only botocore
+    reads, host-style addressing (botocore picks it per bucket and endpoint)."""
     key, secret = environ.get("AWS_ACCESS_KEY_ID"), environ.get("AWS_SECRET_ACCESS_KEY")
-    if config.profile or not key or not secret or environ.get("AWS_CREDENTIAL_EXPIRATION"):
+    if config.profile or environ.get("AWS_PROFILE") or environ.get("AWS_DEFAULT_PROFILE"):
         return None
+    if not key or not secret or environ.get("AWS_CREDENTIAL_EXPIRATION"):
+        return None
+    for variable, default in _AWS_FILES:
+        if Path(environ.get(variable) or default).expanduser().exists():
+            return None
     endpoint = config.endpoint
     if endpoint is None and environ.get("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "").lower() not in (
         "true",
@@ -84,19 +110,17 @@ def direct_target(config: S3Config, environ: Mapping[str, str]) -> DirectTarget 
         return None
     if parts.scheme == "https" and environ.get("AWS_CA_BUNDLE"):
         return None  # botocore would trust that bundle alone
-    region = config.region or environ.get("AWS_DEFAULT_REGION")
-    if region is None:
-        config_file = environ.get("AWS_CONFIG_FILE") or "~/.aws/config"
-        if Path(config_file).expanduser().exists():
-            return None  # its profile may name one
-        region = "us-east-1"  # botocore's signing region for an endpoint with none
-    if config.addressing == "auto" and not _is_ip(parts.hostname):
+    # botocore's signing region for an endpoint with none named anywhere
+    region = config.region or environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+    if config.addressing == "virtual" or (
+        config.addressing == "auto" and not _is_ip(parts.hostname)
+    ):
         return None  # botocore's rules pick the host style by bucket and endpoint
-    token = environ.get("AWS_SESSION_TOKEN") or environ.get("AWS_SECURITY_TOKEN") or None
+    # the first of these that is not empty, as botocore's environment provider reads them
+    token = next((environ[k] for k in _TOKEN_VARIABLES if environ.get(k)), None)
     return DirectTarget(
         endpoint=endpoint.rstrip("/"),
         region=region,
-        path_style=config.addressing != "virtual",
         credentials=Credentials(key, secret, token),
         requester_pays=config.requester_pays,
     )
@@ -163,13 +187,7 @@ class DirectReads:
         return {"proxy": proxy.url, "proxy_headers": {"Proxy-Authorization": auth}}
 
     def object_url(self, bucket: str, key: str = "", query: str = "") -> str:
-        target = self.target
-        path = quote(key, safe="/~")
-        if target.path_style:
-            url = f"{target.endpoint}/{quote(bucket, safe='')}/{path}"
-        else:
-            parts = urlsplit(target.endpoint)
-            url = f"{parts.scheme}://{bucket}.{parts.netloc}{parts.path}/{path}"
+        url = f"{self.target.endpoint}/{quote(bucket, safe='')}/{quote(key, safe='/~')}"
         return f"{url}?{query}" if query else url
 
     def presign_get(self, bucket: str, key: str, *, expires: int) -> tuple[str, dict[str, str]]:
@@ -196,10 +214,12 @@ class DirectReads:
         _, body = await self._send("GET", bucket, "", query, {})
         root = _xml(body, bucket)
         found: list[dict[str, Any]] = []
+        encoded = (_text(root, "EncodingType") or "").lower() == "url"  # as botocore decodes
         for entry in _children(root, "Contents"):
+            key = _text(entry, "Key") or ""
             found.append(
                 {
-                    "Key": unquote_plus(_text(entry, "Key") or ""),
+                    "Key": unquote_plus(key) if encoded else key,
                     "Size": _number(entry, "Size", bucket),
                     "ETag": _text(entry, "ETag") or "",
                     "ChecksumAlgorithm": [
@@ -210,8 +230,8 @@ class DirectReads:
             )
         following = _text(root, "NextContinuationToken")
         truncated = (_text(root, "IsTruncated") or "").lower() == "true"
-        if truncated and not following:
-            raise ProtocolError(f"s3://{bucket}/{prefix}: a truncated listing with no next page")
+        if truncated and (not following or following == token):
+            raise ProtocolError(f"s3://{bucket}/{prefix}: a listing whose pages do not move on")
         return found, following if truncated else None
 
     async def head_object(
@@ -261,7 +281,7 @@ class DirectReads:
             out["ObjectParts"] = {
                 "Parts": [{"Size": _number(p, "Size", where)} for p in _children(parts, "Part")],
                 "IsTruncated": (_text(parts, "IsTruncated") or "").lower() == "true",
-                "NextPartNumberMarker": int(_text(parts, "NextPartNumberMarker") or 0),
+                "NextPartNumberMarker": _number(parts, "NextPartNumberMarker", where, 0),
             }
         return out
 
@@ -318,9 +338,9 @@ class DirectReads:
     async def _exchange(
         self, method: str, url: str, headers: dict[str, str], limit: int, where: str
     ) -> tuple[int, Mapping[str, str], bytes]:
-        sent = {"Accept-Encoding": "identity", "User-Agent": "shardsync/0.1"}
-        sent.update(self._network.extra_headers(url))
-        sent.update(headers)
+        # the [network] headers go with the bytes' GETs (the fetcher's), not with API calls,
+        # as botocore's never carried them: an x-amz-* one unsigned would be refused
+        sent = {"Accept-Encoding": "identity", "User-Agent": "shardsync/0.1", **headers}
         async with self._open().request(
             method, URL(url, encoded=True), allow_redirects=False,
             **self._through(url, sent), headers=sent,
@@ -348,7 +368,7 @@ def _q(value: str) -> str:
 def _error_of(body: bytes, status: int) -> tuple[str, str | None]:
     """An error answer's code and the region it names; a body-less one's code is its
     status, as botocore makes it."""
-    with contextlib.suppress(ET.ParseError, ValueError):
+    with contextlib.suppress(Exception):  # not XML, or XML no parser reads (a bad encoding)
         root = ET.fromstring(body)
         return _text(root, "Code") or str(status), _text(root, "Region")
     return str(status), None
@@ -357,7 +377,7 @@ def _error_of(body: bytes, status: int) -> tuple[str, str | None]:
 def _xml(body: bytes, where: str) -> ET.Element:
     try:
         return ET.fromstring(body)
-    except (ET.ParseError, ValueError):
+    except Exception:  # ParseError, ValueError, LookupError (an unknown encoding), ...
         raise ProtocolError(f"s3://{where}: the store's answer is not XML") from None
 
 
@@ -374,8 +394,11 @@ def _text(node: ET.Element, name: str) -> str | None:
     return None if not found else (found[0].text or "")
 
 
-def _number(node: ET.Element, name: str, where: str) -> int:
+def _number(node: ET.Element, name: str, where: str, default: int | None = None) -> int:
+    text = _text(node, name)
+    if text is None and default is not None:
+        return default
     try:
-        return int(_text(node, name) or "")
+        return int(text or "")
     except ValueError:
         raise ProtocolError(f"s3://{where}: the store's answer has no {name}") from None

@@ -385,6 +385,24 @@ async def test_a_requester_pays_bucket_is_read_when_the_config_says_so(
     assert all(seen.headers.get("x-amz-request-payer") == "requester" for seen in paid)
 
 
+async def test_configured_headers_go_with_the_bytes_not_with_the_api_calls(
+    s3server: S3Server, s3bucket: str, s3_checkpoint: Checkpoint, aws_reads: str, tmp_path: Path
+) -> None:
+    """``[network] headers`` (a P2P cache's filters) ride on the presigned GETs the fetcher
+    sends, through the cache; the listing and HEADs go to the store itself and never carried
+    them (botocore's did not)."""
+    upload(s3server, s3bucket, s3_checkpoint, checksums=False)
+    async with FaultGate(s3server.endpoint) as gate:
+        config = s3_config(tmp_path / "cache", s3server, through=gate)
+        extra = {"127.0.0.1": {"X-Dragonfly-Tag": "m"}}
+        config = replace(config, network=replace(config.network, headers=extra))
+        result = await prefetch(f"s3://{s3bucket}/{PREFIX}/", config)
+    assert_snapshot_matches(result.snapshot_path, s3_checkpoint)
+    calls = [seen for seen in gate.seen if not seen.presigned]
+    assert calls and all("x-dragonfly-tag" not in seen.headers for seen in calls)
+    assert all(seen.headers.get("x-dragonfly-tag") == "m" for seen in gate.seen if seen.presigned)
+
+
 @pytest.mark.parametrize("via", ["direct", "proxy"])
 async def test_a_url_whose_session_token_expired_is_signed_again(
     s3server: S3Server,

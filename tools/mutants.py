@@ -2799,14 +2799,12 @@ MUTANTS: tuple[Mutant, ...] = (
         "shardsync/s3_direct.py",
         (
             (
-                "        if Path(config_file).expanduser().exists():\n            return None",
-                "        if False:\n            return None",
+                "        if Path(environ.get(variable) or default).expanduser().exists():",
+                "        if False:",
             ),
         ),
-        (
-            "tests/test_s3_direct.py::test_a_config_file_that_may_name_the_region_is_left_to_botocore",
-        ),
-        "reads without botocore sign for us-east-1 where the AWS config file names the region",
+        ("tests/test_s3_direct.py::test_an_aws_config_or_credentials_file_is_left_to_botocore",),
+        "reads go without botocore though an AWS config file may name the region to sign for",
     ),
     Mutant(
         "direct-listing-one-page",
@@ -2852,6 +2850,86 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
         ("tests/test_network.py::test_a_ca_bundle_is_loaded_once_until_it_changes_on_disk",),
         "a CA bundle is loaded once per process: a rotated private CA is never trusted",
+    ),
+    Mutant(
+        "direct-keys-always-decoded",
+        "shardsync/s3_direct.py",
+        (('encoded = (_text(root, "EncodingType") or "").lower() == "url"', "encoded = True"),),
+        (
+            "tests/test_s3_direct.py::test_listed_keys_are_decoded_only_where_the_store_says_it_encoded_them",
+        ),
+        "listed keys are URL-decoded though the store sent them as they are: a+b is read as a b",
+    ),
+    Mutant(
+        "direct-listing-token-repeats",
+        "shardsync/s3_direct.py",
+        (
+            (
+                "if truncated and (not following or following == token):",
+                "if truncated and not following:",
+            ),
+        ),
+        ("tests/test_s3_direct.py::test_a_listing_whose_pages_do_not_move_on_is_the_stores_error",),
+        "a listing whose next page is the one just read is asked for ever",
+    ),
+    Mutant(
+        "direct-error-body-unparsed",
+        "shardsync/s3_direct.py",
+        (
+            (
+                "    with contextlib.suppress(Exception):  # not XML",
+                "    with contextlib.suppress(ET.ParseError):  # not XML",
+            ),
+        ),
+        ("tests/test_s3_direct.py::test_a_busy_store_is_busy_whatever_its_error_body_says",),
+        "a 503 whose body names an unknown encoding escapes as another kind of error, unretried",
+    ),
+    Mutant(
+        "direct-retries-every-5xx",
+        "shardsync/s3.py",
+        (
+            (
+                "                    again = exc.transient\n",
+                "                    again = isinstance(error, TransferError)\n",
+            ),
+        ),
+        (
+            "tests/test_s3_parts.py::test_parts_of_unequal_sizes_are_checked_where_attributes_are_refused",
+        ),
+        "reads without botocore retry a 501 (GetObjectAttributes refused) 4 times with backoff",
+    ),
+    Mutant(
+        "direct-credentials-file-ignored",
+        "shardsync/s3_direct.py",
+        (('    ("AWS_SHARED_CREDENTIALS_FILE", "~/.aws/credentials"),\n', ""),),
+        ("tests/test_s3_direct.py::test_an_aws_config_or_credentials_file_is_left_to_botocore",),
+        "reads go without botocore though ~/.aws/credentials names the region to sign for",
+    ),
+    Mutant(
+        "direct-token-order",
+        "shardsync/s3_direct.py",
+        (
+            (
+                '_TOKEN_VARIABLES = ("AWS_SECURITY_TOKEN", "AWS_SESSION_TOKEN")',
+                '_TOKEN_VARIABLES = ("AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN")',
+            ),
+        ),
+        ("tests/test_s3_direct.py::test_the_session_token_is_the_one_botocore_reads",),
+        "with both token variables set, reads without botocore send the other one",
+    ),
+    Mutant(
+        "direct-api-calls-carry-configured-headers",
+        "shardsync/s3_direct.py",
+        (
+            (
+                'sent = {"Accept-Encoding": "identity", "User-Agent": "shardsync/0.1", **headers}',
+                "sent = {**self._network.extra_headers(url), **headers}",
+            ),
+        ),
+        (
+            "tests/test_s3_origin.py::test_configured_headers_go_with_the_bytes_not_with_the_api_calls",
+        ),
+        "[network] headers go with the listing and HEADs too, which never carried them",
     ),
 )
 
