@@ -4,9 +4,10 @@ and presigned GETs, sent on an aiohttp session and signed by ``s3_sigv4``.
 Importing botocore and making its S3 client took 0.19 s of every ``s3://`` run's start
 before its first request (bench/README.md). It is used only where everything botocore would
 resolve is known without it (``direct_target``): an endpoint and a region named by the
-``[s3]`` section or the standard variables, and credentials in the environment. Everything
-else (profiles, instance roles, AWS's own endpoints, unsigned reads, uploads) stays with
-botocore, through ``S3Client``, which maps this module's refusals as it maps botocore's.
+``[s3]`` section or the standard variables, credentials in the environment, and no AWS
+config file to say otherwise. Everything else (profiles, instance roles, AWS's own
+endpoints, unsigned reads, uploads) stays with botocore, through ``S3Client``, which maps
+this module's refusals as it maps botocore's.
 """
 
 from __future__ import annotations
