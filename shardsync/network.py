@@ -21,6 +21,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 import ipaddress
+import os
 import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -238,10 +239,13 @@ def network_from_env(
 def ssl_context(network: NetworkConfig) -> ssl.SSLContext:
     """Verification on, with the configured CA bundle or else the system store: the same
     trust for the Hub, its CDN, plain URLs, S3, the tier and the daemon's downloads. One
-    context per bundle as it is on disk: loading it cost 17 ms each time (the engine's
-    session, the fetcher's bodies and the S3 reads each asked)."""
+    context per bundle as it is on disk, or per system store as the environment names it:
+    loading one cost 17 ms each time (the engine's session, the fetcher's bodies and the S3
+    reads each asked). A new session (a later ``shardsync.load`` in the same process) gets
+    a bundle replaced since; one open keeps the context it was made with."""
     if network.ca_bundle is None:
-        return _context(None, None)
+        system = (os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
+        return _context(None, system)
     try:
         seen = network.ca_bundle.stat()
         return _context(str(network.ca_bundle), (seen.st_mtime_ns, seen.st_size, seen.st_ino))
@@ -250,8 +254,9 @@ def ssl_context(network: NetworkConfig) -> ssl.SSLContext:
 
 
 @functools.lru_cache(maxsize=8)
-def _context(cafile: str | None, version: tuple[int, int, int] | None) -> ssl.SSLContext:
-    """``version``: the file's identity, so a bundle replaced on disk is loaded again."""
+def _context(cafile: str | None, version: tuple[object, ...]) -> ssl.SSLContext:
+    """``version``: the file's identity (a bundle replaced on disk is loaded again), or the
+    variables that name the system store."""
     return ssl.create_default_context(cafile=cafile)
 
 
@@ -262,7 +267,7 @@ Addressing = Literal["auto", "path", "virtual"]
 class S3Config:
     """The ``[s3]`` section: overrides of the standard AWS chain for every S3 request.
 
-    None keeps what the chain says (``AWS_ENDPOINT_URL``, ``AWS_REGION``, ``AWS_PROFILE``,
+    None keeps what the chain says (``AWS_ENDPOINT_URL``, ``AWS_DEFAULT_REGION``, ``AWS_PROFILE``,
     ``~/.aws/config``); credentials always come from the chain, never from this file.
     ``addressing = "path"`` suits stores without per-bucket host names (MinIO, SeaweedFS,
     Ceph RGW on a bare IP).

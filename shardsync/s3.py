@@ -271,7 +271,8 @@ class S3Client:
         """``attempt`` until it succeeds, ``attempts`` times in all where it fails in the
         transport or the store: by botocore's backoff inside (``botocore``), else ours (up to
         1 s before the first retry, doubling), or ``retry_wait`` apart where that is given.
-        A store's answer is asked again only where botocore's standard mode would."""
+        Our retries of a store's answer (``StoreRefused``) are those botocore's standard mode
+        makes; with ``retry_wait`` (the tier), any ``TransferError`` is tried once more."""
         left = 0 if botocore and self.retry_wait is None else self.attempts - 1
         retry = 0
         while True:

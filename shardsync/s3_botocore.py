@@ -1,6 +1,7 @@
 """botocore's hooks, as the S3 client registers them: presigned URLs for the bucket's own
 region, the reader paying where the config says so, and the HTTP session it connects with.
-Imported with botocore, never on a run that reads without it (``s3_direct``)."""
+botocore's own modules are imported inside them, so a run that reads without botocore
+(``s3_direct``) never imports it."""
 
 from __future__ import annotations
 

@@ -47,6 +47,7 @@ _AWS_FILES = (
     ("AWS_SHARED_CREDENTIALS_FILE", "~/.aws/credentials"),
 )
 _TOKEN_VARIABLES = ("AWS_SECURITY_TOKEN", "AWS_SESSION_TOKEN")
+_AWS_HOSTS = (".amazonaws.com", ".amazonaws.com.cn", ".api.aws")
 # what botocore's standard retry mode asks again: its transient statuses and error codes
 _TRANSIENT_STATUSES = frozenset({500, 502, 503, 504})
 _TRANSIENT_CODES = frozenset(
@@ -111,6 +112,8 @@ def direct_target(config: S3Config, environ: Mapping[str, str]) -> DirectTarget 
         return None
     if parts.scheme == "https" and environ.get("AWS_CA_BUNDLE"):
         return None  # botocore would trust that bundle alone
+    if parts.hostname.lower().rstrip(".").endswith(_AWS_HOSTS):
+        return None  # AWS's own hosts: botocore moves a bucket to its region's host
     # botocore's signing region for an endpoint with none named anywhere
     region = config.region or environ.get("AWS_DEFAULT_REGION") or "us-east-1"
     if config.addressing == "virtual" or (
@@ -140,8 +143,9 @@ class DirectReads:
 
     A store that answers "wrong region" with the bucket's own (``x-amz-bucket-region``, or
     ``<Region>`` in the error) is asked again signed for that region, which is remembered
-    for the bucket, presigned URLs included. Transport failures are ``TransferError``;
-    other answers ``StoreRefused``."""
+    for the bucket, presigned URLs included. Transport failures are ``TransferError``; a
+    store's refusal (and a proxy's 407) ``StoreRefused``; an answer too large, or a store
+    that keeps naming other regions, ``OriginError``; an answer no XML, ``ProtocolError``."""
 
     def __init__(
         self,
@@ -158,8 +162,10 @@ class DirectReads:
 
     def _open(self) -> aiohttp.ClientSession:
         if self._http is None:
-            # aiohttp's own verified context (the system store) unless a bundle is configured
-            ssl: Any = True if self._network.ca_bundle is None else ssl_context(self._network)
+            # https: the configured bundle, else the system store as the environment names it
+            # now (aiohttp's own context was made as it was imported)
+            https = self.target.endpoint.startswith("https:")
+            ssl: Any = ssl_context(self._network) if https else True
             self._http = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(ssl=ssl),
                 timeout=aiohttp.ClientTimeout(

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 from bodypaths import body_path
 
+from shardsync.network import S3Config
+from shardsync.s3_direct import direct_target
 from shardsync.testing import Checkpoint, FakeHub, build_checkpoint
 from shardsync.testing.nginx import find_nginx
 from shardsync.testing.seaweedfs import S3Server, S3ServerUnavailable, run_seaweedfs
@@ -107,4 +109,6 @@ def aws_reads(
         monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(credentials))
         monkeypatch.delenv("AWS_ACCESS_KEY_ID")
         monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    store = S3Config(s3server.endpoint, s3server.region, "path")
+    assert (direct_target(store, os.environ) is None) is (request.param == "botocore")
     return str(request.param)

@@ -342,13 +342,15 @@ _EMPTY_LISTING = (
 )
 
 
+@pytest.mark.parametrize("reads", ["direct", "botocore"])
 async def test_s3_requests_trust_the_systems_cas_as_the_fetcher_does(
-    ca: tuple[ssl.SSLContext, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    reads: str, ca: tuple[ssl.SSLContext, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An on-premises store whose CA is installed system-wide (here a hashed CA folder, as
     ``update-ca-certificates`` keeps ``/etc/ssl/certs``, named by ``SSL_CERT_DIR``), with no
     bundle configured: botocore trusted its own bundle only, so listing it failed (TLS),
-    while a plain URL on the same server was read."""
+    while a plain URL on the same server was read. Read both ways: without botocore (the
+    credentials in the environment) and through it (in the credentials file)."""
     server, ca_file = ca
     folder = tmp_path / "certs"
     folder.mkdir()
@@ -359,11 +361,20 @@ async def test_s3_requests_trust_the_systems_cas_as_the_fetcher_does(
     )  # fmt: skip
     name = hashed.stdout.strip()
     (folder / f"{name}.0").write_bytes(ca_file.read_bytes())
+    ssl_context(NetworkConfig())  # one this process made before the CA was installed
     monkeypatch.setenv("SSL_CERT_DIR", str(folder))
-    for var, value in (("AWS_ACCESS_KEY_ID", "AKIDEXAMPLE"), ("AWS_SECRET_ACCESS_KEY", "x" * 40)):
-        monkeypatch.setenv(var, value)
+    for name in [name for name in os.environ if name.startswith("AWS_")]:
+        monkeypatch.delenv(name)
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    credentials = tmp_path / "credentials"
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(credentials))
+    if reads == "botocore":
+        credentials.write_text(
+            "[default]\naws_access_key_id = AKIDEXAMPLE\naws_secret_access_key = " + "x" * 40
+        )
+    else:
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIDEXAMPLE")
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "x" * 40)
     seen: list[str] = []
 
     async def listing(request: web.Request) -> web.Response:

@@ -82,6 +82,7 @@ STORE = S3Config(endpoint="http://127.0.0.1:9000", region="us-east-1", addressin
         (S3Config(), ENV, False),  # AWS's own hosts: botocore's rules
         (S3Config(endpoint="http://minio:9000"), ENV, False),  # auto picks the style
         (S3Config(endpoint="http://127.0.0.1:9000", addressing="virtual"), ENV, False),
+        (S3Config("https://s3.eu-west-1.amazonaws.com", "eu-west-1", "path"), ENV, False),
         (STORE, {**ENV, "AWS_PROFILE": "models"}, False),  # what it names, or that it is none
         (S3Config(endpoint="http://127.0.0.1:9000", profile="models"), ENV, False),
         (STORE, {"AWS_ACCESS_KEY_ID": "AKID"}, False),  # the rest of the chain
@@ -105,7 +106,11 @@ STORE = S3Config(endpoint="http://127.0.0.1:9000", region="us-east-1", addressin
 def test_reads_go_without_botocore_only_where_it_would_read_the_same(
     config: S3Config, env: dict[str, str], direct: bool, tmp_path: Path
 ) -> None:
-    env = {"AWS_CONFIG_FILE": str(tmp_path / "none"), **env}
+    env = {
+        "AWS_CONFIG_FILE": str(tmp_path / "c"),
+        "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "s"),
+        **env,
+    }
     assert (direct_target(config, env) is not None) is direct
 
 
@@ -135,7 +140,8 @@ def test_the_session_token_is_the_one_botocore_reads(
 ) -> None:
     from botocore.credentials import EnvProvider
 
-    env = {**ENV, **tokens, "AWS_CONFIG_FILE": str(tmp_path / "c")}
+    env = {**ENV, **tokens, "AWS_CONFIG_FILE": str(tmp_path / "c"),
+           "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "s")}  # fmt: skip
     target = direct_target(STORE, env)
     theirs = EnvProvider(environ=env).load()
     assert target is not None and theirs is not None

@@ -2931,6 +2931,39 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
         "[network] headers go with the listing and HEADs too, which never carried them",
     ),
+    Mutant(
+        "direct-reads-trust-the-import-time-store",
+        "shardsync/s3_direct.py",
+        (("ssl: Any = ssl_context(self._network) if https else True", "ssl: Any = True"),),
+        ("tests/test_network.py::test_s3_requests_trust_the_systems_cas_as_the_fetcher_does",),
+        "reads without botocore trust the system store as it was when aiohttp was imported",
+    ),
+    Mutant(
+        "system-store-context-cached-forever",
+        "shardsync/network.py",
+        (
+            (
+                'system = (os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))',
+                "system = ()",
+            ),
+        ),
+        ("tests/test_network.py::test_s3_requests_trust_the_systems_cas_as_the_fetcher_does",),
+        "the system store's TLS context is made once per process, whatever SSL_CERT_DIR says later",
+    ),
+    Mutant(
+        "direct-reads-of-aws-hosts",
+        "shardsync/s3_direct.py",
+        (
+            (
+                'if parts.hostname.lower().rstrip(".").endswith(_AWS_HOSTS):',
+                "if False:",
+            ),
+        ),
+        (
+            "tests/test_s3_direct.py::test_reads_go_without_botocore_only_where_it_would_read_the_same",
+        ),
+        "an endpoint under amazonaws.com is read without botocore (no move to a region's host)",
+    ),
 )
 
 
