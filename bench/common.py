@@ -344,10 +344,17 @@ def warm_bucket(s3: S3Server, bucket: str) -> None:
 # CPU
 
 
+def _own_times(pid: int) -> tuple[float, float]:
+    """User and system CPU seconds of one process, every thread, from /proc (OSError if
+    gone)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
+
+
 def _own_cpu_s(pid: int) -> float:
     """User + system CPU seconds of one process, every thread, from /proc (OSError if gone)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return sum(_own_times(pid))
 
 
 def process_cpu_s(pid: int) -> float | None:
@@ -372,10 +379,22 @@ def server_cpu_seconds(pid: int) -> float:
         return float("nan")
 
 
+def server_system_seconds(pid: int) -> float:
+    """The system (kernel) part of ``server_cpu_seconds``."""
+    try:
+        return _own_times(pid)[1]
+    except OSError:
+        return float("nan")
+
+
 def children_cpu_s() -> float:
     """User + system CPU of this process's reaped children (a timed tool, its own included)."""
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
+
+
+def _children_system_s() -> float:
+    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_stime
 
 
 @dataclass(frozen=True, slots=True)
@@ -387,11 +406,13 @@ class Timed:
     seconds: float
     cpu_s: float
     """The child's user + system CPU, its own children included."""
+    system_s: float = 0.0
+    """The system (kernel) part of ``cpu_s``."""
 
 
 def run_timed(argv: list[str], env: Mapping[str, str], timeout: float) -> Timed:
     """``argv`` as a child process, its output captured, timed and its CPU counted."""
-    cpu_before = children_cpu_s()
+    cpu_before, system_before = children_cpu_s(), _children_system_s()
     started = time.perf_counter()
     try:
         result: subprocess.CompletedProcess[str] | None = subprocess.run(
@@ -399,7 +420,10 @@ def run_timed(argv: list[str], env: Mapping[str, str], timeout: float) -> Timed:
         )
     except subprocess.TimeoutExpired:
         result = None
-    return Timed(result, time.perf_counter() - started, children_cpu_s() - cpu_before)
+    seconds = time.perf_counter() - started
+    return Timed(
+        result, seconds, children_cpu_s() - cpu_before, _children_system_s() - system_before
+    )
 
 
 def hash_costs(

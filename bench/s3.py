@@ -57,23 +57,22 @@ empty destination per run:
   verified bytes cost a Python process at least, beside shardsync's "beyond sha256".
 
 Per run: the wall seconds, the client's CPU (``getrusage(RUSAGE_CHILDREN)`` delta around the
-child, user + system, its own children included) per GB (1e9 bytes of the checkpoint) and the
-SeaweedFS process's CPU meanwhile (``/proc/PID/stat``, all its threads). After each run (not
-timed) the delivery is checked: every file of a download tool (shardsync: its snapshot,
-symlinks followed) against the checkpoint's sha256, the tensors a loading tool returned by
-count and bytes; then the destination is deleted. The machine's own cost of hashing
-(``hashlib.sha256``, ``xxhash.xxh3_128``, ISA-L's ``crc32``, awscrt's ``crc32c`` and
-``crc64nvme``, CPU-s/GB over a 256 MiB buffer) is measured in this process at the start and
-at the end, so shardsync's CPU can be read as "beyond sha256". After each upload one untimed
-copy (the first tool, the first prefix) warms the machine up. ``--rounds`` interleave the
-tools (the order rotates each round); a row shows medians and the range. The table, the
-targets as PASS/FAIL, ``<out>/s3.json`` (every run, the machine, versions, commit, HEAD
-answers, hash costs) and ``<out>/s3.png`` (needs matplotlib) come out; ``--out`` defaults to
-``bench/results``. SeaweedFS's data, the checkpoint and every destination live under
+child, user + system, its own children included) per GB (1e9 bytes of the checkpoint), its
+system (kernel) part, and the SeaweedFS process's CPU meanwhile (``/proc/PID/stat``, all its
+threads). After each run (not timed) the delivery is checked: every file of a download tool
+(shardsync: its snapshot, symlinks followed) against the checkpoint's sha256, the tensors a
+loading tool returned by count and bytes; then the destination is deleted. The machine's own
+cost of hashing (``hashlib.sha256``, ``xxhash.xxh3_128``, ISA-L's ``crc32``, awscrt's
+``crc32c`` and ``crc64nvme``, CPU-s/GB over a 256 MiB buffer) is measured in this process at
+the start and at the end, so shardsync's CPU can be read as "beyond sha256". After each upload
+one untimed copy (the first tool, the first prefix) warms the machine up. ``--rounds``
+interleave the tools (the order rotates each round); a row shows medians and the range. The
+table, the targets as PASS/FAIL, ``<out>/s3.json`` (every run, the machine, versions, commit,
+HEAD answers, hash costs) and ``<out>/s3.png`` (needs matplotlib) come out; ``--out`` defaults
+to ``bench/results``. SeaweedFS's data, the checkpoint and every destination live under
 ``--work-dir`` (a tmpfs by default), and SeaweedFS shares the machine's cores with the client.
 The exit status is 1 only if a run failed or delivered wrong bytes; a missed target is a FAIL
-line, not an error.
-"""
+line, not an error."""
 
 from __future__ import annotations
 
@@ -108,6 +107,7 @@ from common import (  # bench/common.py, beside this script
     remove_tree,
     run_timed,
     server_cpu_seconds,
+    server_system_seconds,
     sha256_file,
     weed_version,
 )
@@ -324,10 +324,16 @@ class Run:
     """shardsync-prefetch: each file's ``verified`` from its JSON."""
     tensors: int | None = None
     tensor_bytes: int | None = None
+    system_s: float = 0.0
+    """The system (kernel) part of ``cpu_s``: socket and page-cache copies, mostly."""
 
     @property
     def cpu_s_per_gb(self) -> float:
         return self.cpu_s / (self.bytes / 1e9)
+
+    @property
+    def system_s_per_gb(self) -> float:
+        return self.system_s / (self.bytes / 1e9)
 
 
 @dataclass(frozen=True, slots=True)
@@ -350,6 +356,8 @@ class Row:
     """Median wall over s5cmd's median wall (same size and prefix)."""
     verified: str
     runs: int
+    system_per_gb: float | None = None
+    """Median of the rounds: the kernel's part of ``cpu_s_per_gb``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -774,8 +782,10 @@ def run_once(
             os.sync()  # with --work-dir on a disk, the last run's writeback must not land here
             weed_before = server_cpu_seconds(server.pid)
             daemon_before = 0.0 if daemon is None else server_cpu_seconds(daemon)
+            daemon_system = 0.0 if daemon is None else server_system_seconds(daemon)
             timed = run_timed(call.argv, call.env, RUN_TIMEOUT_S)
             result, seconds, cpu_s = timed.result, timed.seconds, timed.cpu_s
+            system_s = timed.system_s
             if result is None:
                 error: str | None = f"killed after {RUN_TIMEOUT_S:.0f} s"
             else:
@@ -783,6 +793,7 @@ def run_once(
             if daemon is not None:  # the daemon's work for this job is the tool's CPU too
                 daemon_cpu_s = server_cpu_seconds(daemon) - daemon_before
                 cpu_s += daemon_cpu_s
+                system_s += server_system_seconds(daemon) - daemon_system
                 # whoever downloads computes the sha256 (0.5-0.8 CPU-s/GB on the CPUs we know)
                 if error is None and daemon_cpu_s < 0.25 * checkpoint.total_size / 1e9:
                     error = f"the daemon did not download ({daemon_cpu_s:.2f} CPU-s)"
@@ -794,6 +805,7 @@ def run_once(
             round=round_no,
             seconds=seconds,
             cpu_s=cpu_s,
+            system_s=system_s,
             weed_cpu_s=weed_cpu_s,
             bytes=checkpoint.total_size,
             ok=False,
@@ -902,7 +914,8 @@ def run_size(
                 state = "ok" if run.ok else f"FAILED: {run.error}"
                 log(
                     f"{checkpoint.label} {prefix}/ {tool} #{round_no + 1}: {run.seconds:.2f} s, "
-                    f"{run.cpu_s_per_gb:.2f} CPU-s/GB, weed {run.weed_cpu_s:.2f} CPU-s{how}: "
+                    f"{run.cpu_s_per_gb:.2f} CPU-s/GB ({run.system_s_per_gb:.2f} system), "
+                    f"weed {run.weed_cpu_s:.2f} CPU-s{how}: "
                     f"{state}"
                 )
                 runs.append(run)
@@ -958,6 +971,7 @@ def summarize(runs: Sequence[Run], settings: Settings, tools: Sequence[str]) -> 
                         seconds_min=min(r.seconds for r in mine),
                         seconds_max=max(r.seconds for r in mine),
                         cpu_s_per_gb=statistics.median(r.cpu_s_per_gb for r in mine),
+                        system_per_gb=statistics.median(r.system_s_per_gb for r in mine),
                         weed_cpu_s=statistics.median(r.weed_cpu_s for r in mine),
                         vs_s5cmd=wall / base if base else None,
                         verified=verified,
@@ -1031,7 +1045,7 @@ def print_report(
 ) -> None:
     header = (
         f"{'size':<6} {'prefix':<8} {'tool':<21} {'wall s':>7} {'range s':>12} "
-        f"{'CPU-s/GB':>9} {'weed CPU-s':>10} {'vs s5cmd':>9}  verified"
+        f"{'CPU-s/GB':>9} {'sys/GB':>7} {'weed CPU-s':>10} {'vs s5cmd':>9}  verified"
     )
     print(header)
     print("-" * len(header))
@@ -1039,12 +1053,14 @@ def print_report(
         spread = "-" if row.seconds_min is None else f"{row.seconds_min:.2f}-{row.seconds_max:.2f}"
         print(
             f"{row.size:<6} {row.prefix + '/':<8} {row.tool:<21} {_cell(row.seconds, '.2f', 7)} "
-            f"{spread:>12} {_cell(row.cpu_s_per_gb, '.2f', 9)} {_cell(row.weed_cpu_s, '.2f', 10)} "
+            f"{spread:>12} {_cell(row.cpu_s_per_gb, '.2f', 9)} "
+            f"{_cell(row.system_per_gb, '.2f', 7)} {_cell(row.weed_cpu_s, '.2f', 10)} "
             f"{_cell(row.vs_s5cmd, '.2f', 9, 'x')}  {row.verified}"
         )
     print(
         "(medians of the rounds; wall: the child process, interpreter start included; CPU-s/GB: "
-        "the client's user + system per 1e9 bytes; weed CPU-s: SeaweedFS meanwhile; vs s5cmd: "
+        "the client's user + system per 1e9 bytes; sys/GB: its system (kernel) part; weed "
+        "CPU-s: SeaweedFS meanwhile; vs s5cmd: "
         "median wall over s5cmd's)"
     )
     print()
