@@ -18,6 +18,7 @@ here, not in ``config``, so the S3 client names it without importing the TOML lo
 
 from __future__ import annotations
 
+import base64
 import fnmatch
 import functools
 import ipaddress
@@ -36,6 +37,7 @@ __all__ = [
     "NetworkConfig",
     "NoProxy",
     "Proxy",
+    "Route",
     "S3Config",
     "network_from_env",
     "ssl_context",
@@ -85,6 +87,39 @@ class Proxy:
     @property
     def redacted(self) -> str:
         return self.url if self.username is None else self.url.replace("://", "://***@", 1)
+
+    @property
+    def authorization(self) -> str | None:
+        """Its credentials as a ``Proxy-Authorization`` value (Basic), if its URL names any."""
+        if self.username is None:
+            return None
+        pair = f"{self.username}:{self.password or ''}".encode()
+        return "Basic " + base64.b64encode(pair).decode()
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """How a request to one URL goes: through ``proxy`` (None: directly), the proxy's
+    credentials in the request itself where the URL is http (it goes to the proxy as it
+    is), else in the ``CONNECT`` (inside the tunnel they would reach the origin)."""
+
+    proxy: str | None = None
+    authorization: str | None = field(default=None, repr=False)
+    tunnel: bool = False
+
+    @property
+    def request_headers(self) -> dict[str, str]:
+        """What the request itself carries for the proxy."""
+        if self.authorization is None or self.tunnel:
+            return {}
+        return {"Proxy-Authorization": self.authorization}
+
+    @property
+    def connect_headers(self) -> dict[str, str]:
+        """What the ``CONNECT`` carries (aiohttp sends ``proxy_headers`` on it only)."""
+        if self.authorization is None or not self.tunnel:
+            return {}
+        return {"Proxy-Authorization": self.authorization}
 
 
 def _redact(url: str) -> str:
@@ -176,6 +211,14 @@ class NetworkConfig:
         except ValueError:
             return None
         return None if self.no_proxy.bypass(parts.hostname, port) else proxy
+
+    def route(self, url: str) -> Route:
+        """The proxy ``url`` goes through (``proxy_for``) and where its credentials go."""
+        proxy = self.proxy_for(url)
+        if proxy is None:
+            return Route()
+        tunnel = urlsplit(url).scheme != "http"
+        return Route(proxy.url, proxy.authorization, tunnel)
 
     def extra_headers(self, url: str) -> dict[str, str]:
         """Configured headers for the URL's host (e.g. Dragonfly's task-id filters)."""

@@ -182,16 +182,11 @@ class DirectReads:
     def _through(self, url: str, headers: dict[str, str]) -> dict[str, Any]:
         """The proxy our rules choose for ``url`` (``NO_PROXY`` with CIDRs), its credentials
         in the request to an http URL (which goes to the proxy itself), in the CONNECT else."""
-        proxy = self._network.proxy_for(url)
-        if proxy is None:
+        route = self._network.route(url)
+        if route.proxy is None:
             return {}
-        if proxy.username is None:
-            return {"proxy": proxy.url}
-        auth = aiohttp.encode_basic_auth(proxy.username, proxy.password or "")
-        if urlsplit(url).scheme == "http":
-            headers["Proxy-Authorization"] = auth
-            return {"proxy": proxy.url}
-        return {"proxy": proxy.url, "proxy_headers": {"Proxy-Authorization": auth}}
+        headers.update(route.request_headers)
+        return {"proxy": route.proxy, "proxy_headers": route.connect_headers or None}
 
     def object_url(self, bucket: str, key: str = "", query: str = "") -> str:
         url = f"{self.target.endpoint}/{quote(bucket, safe='')}/{quote(key, safe='/~')}"

@@ -2964,6 +2964,15 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
         "an endpoint under amazonaws.com is read without botocore (no move to a region's host)",
     ),
+    Mutant(
+        "proxy-credentials-always-in-connect",
+        "shardsync/network.py",
+        (('        tunnel = urlsplit(url).scheme != "http"', "        tunnel = True"),),
+        (
+            "tests/test_network.py::test_an_authenticating_squid_passes_plain_http_requests_with_the_credentials",
+        ),
+        "a proxy's credentials go only with a CONNECT: plain-http requests through it get 407",
+    ),
 )
 
 

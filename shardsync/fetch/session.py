@@ -13,7 +13,6 @@ import contextlib
 from collections.abc import AsyncIterator, Mapping
 from contextlib import AbstractAsyncContextManager as AsyncContextManager
 from typing import Any, NoReturn
-from urllib.parse import urlsplit
 
 import aiohttp
 
@@ -108,30 +107,20 @@ class Session:
         merged = _with_defaults({})
         merged.update(self._network.extra_headers(url))
         merged.update(headers)
-        auth = self.proxy_auth(url)
-        if auth is not None and urlsplit(url).scheme == "http":
-            # a plain-http request goes to the proxy itself, so its credentials go in it;
-            # aiohttp sends ``proxy_headers`` on a CONNECT only (a 407 here, before)
-            merged["Proxy-Authorization"] = auth
+        # a plain-http request goes to the proxy itself, so its credentials go in it
+        merged.update(self._network.route(url).request_headers)
         return merged
 
     def _proxy(self, url: str) -> dict[str, Any]:
-        """Where the request goes through, and for a ``CONNECT`` (https) its credentials:
-        inside the tunnel they would reach the origin."""
-        proxy = self._network.proxy_for(url)
-        if proxy is None:
+        """Where the request goes through, and for a ``CONNECT`` (https) its credentials."""
+        route = self._network.route(url)
+        if route.proxy is None:
             return {}
-        auth = self.proxy_auth(url)
-        if auth is None or urlsplit(url).scheme == "http":
-            return {"proxy": proxy.url}
-        return {"proxy": proxy.url, "proxy_headers": {"Proxy-Authorization": auth}}
+        return {"proxy": route.proxy, "proxy_headers": route.connect_headers or None}
 
     def proxy_auth(self, url: str) -> str | None:
         """The Basic credentials of the proxy ``url`` goes through, if its URL names any."""
-        proxy = self._network.proxy_for(url)
-        if proxy is None or proxy.username is None:
-            return None
-        return aiohttp.encode_basic_auth(proxy.username, proxy.password or "")
+        return self._network.route(url).authorization
 
     def _metadata_timeout(self) -> aiohttp.ClientTimeout:
         cfg = self._config
